@@ -1,0 +1,213 @@
+//! `tierkv`: scripting access to a tierkv store.
+//!
+//! Exit codes: 0 success; `get` 1 = key not found; `check` 3 = problems found;
+//! 2 = any error (message on stderr).
+//!
+//! Keys and `--start`/`--end` are taken as bytes with `\xNN` escapes decoded (so a literal
+//! backslash is `\x5c`); `scan` prints `key<TAB>value` lines with non-printable bytes (and
+//! backslash) escaped the same way, so its output can be fed back.
+
+use std::io::{Read, Write};
+use std::ops::Bound;
+use std::os::unix::ffi::OsStrExt;
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+use clap::{Parser, Subcommand};
+use tierkv::{Db, Error, Options, Preset};
+
+#[derive(Parser, Debug)]
+#[command(
+    name = "tierkv",
+    version,
+    about = "tierkv: a key-value store for DRAM + persistent memory + SSD"
+)]
+struct Cli {
+    #[command(subcommand)]
+    cmd: Cmd,
+}
+
+#[derive(clap::Args, Debug)]
+struct Target {
+    /// Store directory.
+    #[arg(long)]
+    dir: PathBuf,
+    /// Preset (for a new store; an existing store must match). Default: the store's own,
+    /// or pmekv for a new store.
+    #[arg(long)]
+    preset: Option<String>,
+    /// PM pool directory (default <dir>/pm).
+    #[arg(long)]
+    pm_path: Option<PathBuf>,
+}
+
+#[derive(Subcommand, Debug)]
+enum Cmd {
+    /// Set KEY to VALUE (`-` reads the value from stdin).
+    Put {
+        #[command(flatten)]
+        t: Target,
+        key: std::ffi::OsString,
+        value: std::ffi::OsString,
+    },
+    /// Print the value of KEY raw on stdout (exit 1 if absent).
+    Get {
+        #[command(flatten)]
+        t: Target,
+        key: std::ffi::OsString,
+    },
+    /// Remove KEY.
+    Delete {
+        #[command(flatten)]
+        t: Target,
+        key: std::ffi::OsString,
+    },
+    /// Print `key<TAB>value` lines for keys in [start, end).
+    Scan {
+        #[command(flatten)]
+        t: Target,
+        /// First key (inclusive).
+        #[arg(long)]
+        start: Option<std::ffi::OsString>,
+        /// End key (exclusive).
+        #[arg(long)]
+        end: Option<std::ffi::OsString>,
+        /// Print at most this many entries.
+        #[arg(long)]
+        limit: Option<usize>,
+    },
+    /// Print the store's counters as JSON.
+    Stats {
+        #[command(flatten)]
+        t: Target,
+    },
+    /// Verify every checksum and index/data agreement (exit 3 if problems are found).
+    Check {
+        #[command(flatten)]
+        t: Target,
+    },
+}
+
+enum Outcome {
+    Ok,
+    NotFound,
+    Problems,
+}
+
+fn arg_bytes(s: &std::ffi::OsStr) -> Result<Vec<u8>, Error> {
+    let raw = s.as_bytes();
+    let text = std::str::from_utf8(raw)
+        .map_err(|_| Error::InvalidArgument("argument is not UTF-8; use \\xNN escapes".into()))?;
+    tierkv::unescape(text)
+        .ok_or_else(|| Error::InvalidArgument(format!("malformed \\xNN escape in `{text}`")))
+}
+
+fn open(t: &Target, create: bool) -> Result<Db, Error> {
+    let stored = Db::stored_preset(&t.dir)?;
+    let preset = match (&t.preset, stored) {
+        (Some(p), _) => p.parse::<Preset>()?,
+        (None, Some(p)) => p,
+        (None, None) => Preset::default(),
+    };
+    let mut opts = Options::new().preset(preset).create_if_missing(create);
+    if let Some(p) = &t.pm_path {
+        opts = opts.pm_path(p);
+    }
+    Db::open(&t.dir, opts)
+}
+
+fn run(cli: Cli) -> Result<Outcome, Error> {
+    let mut out = std::io::stdout().lock();
+    match cli.cmd {
+        Cmd::Put { t, key, value } => {
+            let key = arg_bytes(&key)?;
+            let value = if value == "-" {
+                let mut v = Vec::new();
+                std::io::stdin().read_to_end(&mut v)?;
+                v
+            } else {
+                value.as_bytes().to_vec()
+            };
+            let db = open(&t, true)?;
+            db.put(&key, &value)?;
+            db.close()?;
+        }
+        Cmd::Get { t, key } => {
+            let key = arg_bytes(&key)?;
+            let db = open(&t, false)?;
+            let v = db.get(&key)?;
+            db.close()?;
+            match v {
+                Some(v) => out.write_all(&v)?,
+                None => return Ok(Outcome::NotFound),
+            }
+        }
+        Cmd::Delete { t, key } => {
+            let key = arg_bytes(&key)?;
+            let db = open(&t, false)?;
+            db.delete(&key)?;
+            db.close()?;
+        }
+        Cmd::Scan {
+            t,
+            start,
+            end,
+            limit,
+        } => {
+            let start = start.map(|s| arg_bytes(&s)).transpose()?;
+            let end = end.map(|s| arg_bytes(&s)).transpose()?;
+            let db = open(&t, false)?;
+            let lo = start.as_deref().map_or(Bound::Unbounded, Bound::Included);
+            let hi = end.as_deref().map_or(Bound::Unbounded, Bound::Excluded);
+            for item in db.scan((lo, hi))?.take(limit.unwrap_or(usize::MAX)) {
+                let (k, v) = item?;
+                writeln!(out, "{}\t{}", tierkv::escape(&k), tierkv::escape(&v))?;
+            }
+            db.close()?;
+        }
+        Cmd::Stats { t } => {
+            let db = open(&t, false)?;
+            let s = db.stats();
+            db.close()?;
+            let json = serde_json::to_string_pretty(&s)
+                .map_err(|e| Error::InvalidArgument(e.to_string()))?;
+            writeln!(out, "{json}")?;
+        }
+        Cmd::Check { t } => {
+            let db = match open(&t, false) {
+                Ok(db) => db,
+                Err(e @ Error::Corruption { .. }) => {
+                    writeln!(out, "problem: {e}")?;
+                    return Ok(Outcome::Problems);
+                }
+                Err(e) => return Err(e),
+            };
+            let problems = db.check()?;
+            let keys = db.stats().keys;
+            db.close()?;
+            if problems.is_empty() {
+                writeln!(out, "ok: {keys} keys, no problems")?;
+            } else {
+                for p in &problems {
+                    writeln!(out, "problem: {p}")?;
+                }
+                return Ok(Outcome::Problems);
+            }
+        }
+    }
+    out.flush()?;
+    Ok(Outcome::Ok)
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    match run(cli) {
+        Ok(Outcome::Ok) => ExitCode::SUCCESS,
+        Ok(Outcome::NotFound) => ExitCode::from(1),
+        Ok(Outcome::Problems) => ExitCode::from(3),
+        Err(e) => {
+            eprintln!("tierkv: {e}");
+            ExitCode::from(2)
+        }
+    }
+}

@@ -1,0 +1,294 @@
+//! [`Db`]: the public handle, common to every preset.
+
+use std::ops::{Bound, RangeBounds};
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use parking_lot::RwLock;
+
+use crate::batch::{BatchOp, WriteBatch};
+use crate::engine::{self, Cond, Engine, EngineCtx};
+use crate::error::{Error, Result};
+use crate::fs::{CountingFs, Fs, FsLock, RealFs};
+use crate::iter::{DbIterator, Scan};
+use crate::options::Options;
+use crate::options_file::{OptionsRecord, RecordState, OPTIONS_FILE};
+use crate::stats::Stats;
+
+/// An open store. `Send + Sync`: share it between threads (e.g. in an `Arc`).
+pub struct Db {
+    engine: RwLock<Option<Arc<dyn Engine>>>,
+    opts: Options,
+    dir: PathBuf,
+    fs: CountingFs,
+    _lock: Box<dyn FsLock>,
+}
+
+impl std::fmt::Debug for Db {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Db")
+            .field("dir", &self.dir)
+            .field("preset", &self.opts.preset)
+            .finish()
+    }
+}
+
+impl Db {
+    /// Open the store in `dir`, creating it if `opts.create_if_missing` (the default).
+    pub fn open(dir: impl AsRef<Path>, opts: Options) -> Result<Db> {
+        opts.validate()?;
+        let dir = dir.as_ref().to_path_buf();
+        let base: Arc<dyn Fs> = opts.fs.clone().unwrap_or_else(|| Arc::new(RealFs));
+        let fs = CountingFs::new(base);
+        if !fs.exists(&dir) {
+            if !opts.create_if_missing {
+                return Err(Error::InvalidArgument(format!(
+                    "store directory {} does not exist",
+                    dir.display()
+                )));
+            }
+            fs.create_dir_all(&dir)?;
+        }
+        let lock = fs.lock(&dir.join("LOCK")).map_err(|e| match e.kind() {
+            std::io::ErrorKind::WouldBlock => Error::Locked(dir.clone()),
+            _ => Error::Io(e),
+        })?;
+        let path = dir.join(OPTIONS_FILE);
+        let (record, fresh) = if fs.exists(&path) {
+            let raw = fs.read_all(&path)?;
+            let rec =
+                OptionsRecord::decode(&raw).map_err(|(off, d)| Error::corruption(&path, off, d))?;
+            if rec.preset != opts.preset {
+                return Err(Error::PresetMismatch {
+                    stored: rec.preset.to_string(),
+                    requested: opts.preset.to_string(),
+                });
+            }
+            if rec.state == RecordState::Ready && opts.error_if_exists {
+                return Err(Error::InvalidArgument(format!(
+                    "store {} already exists",
+                    dir.display()
+                )));
+            }
+            let fresh = rec.state == RecordState::Creating;
+            (rec, fresh)
+        } else {
+            let rec = OptionsRecord {
+                preset: opts.preset,
+                db_id: rand::random::<u64>() | 1,
+                state: RecordState::Creating,
+            };
+            fs.write_atomic(&path, &rec.encode())?;
+            (rec, true)
+        };
+        let ctx = EngineCtx {
+            dir: dir.clone(),
+            opts: opts.clone(),
+            fs: fs.clone(),
+            db_id: record.db_id,
+            fresh,
+        };
+        let engine = engine::open(opts.preset, ctx)?;
+        if fresh {
+            let ready = OptionsRecord {
+                state: RecordState::Ready,
+                ..record
+            };
+            fs.write_atomic(&path, &ready.encode())?;
+        }
+        Ok(Db {
+            engine: RwLock::new(Some(engine)),
+            opts,
+            dir,
+            fs,
+            _lock: lock,
+        })
+    }
+
+    /// The preset recorded in `dir`, or `None` if no store exists there (real file system).
+    pub fn stored_preset(dir: impl AsRef<Path>) -> Result<Option<crate::Preset>> {
+        let path = dir.as_ref().join(OPTIONS_FILE);
+        if !path.exists() {
+            return Ok(None);
+        }
+        let raw = RealFs.read_all(&path)?;
+        let rec =
+            OptionsRecord::decode(&raw).map_err(|(off, d)| Error::corruption(&path, off, d))?;
+        Ok(Some(rec.preset))
+    }
+
+    fn engine(&self) -> Result<Arc<dyn Engine>> {
+        self.engine.read().clone().ok_or(Error::Closed)
+    }
+
+    fn check_key(&self, key: &[u8]) -> Result<()> {
+        if key.len() > self.opts.max_key_size {
+            return Err(Error::InvalidArgument(format!(
+                "key of {} bytes exceeds the limit of {}",
+                key.len(),
+                self.opts.max_key_size
+            )));
+        }
+        Ok(())
+    }
+
+    fn check_value(&self, value: &[u8]) -> Result<()> {
+        if value.len() > self.opts.max_value_size {
+            return Err(Error::InvalidArgument(format!(
+                "value of {} bytes exceeds the limit of {}",
+                value.len(),
+                self.opts.max_value_size
+            )));
+        }
+        Ok(())
+    }
+
+    fn check_op(&self, op: &BatchOp) -> Result<()> {
+        self.check_key(op.key())?;
+        if let BatchOp::Put { value, .. } = op {
+            self.check_value(value)?;
+        }
+        Ok(())
+    }
+
+    /// Set `key` to `value`. Durable (see the preset's docs) when it returns.
+    pub fn put(&self, key: impl AsRef<[u8]>, value: impl AsRef<[u8]>) -> Result<()> {
+        let op = BatchOp::Put {
+            key: key.as_ref().to_vec(),
+            value: value.as_ref().to_vec(),
+        };
+        self.check_op(&op)?;
+        self.engine()?
+            .write(std::slice::from_ref(&op), Cond::None)
+            .map(|_| ())
+    }
+
+    /// The value of `key`, if present.
+    pub fn get(&self, key: impl AsRef<[u8]>) -> Result<Option<Vec<u8>>> {
+        let key = key.as_ref();
+        self.check_key(key)?;
+        self.engine()?.get(key)
+    }
+
+    /// Remove `key` (no error if absent).
+    pub fn delete(&self, key: impl AsRef<[u8]>) -> Result<()> {
+        let op = BatchOp::Delete {
+            key: key.as_ref().to_vec(),
+        };
+        self.check_op(&op)?;
+        self.engine()?
+            .write(std::slice::from_ref(&op), Cond::None)
+            .map(|_| ())
+    }
+
+    /// Set `key` only if it is absent; returns whether it was written ("insert if not
+    /// exists", SLM-DB). Atomic with respect to concurrent writers.
+    pub fn insert_if_absent(&self, key: impl AsRef<[u8]>, value: impl AsRef<[u8]>) -> Result<bool> {
+        let op = BatchOp::Put {
+            key: key.as_ref().to_vec(),
+            value: value.as_ref().to_vec(),
+        };
+        self.check_op(&op)?;
+        self.engine()?
+            .write(std::slice::from_ref(&op), Cond::Absent)
+    }
+
+    /// Set `key` only if it is present; returns whether it was written ("insert if exists").
+    pub fn update_if_present(
+        &self,
+        key: impl AsRef<[u8]>,
+        value: impl AsRef<[u8]>,
+    ) -> Result<bool> {
+        let op = BatchOp::Put {
+            key: key.as_ref().to_vec(),
+            value: value.as_ref().to_vec(),
+        };
+        self.check_op(&op)?;
+        self.engine()?
+            .write(std::slice::from_ref(&op), Cond::Present)
+    }
+
+    /// Apply a batch atomically: after a crash all of it is visible or none.
+    pub fn write(&self, batch: WriteBatch) -> Result<()> {
+        for op in &batch.ops {
+            self.check_op(op)?;
+        }
+        if batch.is_empty() {
+            return Ok(());
+        }
+        self.engine()?.write(&batch.ops, Cond::None).map(|_| ())
+    }
+
+    /// Entries with keys in `range`, in key order.
+    pub fn scan<'a, R: RangeBounds<&'a [u8]>>(&self, range: R) -> Result<Scan> {
+        let start = range.start_bound().map(|k| k.to_vec());
+        let end = range.end_bound().map(|k| k.to_vec());
+        Ok(Scan::new(self.engine()?, start, end))
+    }
+
+    /// An iterator over the whole store, positioned at the first key; `seek` moves it.
+    pub fn iter(&self) -> Result<DbIterator> {
+        Ok(DbIterator::new(self.engine()?))
+    }
+
+    /// Force the preset's pending background work (write-back, memtable flush) now.
+    pub fn flush(&self) -> Result<()> {
+        self.engine()?.flush()
+    }
+
+    /// Force compaction / garbage collection now.
+    pub fn compact(&self) -> Result<()> {
+        self.engine()?.compact()
+    }
+
+    /// Counters (see [`Stats`]).
+    pub fn stats(&self) -> Stats {
+        let mut s = match self.engine() {
+            Ok(e) => e.stats(),
+            Err(_) => Stats {
+                preset: self.opts.preset.to_string(),
+                ..Stats::default()
+            },
+        };
+        let c = self.fs.counters();
+        s.disk_bytes_written += c.bytes_written.load(std::sync::atomic::Ordering::Relaxed);
+        s.disk_bytes_read += c.bytes_read.load(std::sync::atomic::Ordering::Relaxed);
+        s.finish()
+    }
+
+    /// Verify every checksum and the agreement of index and data; returns the problems
+    /// found (empty when the store is sound).
+    pub fn check(&self) -> Result<Vec<String>> {
+        self.engine()?.check()
+    }
+
+    /// The store directory.
+    pub fn path(&self) -> &Path {
+        &self.dir
+    }
+
+    /// The preset this store runs.
+    pub fn preset(&self) -> crate::Preset {
+        self.opts.preset
+    }
+
+    /// Clean shutdown. Later calls on this handle return [`Error::Closed`].
+    pub fn close(&self) -> Result<()> {
+        let engine = self.engine.write().take();
+        match engine {
+            Some(e) => e.close(),
+            None => Ok(()),
+        }
+    }
+}
+
+impl Drop for Db {
+    fn drop(&mut self) {
+        let _ = self.close();
+    }
+}
+
+/// Turn a range's start bound into an owned bound.
+pub(crate) fn owned(b: Bound<&Vec<u8>>) -> Bound<&[u8]> {
+    b.map(|v| v.as_slice())
+}

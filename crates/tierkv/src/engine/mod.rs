@@ -1,0 +1,78 @@
+//! The internal engine trait every preset implements, and the dispatcher that opens one.
+//!
+//! [`crate::Db`] does what is common to all presets (argument limits, the options record,
+//! the directory lock, iterators, poisoning after a close) and hands each call to an
+//! [`Engine`]. A preset is a composition of the shared parts (`pm`, `fs`, `index`, `format`)
+//! behind this trait.
+
+pub mod pmekv;
+
+use std::ops::Bound;
+use std::path::PathBuf;
+use std::sync::Arc;
+
+use crate::batch::BatchOp;
+use crate::error::Result;
+use crate::fs::CountingFs;
+use crate::options::{Options, Preset};
+use crate::stats::Stats;
+
+/// Precondition of a single-operation write (SLM-DB's conditional inserts).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Cond {
+    /// Unconditional.
+    None,
+    /// Only if the key is absent (`insert_if_absent`).
+    Absent,
+    /// Only if the key is present (`update_if_present`).
+    Present,
+}
+
+/// What an engine gets at open.
+#[derive(Debug, Clone)]
+pub struct EngineCtx {
+    /// The store directory.
+    pub dir: PathBuf,
+    /// The caller's options (validated).
+    pub opts: Options,
+    /// The file seam, counting bytes.
+    pub fs: CountingFs,
+    /// The store's identity (from the options record).
+    pub db_id: u64,
+    /// True when the store is being created (no data exists yet).
+    pub fresh: bool,
+}
+
+/// Operations every preset provides. Keys and values are already checked against limits.
+pub trait Engine: Send + Sync {
+    /// The newest value of `key`.
+    fn get(&self, key: &[u8]) -> Result<Option<Vec<u8>>>;
+    /// Apply `ops` atomically. With a condition (only for one op), returns false and writes
+    /// nothing when it does not hold.
+    fn write(&self, ops: &[BatchOp], cond: Cond) -> Result<bool>;
+    /// Up to `max` entries of `[start, end)` in key order, values included.
+    fn scan_chunk(
+        &self,
+        start: Bound<&[u8]>,
+        end: Bound<&[u8]>,
+        max: usize,
+    ) -> Result<Vec<(Vec<u8>, Vec<u8>)>>;
+    /// Finish pending background work that makes the state compact to recover (write-back,
+    /// flush of memtables).
+    fn flush(&self) -> Result<()>;
+    /// Run compaction / garbage collection now.
+    fn compact(&self) -> Result<()>;
+    /// Counters.
+    fn stats(&self) -> Stats;
+    /// Verify every checksum and index↔data agreement; returns the problems found.
+    fn check(&self) -> Result<Vec<String>>;
+    /// Clean shutdown: stop background threads, make everything durable.
+    fn close(&self) -> Result<()>;
+}
+
+/// Open the engine of `preset`.
+pub fn open(preset: Preset, ctx: EngineCtx) -> Result<Arc<dyn Engine>> {
+    match preset {
+        Preset::Pmekv => Ok(Arc::new(pmekv::Pmekv::open(ctx)?)),
+    }
+}

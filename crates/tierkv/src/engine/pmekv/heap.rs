@@ -1,0 +1,154 @@
+//! The PM value heap: a best-fit allocator of 64-byte-aligned extents with coalescing.
+//!
+//! Its state lives only in DRAM. At open it is rebuilt from what the recovered index
+//! references (values, KeyNodes, the directory): every other byte of the heap is free. So
+//! there is no allocator metadata in PM to keep crash-consistent, and a block that was
+//! allocated but never published before a crash is reclaimed automatically.
+//!
+//! Freed space is reused only when it is safe (see the `pmekv` module docs: frees are
+//! deferred until a checkpoint no longer references the block).
+
+use std::collections::{BTreeMap, BTreeSet};
+
+use crate::pm::LINE;
+
+/// Free-space map of the heap.
+#[derive(Debug, Default)]
+pub struct Heap {
+    by_addr: BTreeMap<u64, u64>,
+    by_size: BTreeSet<(u64, u64)>,
+    /// Bytes of heap space (all pools).
+    total: u64,
+    /// Bytes free.
+    free: u64,
+}
+
+impl Heap {
+    /// An empty heap with no space.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Add `[start, end)` as heap space, minus the allocated extents in `used` (sorted by
+    /// address, inside the range). Returns the first overlapping extent, if any.
+    pub fn add_space(
+        &mut self,
+        start: u64,
+        end: u64,
+        used: &[(u64, u64)],
+    ) -> Result<(), (u64, u64)> {
+        self.total += end - start;
+        let mut cur = start;
+        for &(a, len) in used {
+            if a < cur || a.checked_add(len).is_none_or(|e| e > end) {
+                return Err((a, len));
+            }
+            if a > cur {
+                self.insert_free(cur, a - cur);
+            }
+            cur = a + len;
+        }
+        if cur < end {
+            self.insert_free(cur, end - cur);
+        }
+        Ok(())
+    }
+
+    fn insert_free(&mut self, addr: u64, len: u64) {
+        self.by_addr.insert(addr, len);
+        self.by_size.insert((len, addr));
+        self.free += len;
+    }
+
+    fn remove_free(&mut self, addr: u64, len: u64) {
+        self.by_addr.remove(&addr);
+        self.by_size.remove(&(len, addr));
+        self.free -= len;
+    }
+
+    /// Allocate `size` bytes (a multiple of 64), best fit. `None` when no extent is large
+    /// enough.
+    pub fn alloc(&mut self, size: u64) -> Option<u64> {
+        debug_assert!(size.is_multiple_of(LINE) && size > 0);
+        let &(len, addr) = self.by_size.range((size, 0)..).next()?;
+        self.remove_free(addr, len);
+        if len > size {
+            self.insert_free(addr + size, len - size);
+        }
+        Some(addr)
+    }
+
+    /// Return `[addr, addr+size)` to the heap, merging with free neighbours.
+    pub fn free(&mut self, addr: u64, size: u64) {
+        let mut start = addr;
+        let mut len = size;
+        if let Some((&pa, &pl)) = self.by_addr.range(..addr).next_back() {
+            if pa + pl == addr {
+                self.remove_free(pa, pl);
+                start = pa;
+                len += pl;
+            }
+        }
+        if let Some(&nl) = self.by_addr.get(&(addr + size)) {
+            self.remove_free(addr + size, nl);
+            len += nl;
+        }
+        self.insert_free(start, len);
+    }
+
+    /// Bytes of heap space.
+    pub fn total(&self) -> u64 {
+        self.total
+    }
+
+    /// Bytes free.
+    pub fn free_bytes(&self) -> u64 {
+        self.free
+    }
+
+    /// True if any byte of `[addr, addr+len)` is free (used by `check`).
+    pub fn overlaps_free(&self, addr: u64, len: u64) -> bool {
+        if let Some((&fa, &fl)) = self.by_addr.range(..addr + len).next_back() {
+            return fa + fl > addr;
+        }
+        false
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn best_fit_split_and_coalesce() {
+        let mut h = Heap::new();
+        assert_eq!(h.add_space(0, 1024, &[(128, 64)]), Ok(()));
+        assert_eq!(h.free_bytes(), 960);
+        let a = h.alloc(128);
+        assert_eq!(a, Some(0), "the 128-byte hole is the best fit");
+        let b = h.alloc(256);
+        assert_eq!(b, Some(192));
+        h.free(0, 128);
+        h.free(192, 256);
+        h.free(128, 64);
+        assert_eq!(h.free_bytes(), 1024);
+        assert_eq!(
+            h.alloc(1024),
+            Some(0),
+            "everything coalesced into one extent"
+        );
+        assert_eq!(h.alloc(64), None);
+    }
+
+    #[test]
+    fn overlapping_used_extents_are_reported() {
+        let mut h = Heap::new();
+        assert_eq!(h.add_space(0, 1024, &[(0, 128), (64, 64)]), Err((64, 64)));
+        let mut h = Heap::new();
+        assert_eq!(
+            h.add_space(0, 1024, &[(1000, 64)]),
+            Err((1000, 64)),
+            "extent past the end"
+        );
+    }
+}

@@ -1,0 +1,802 @@
+//! The `pmekv` preset: PMEKV (Micromachines 2020, `papers/pmekv.txt`).
+//!
+//! # What the paper describes, and what runs here
+//! - **Key index tree in DRAM** (§4.2): a B+-tree ([`crate::index::bplus`]) whose leaves —
+//!   the paper's *LeadNodes* — hold keys and *Value_Pointers* (here a [`layout::ValueRef`]:
+//!   PM address + length). Inner nodes route; leaves are linked for interval traversal.
+//! - **Values in PM** (§4.2): a value heap ([`heap`]) in the PM region; a value record is
+//!   `crc32c | len | bytes`, 64-byte aligned, never modified after it is published. The
+//!   paper's "replace the data in place" update is done out of place (new record, pointer
+//!   swing, old record freed later): an in-place overwrite could be torn by a crash and
+//!   lose both versions, which the issue forbids ("either the old or the new value").
+//! - **KeyNodes in PM** (§4.2): compact copies of LeadNodes (`count | {key, value pointer}`),
+//!   written back periodically (every `writeback_interval_ms`, when the key log is half
+//!   full, at `flush()` and at `close()`). Only *dirty* LeadNodes are rewritten; clean ones
+//!   keep their KeyNode. The paper chains KeyNodes with a `next` pointer; here their order
+//!   is kept in a *directory* written with each checkpoint, so a clean KeyNode is reused
+//!   unchanged across checkpoints (a `next` pointer would force rewriting a clean node
+//!   whenever its successor changes). The directory is the chain.
+//! - **Two-tier log** (§4.5), both tiers as rings in PM ([`log`]):
+//!   - *key-value log* entries `(key, KVFlag)` (plus sequence number, value pointer and
+//!     batch position): written before the index changes, `KVFlag` = 1 insert, 2 delete,
+//!     3 update; set to 0 once the key tier holds the change;
+//!   - *key log* entries `(key, Value_Pointer, KFlag)`: written after the index changes,
+//!     `KFlag` = 1/2/3; set to 0 when the LeadNode has been written back as a KeyNode.
+//!
+//!   Recovery rebuilds the tree from the KeyNodes and replays every entry whose flag is
+//!   non-zero and whose sequence number is above the checkpoint's, in sequence order
+//!   (replay is idempotent, so an entry present in both tiers is harmless).
+//! - **Operations** (§4.3): insert, search, delete, update and interval traversal are the
+//!   B+-tree operations plus one PM read of the value; delete removes the key from its
+//!   LeadNode and adjusts the tree (empty leaves are removed, sparse ones merged).
+//! - **Short I/O stack** (§4.4): the paper adds system calls to a modified kernel so the
+//!   NVM device runs the store. Here the "short stack" is the engine addressing its PM
+//!   region directly through a mapping: no system call, file-system read path or page-cache
+//!   copy sits on the data path. The HTM the paper mentions is replaced by a lock (below).
+//!
+//! # Write protocol and crash consistency
+//! A write (one op, or a [`crate::WriteBatch`]) runs:
+//! 1. each value is written to freshly allocated heap space and flushed (no fence yet);
+//! 2. under the state lock, the batch's key-value log entries are written and flushed, then
+//!    **one fence**: this is the commit point. A batch is *committed* iff all its entries
+//!    (sequence numbers `base..base+n`) and their values are intact, so a crash before the
+//!    fence leaves none of it visible and a crash after leaves all of it: batches are atomic
+//!    without a separate commit record;
+//! 3. the tree is updated, key-log entries are written, flushed and fenced;
+//! 4. KVFlags are set to 0 with 8-byte stores that are *not* persisted: if they are lost, a
+//!    recovery merely replays the entry again, which is idempotent. This saves a fence per
+//!    write over the paper's order and changes nothing that can be observed.
+//!
+//! The call returns after step 4, so every acknowledged write is durable against a process
+//! crash (and, with `pm_sync`, against power loss on a non-DAX file system).
+//!
+//! A checkpoint (KeyNode write-back) writes the dirty KeyNodes and a new directory, fences,
+//! then writes the checkpoint record into the older of two 64-byte slots and fences; the
+//! valid slot with the higher generation wins at open, so a torn record falls back to the
+//! previous checkpoint. Only then are the replaced KeyNodes, the old directory and values
+//! overwritten or deleted before the checkpoint freed, and the key log's flags cleared.
+//! Freed space is never reused while any durable state could still refer to it.
+//!
+//! # Concurrency
+//! One `RwLock` guards the tree and the logs: `get` and scans take it shared (a scan copies
+//! a chunk of entries and values, then releases it and re-seeks after the last key, so a
+//! long scan never blocks writers for long and sees every key once). Writers copy their
+//! values into PM *before* taking the lock (so value copies run in parallel), then take it
+//! exclusively for steps 2–4. The background write-back holds it in upgradable mode while
+//! writing KeyNodes (readers continue, writers wait) and exclusively only to install the
+//! result. The heap allocator has its own mutex.
+//!
+//! # Parameters
+//! The paper gives no sizes; defaults are in [`crate::options::PmekvOptions`]. Values are
+//! limited to one PM pool (`pm_pool_size` minus 72 bytes) besides the global 64 MiB limit.
+
+pub mod heap;
+pub mod layout;
+pub mod log;
+mod recovery;
+
+use std::collections::{BTreeMap, HashMap, HashSet};
+use std::ops::Bound;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::thread::JoinHandle;
+use std::time::Duration;
+
+use parking_lot::{Condvar, Mutex, RwLock, RwLockUpgradableReadGuard};
+
+use crate::batch::BatchOp;
+use crate::engine::{Cond, Engine, EngineCtx};
+use crate::error::{Error, Result};
+use crate::index::bplus::{BPlusTree, LeafMeta, NodeId};
+use crate::pm::{Region, POOL_HEADER_LEN};
+use crate::stats::Stats;
+use heap::Heap;
+use layout::{Checkpoint, LogEntry, LogKind, Op, Superblock, ValueRef};
+use log::Ring;
+
+/// Per-LeadNode state: where its KeyNode is and whether it changed since.
+#[derive(Debug, Default, Clone, Copy)]
+pub struct LeafInfo {
+    /// Address and size of the KeyNode written for this leaf, if any.
+    pub kn: Option<(u64, u32)>,
+    /// Changed since its KeyNode was written.
+    pub dirty: bool,
+}
+
+impl LeafMeta for LeafInfo {
+    fn touched(&mut self) {
+        self.dirty = true;
+    }
+}
+
+type Tree = BPlusTree<ValueRef, LeafInfo>;
+
+/// Everything the state lock guards.
+#[derive(Debug)]
+struct State {
+    tree: Tree,
+    kv_log: Ring,
+    key_log: Ring,
+    /// Sequence number of the next operation.
+    next_seq: u64,
+    ckpt: Checkpoint,
+    ckpt_slot: usize,
+    /// KeyNodes of the current checkpoint, in order.
+    kn_set: Vec<(u64, u32)>,
+    /// Extents no longer referenced by the tree, to free once a checkpoint covers them.
+    deferred: Vec<(u64, u64)>,
+    /// Key-log entries written since the last checkpoint (their KFlags are cleared after
+    /// the next one).
+    key_log_entries: Vec<u64>,
+}
+
+struct Inner {
+    region: Region,
+    sb: Superblock,
+    heap: Mutex<Heap>,
+    state: RwLock<State>,
+    user_bytes: AtomicU64,
+    checkpoints: AtomicU64,
+    poisoned: Mutex<Option<String>>,
+    bg_stop: Mutex<bool>,
+    bg_cv: Condvar,
+    background: bool,
+}
+
+/// The PMEKV engine. See the module docs.
+pub struct Pmekv {
+    inner: Arc<Inner>,
+    bg: Mutex<Option<JoinHandle<()>>>,
+}
+
+impl std::fmt::Debug for Pmekv {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Pmekv")
+            .field("region", &self.inner.region)
+            .finish()
+    }
+}
+
+/// A checkpoint's work done under a shared lock, installed under the exclusive lock.
+struct Plan {
+    ckpt: Checkpoint,
+    slot: usize,
+    kn_set: Vec<(u64, u32)>,
+    written: Vec<(NodeId, (u64, u32))>,
+}
+
+impl Pmekv {
+    /// Open (or create, when `ctx.fresh`) a PMEKV store.
+    pub fn open(ctx: EngineCtx) -> Result<Pmekv> {
+        let interval = ctx.opts.pmekv.writeback_interval_ms;
+        let inner = Arc::new(recovery::open(&ctx)?);
+        let bg = if interval > 0 {
+            let i = inner.clone();
+            let handle = std::thread::Builder::new()
+                .name("tierkv-pmekv-writeback".into())
+                .spawn(move || background_loop(i, Duration::from_millis(interval)))?;
+            Some(handle)
+        } else {
+            None
+        };
+        Ok(Pmekv {
+            inner,
+            bg: Mutex::new(bg),
+        })
+    }
+
+    fn stop_background(&self) {
+        *self.inner.bg_stop.lock() = true;
+        self.inner.bg_cv.notify_all();
+        if let Some(h) = self.bg.lock().take() {
+            let _ = h.join();
+        }
+    }
+}
+
+fn background_loop(inner: Arc<Inner>, interval: Duration) {
+    loop {
+        {
+            let mut stop = inner.bg_stop.lock();
+            if *stop {
+                return;
+            }
+            inner.bg_cv.wait_for(&mut stop, interval);
+            if *stop {
+                return;
+            }
+        }
+        if inner.poisoned.lock().is_some() {
+            return;
+        }
+        let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            inner.checkpoint_background()
+        }));
+        match r {
+            Ok(Ok(())) => {}
+            Ok(Err(e)) => inner.poison(format!("background KeyNode write-back failed: {e}")),
+            Err(_) => inner.poison("background KeyNode write-back panicked".into()),
+        }
+    }
+}
+
+impl Inner {
+    fn poison(&self, why: String) {
+        let mut p = self.poisoned.lock();
+        if p.is_none() {
+            *p = Some(why);
+        }
+    }
+
+    fn check_poisoned(&self) -> Result<()> {
+        match &*self.poisoned.lock() {
+            Some(why) => Err(Error::Poisoned(why.clone())),
+            None => Ok(()),
+        }
+    }
+
+    /// Run `f`; if it fails, poison the store (used after the commit point, where a failure
+    /// leaves DRAM and PM out of step).
+    fn poison_on_err<T>(&self, r: Result<T>) -> Result<T> {
+        if let Err(e) = &r {
+            self.poison(e.to_string());
+        }
+        r
+    }
+
+    /// Allocate `size` bytes of PM, adding a pool when the heap is full.
+    fn alloc(&self, heap: &mut Heap, size: u64) -> Result<u64> {
+        let usable = self.region.pool_size() - POOL_HEADER_LEN;
+        if size > usable {
+            return Err(Error::InvalidArgument(format!(
+                "record of {size} bytes does not fit in a PM pool of {} bytes (raise pm_pool_size)",
+                self.region.pool_size()
+            )));
+        }
+        loop {
+            if let Some(a) = heap.alloc(size) {
+                return Ok(a);
+            }
+            let i = self.region.grow()?;
+            let start = self.region.addr(i, POOL_HEADER_LEN);
+            let end = self.region.addr(i + 1, 0);
+            heap.add_space(start, end, &[])
+                .map_err(|_| Error::PmFull("new pool overlaps the heap".into()))?;
+        }
+    }
+
+    /// Write `bytes` to a fresh allocation and flush it (no fence).
+    fn write_new(&self, heap: &mut Heap, bytes: &[&[u8]], size: u64) -> Result<u64> {
+        let addr = self.alloc(heap, size)?;
+        let mut off = addr;
+        for b in bytes {
+            // SAFETY: `addr..addr+size` was just allocated and is published to no other
+            // thread until this write is done.
+            unsafe { self.region.write(off, b)? };
+            off += b.len() as u64;
+        }
+        self.region.flush(addr, off - addr);
+        Ok(addr)
+    }
+
+    fn read_value(&self, v: ValueRef) -> Result<Vec<u8>> {
+        let rec = self.region.slice_checked(
+            v.addr,
+            (layout::VALUE_HEADER + v.len as u64) as usize,
+            "value record",
+        )?;
+        layout::value_verify(rec, v.len)
+            .map(<[u8]>::to_vec)
+            .map_err(|d| self.region.corruption(v.addr, d))
+    }
+
+    fn write_impl(&self, ops: &[BatchOp], cond: Cond) -> Result<bool> {
+        self.check_poisoned()?;
+        let sizes: Vec<u64> = ops.iter().map(|o| LogEntry::size(o.key().len())).collect();
+        let need: u64 = sizes.iter().sum::<u64>();
+        let kv_cap = self.sb.kv_log.1;
+        let key_cap = self.sb.key_log.1;
+        if need > kv_cap / 2 || need > key_cap / 2 {
+            return Err(Error::InvalidArgument(format!(
+                "batch needs {need} bytes of log, more than half of the key-value log ({kv_cap}) or key log ({key_cap}); split it"
+            )));
+        }
+        // 1. Values, outside the lock.
+        let mut vals: Vec<Option<ValueRef>> = Vec::with_capacity(ops.len());
+        let written = {
+            let mut heap = self.heap.lock();
+            let mut r = Ok(());
+            for op in ops {
+                match op {
+                    BatchOp::Put { value, .. } => {
+                        let size = layout::value_alloc_size(value.len());
+                        match self.write_new(
+                            &mut heap,
+                            &[&layout::value_header(value), value],
+                            size,
+                        ) {
+                            Ok(addr) => vals.push(Some(ValueRef {
+                                addr,
+                                len: value.len() as u32,
+                            })),
+                            Err(e) => {
+                                r = Err(e);
+                                break;
+                            }
+                        }
+                    }
+                    BatchOp::Delete { .. } => vals.push(None),
+                }
+            }
+            if r.is_err() {
+                for v in vals.iter().flatten() {
+                    heap.free(v.addr, layout::value_alloc_size(v.len as usize));
+                }
+            }
+            r
+        };
+        written?;
+        let release = |vals: &[Option<ValueRef>]| {
+            let mut heap = self.heap.lock();
+            for v in vals.iter().flatten() {
+                heap.free(v.addr, layout::value_alloc_size(v.len as usize));
+            }
+        };
+
+        let mut st = self.state.write();
+        if let (Some(first), Cond::Absent | Cond::Present) = (ops.first(), cond) {
+            let present = st.tree.get(first.key()).is_some();
+            if present != (cond == Cond::Present) {
+                drop(st);
+                release(&vals);
+                return Ok(false);
+            }
+        }
+        // Classify ops (insert / update / delete of a present key); drop deletes of absent keys.
+        let mut seen: HashMap<&[u8], bool> = HashMap::new();
+        let mut entries: Vec<(LogEntry, Option<ValueRef>)> = Vec::with_capacity(ops.len());
+        for (op, v) in ops.iter().zip(&vals) {
+            let k = op.key();
+            let present = match seen.get(k) {
+                Some(p) => *p,
+                None => st.tree.get(k).is_some(),
+            };
+            let code = match (op, present) {
+                (BatchOp::Put { .. }, true) => Op::Update,
+                (BatchOp::Put { .. }, false) => Op::Insert,
+                (BatchOp::Delete { .. }, true) => Op::Delete,
+                (BatchOp::Delete { .. }, false) => continue,
+            };
+            seen.insert(k, code != Op::Delete);
+            let (value_addr, value_len) = v.map_or((0, 0), |v| (v.addr, v.len));
+            let e = LogEntry {
+                seq: 0,
+                op: code,
+                value_addr,
+                value_len,
+                batch_len: 0,
+                batch_index: 0,
+                key: k.to_vec(),
+            };
+            entries.push((e, *v));
+        }
+        if entries.is_empty() {
+            drop(st);
+            release(&vals);
+            return Ok(true);
+        }
+        let sizes: Vec<u64> = entries
+            .iter()
+            .map(|(e, _)| LogEntry::size(e.key.len()))
+            .collect();
+        if !st.key_log.fits(sizes.iter().copied()) {
+            let r = self.checkpoint_exclusive(&mut st);
+            if let Err(e) = r {
+                drop(st);
+                release(&vals);
+                return Err(e);
+            }
+        }
+        st.kv_log.clear();
+        let base = st.next_seq;
+        let n = entries.len() as u32;
+        for (i, (e, _)) in entries.iter_mut().enumerate() {
+            e.seq = base + i as u64;
+            e.batch_len = n;
+            e.batch_index = i as u32;
+        }
+        // 2. Key-value log, then the commit fence.
+        let mut kv_addrs = Vec::with_capacity(entries.len());
+        for (e, _) in &entries {
+            let size = LogEntry::size(e.key.len());
+            let Some(addr) = st.kv_log.reserve(size) else {
+                drop(st);
+                release(&vals);
+                return Err(Error::InvalidArgument(
+                    "batch does not fit in the key-value log".into(),
+                ));
+            };
+            let bytes = e.encode(LogKind::KeyValue);
+            // SAFETY: log space between head and tail belongs to the writer holding the
+            // state lock exclusively; readers never read the logs.
+            let w = unsafe { self.region.write(addr, &bytes) };
+            if let Err(err) = w {
+                drop(st);
+                release(&vals);
+                return Err(err);
+            }
+            self.region.flush(addr, size);
+            kv_addrs.push(addr);
+        }
+        self.region.fence();
+        st.next_seq = base + entries.len() as u64;
+
+        // 3. Index, then the key log.
+        let r = self.apply_committed(&mut st, &entries);
+        self.poison_on_err(r)?;
+        // 4. KVFlag := 0 (not persisted; see module docs).
+        for a in kv_addrs {
+            let r = self.region.store_u64_atomic(a, 0);
+            self.poison_on_err(r)?;
+        }
+        st.kv_log.clear();
+        self.user_bytes
+            .fetch_add(ops.iter().map(op_user_bytes).sum(), Ordering::Relaxed);
+
+        if st.key_log.used() > st.key_log.capacity() / 2 {
+            if self.background {
+                self.bg_cv.notify_one();
+            } else {
+                let r = self.checkpoint_exclusive(&mut st);
+                self.poison_on_err(r)?;
+            }
+        }
+        Ok(true)
+    }
+
+    fn apply_committed(
+        &self,
+        st: &mut State,
+        entries: &[(LogEntry, Option<ValueRef>)],
+    ) -> Result<()> {
+        for (e, v) in entries {
+            apply(st, &e.key, e.op, *v);
+        }
+        for (e, _) in entries {
+            let size = LogEntry::size(e.key.len());
+            let addr = st
+                .key_log
+                .reserve(size)
+                .ok_or_else(|| Error::Poisoned("key log full after a check that it fits".into()))?;
+            // SAFETY: as for the key-value log: the exclusive state lock owns the log space.
+            unsafe { self.region.write(addr, &e.encode(LogKind::Key))? };
+            self.region.flush(addr, size);
+            st.key_log_entries.push(addr);
+        }
+        self.region.fence();
+        Ok(())
+    }
+
+    /// Checkpoint while holding the state lock exclusively.
+    fn checkpoint_exclusive(&self, st: &mut State) -> Result<()> {
+        if let Some(plan) = self.checkpoint_prepare(st)? {
+            self.checkpoint_install(st, plan)?;
+        }
+        Ok(())
+    }
+
+    /// Checkpoint from the background thread: KeyNodes are written under the upgradable
+    /// lock (readers continue), the result is installed under the exclusive lock.
+    fn checkpoint_background(&self) -> Result<()> {
+        let g = self.state.upgradable_read();
+        let Some(plan) = self.checkpoint_prepare(&g)? else {
+            return Ok(());
+        };
+        let mut w = RwLockUpgradableReadGuard::upgrade(g);
+        self.checkpoint_install(&mut w, plan)
+    }
+
+    /// Write the dirty KeyNodes, the directory and the checkpoint record. Returns `None`
+    /// when nothing changed since the last checkpoint.
+    fn checkpoint_prepare(&self, st: &State) -> Result<Option<Plan>> {
+        let seq = st.next_seq.saturating_sub(1);
+        if seq == st.ckpt.seq && st.deferred.is_empty() && st.key_log.used() == 0 {
+            return Ok(None);
+        }
+        let mut kn_set = Vec::new();
+        let mut written = Vec::new();
+        let mut heap = self.heap.lock();
+        let mut fresh: Vec<(u64, u64)> = Vec::new();
+        let result = (|| -> Result<(u64, u64)> {
+            for id in st.tree.leaf_ids() {
+                let Some(leaf) = st.tree.leaf(id) else {
+                    continue;
+                };
+                if leaf.keys.is_empty() {
+                    continue;
+                }
+                match leaf.meta.kn {
+                    Some(kn) if !leaf.meta.dirty => kn_set.push(kn),
+                    _ => {
+                        let it = leaf
+                            .keys
+                            .iter()
+                            .map(|k| &**k)
+                            .zip(leaf.vals.iter().copied());
+                        let bytes = layout::keynode_encode(it, leaf.keys.len());
+                        let addr = self.write_new(&mut heap, &[&bytes], bytes.len() as u64)?;
+                        fresh.push((addr, bytes.len() as u64));
+                        let kn = (addr, bytes.len() as u32);
+                        kn_set.push(kn);
+                        written.push((id, kn));
+                    }
+                }
+            }
+            let dir = layout::dir_encode(&kn_set);
+            let dir_addr = self.write_new(&mut heap, &[&dir], dir.len() as u64)?;
+            fresh.push((dir_addr, dir.len() as u64));
+            Ok((dir_addr, dir.len() as u64))
+        })();
+        let (dir_addr, dir_bytes) = match result {
+            Ok(d) => d,
+            Err(e) => {
+                for (a, l) in fresh {
+                    heap.free(a, l);
+                }
+                return Err(e);
+            }
+        };
+        drop(heap);
+        self.region.fence();
+        let ckpt = Checkpoint {
+            generation: st.ckpt.generation + 1,
+            seq,
+            dir_addr,
+            dir_bytes,
+            kn_count: kn_set.len() as u64,
+            key_count: st.tree.len() as u64,
+        };
+        let slot = 1 - st.ckpt_slot;
+        let slot_addr = layout::CKPT_SLOT_ADDR[slot];
+        // SAFETY: the checkpoint slots are written only by checkpoints, which are serialised
+        // by the state lock (upgradable or exclusive); nothing reads them after open.
+        unsafe { self.region.write(slot_addr, &ckpt.encode())? };
+        self.region.persist(slot_addr, 64);
+        Ok(Some(Plan {
+            ckpt,
+            slot,
+            kn_set,
+            written,
+        }))
+    }
+
+    /// The checkpoint is durable: free what it no longer references, mark leaves clean,
+    /// clear the key log.
+    fn checkpoint_install(&self, st: &mut State, plan: Plan) -> Result<()> {
+        let keep: HashSet<u64> = plan.kn_set.iter().map(|k| k.0).collect();
+        {
+            let mut heap = self.heap.lock();
+            for &(a, l) in &st.kn_set {
+                if !keep.contains(&a) {
+                    heap.free(a, l as u64);
+                }
+            }
+            if st.ckpt.dir_addr != 0 {
+                heap.free(st.ckpt.dir_addr, st.ckpt.dir_bytes);
+            }
+            for (a, l) in st.deferred.drain(..) {
+                heap.free(a, l);
+            }
+        }
+        for (id, kn) in plan.written {
+            if let Some(m) = st.tree.leaf_meta_mut(id) {
+                m.kn = Some(kn);
+                m.dirty = false;
+            }
+        }
+        st.kn_set = plan.kn_set;
+        st.ckpt = plan.ckpt;
+        st.ckpt_slot = plan.slot;
+        // KFlag := 0 for every key-log entry the checkpoint covers (not persisted: entries at
+        // or below the checkpoint's sequence number are ignored by recovery anyway).
+        for a in std::mem::take(&mut st.key_log_entries) {
+            self.region.store_u64_atomic(a, 0)?;
+        }
+        st.key_log.clear();
+        self.checkpoints.fetch_add(1, Ordering::Relaxed);
+        Ok(())
+    }
+
+    fn check_impl(&self) -> Result<Vec<String>> {
+        let st = self.state.read();
+        let mut problems = Vec::new();
+        if let Err(e) = st.tree.check_invariants() {
+            problems.push(format!("key index tree: {e}"));
+        }
+        let heap = self.heap.lock();
+        let mut used: Vec<(u64, u64, String)> = Vec::new();
+        for (k, v) in st.tree.range_from(Bound::Unbounded) {
+            if let Err(e) = self.read_value(*v) {
+                problems.push(format!("key {}: {e}", crate::escape(k)));
+            }
+            used.push((
+                v.addr,
+                layout::value_alloc_size(v.len as usize),
+                format!("value of key {}", crate::escape(k)),
+            ));
+        }
+        // The checkpoint on PM must decode and agree with the DRAM state it claims to cover.
+        match recovery::load_checkpoint(&self.region, &st.ckpt) {
+            Ok(leaves) => {
+                let n: usize = leaves.iter().map(|l| l.0.len()).sum();
+                if n as u64 != st.ckpt.key_count {
+                    problems.push(format!(
+                        "checkpoint lists {n} keys in its KeyNodes, its record says {}",
+                        st.ckpt.key_count
+                    ));
+                }
+            }
+            Err(e) => problems.push(format!("checkpoint: {e}")),
+        }
+        for &(a, l) in &st.kn_set {
+            used.push((a, l as u64, "KeyNode".into()));
+        }
+        used.push((
+            st.ckpt.dir_addr,
+            st.ckpt.dir_bytes,
+            "KeyNode directory".into(),
+        ));
+        for &(a, l) in &st.deferred {
+            used.push((a, l, "deferred free".into()));
+        }
+        used.sort();
+        for w in used.windows(2) {
+            if let [a, b] = w {
+                if a.0 + a.1 > b.0 {
+                    problems.push(format!(
+                        "{} at {:#x} overlaps {} at {:#x}",
+                        a.2, a.0, b.2, b.0
+                    ));
+                }
+            }
+        }
+        for (a, l, what) in &used {
+            if heap.overlaps_free(*a, *l) {
+                problems.push(format!("{what} at {a:#x} lies in free heap space"));
+            }
+        }
+        // Live log entries must decode (they were written by this process or replayed).
+        for (ring, name) in [(&st.key_log, "key log")] {
+            for (e, flag, addr) in ring.scan(&self.region) {
+                if flag != 0 && e.seq > st.ckpt.seq && e.seq >= st.next_seq {
+                    problems.push(format!(
+                        "{name} entry at {addr:#x} has sequence {} beyond the store's {}",
+                        e.seq, st.next_seq
+                    ));
+                }
+            }
+        }
+        Ok(problems)
+    }
+}
+
+fn op_user_bytes(op: &BatchOp) -> u64 {
+    match op {
+        BatchOp::Put { key, value } => (key.len() + value.len()) as u64,
+        BatchOp::Delete { key } => key.len() as u64,
+    }
+}
+
+/// Apply one logged operation to the tree, deferring the free of the replaced value.
+fn apply(st: &mut State, key: &[u8], op: Op, v: Option<ValueRef>) {
+    let old = match (op, v) {
+        (Op::Insert | Op::Update, Some(v)) => st.tree.insert(key, v).0,
+        _ => st.tree.remove(key).map(|(old, _)| old),
+    };
+    if let Some(old) = old {
+        st.deferred
+            .push((old.addr, layout::value_alloc_size(old.len as usize)));
+    }
+}
+
+impl Engine for Pmekv {
+    fn get(&self, key: &[u8]) -> Result<Option<Vec<u8>>> {
+        let st = self.inner.state.read();
+        match st.tree.get(key) {
+            Some(v) => self.inner.read_value(*v).map(Some),
+            None => Ok(None),
+        }
+    }
+
+    fn write(&self, ops: &[BatchOp], cond: Cond) -> Result<bool> {
+        self.inner.write_impl(ops, cond)
+    }
+
+    fn scan_chunk(
+        &self,
+        start: Bound<&[u8]>,
+        end: Bound<&[u8]>,
+        max: usize,
+    ) -> Result<Vec<(Vec<u8>, Vec<u8>)>> {
+        let st = self.inner.state.read();
+        let mut out = Vec::new();
+        for (k, v) in st.tree.range_from(start) {
+            let past = match end {
+                Bound::Included(e) => k > e,
+                Bound::Excluded(e) => k >= e,
+                Bound::Unbounded => false,
+            };
+            if past || out.len() >= max {
+                break;
+            }
+            out.push((k.to_vec(), self.inner.read_value(*v)?));
+        }
+        Ok(out)
+    }
+
+    fn flush(&self) -> Result<()> {
+        self.inner.check_poisoned()?;
+        let mut st = self.inner.state.write();
+        let r = self.inner.checkpoint_exclusive(&mut st);
+        self.inner.poison_on_err(r)
+    }
+
+    fn compact(&self) -> Result<()> {
+        // PMEKV has no compaction: space is reclaimed as it is freed. A checkpoint releases
+        // every deferred free.
+        self.flush()
+    }
+
+    fn stats(&self) -> Stats {
+        let st = self.inner.state.read();
+        let heap = self.inner.heap.lock();
+        let pm = self.inner.region.stats();
+        let mut design = BTreeMap::new();
+        design.insert("leaves".to_string(), st.tree.leaf_ids().len() as u64);
+        design.insert("keynodes".to_string(), st.kn_set.len() as u64);
+        design.insert(
+            "checkpoints".to_string(),
+            self.inner.checkpoints.load(Ordering::Relaxed),
+        );
+        design.insert("checkpoint_seq".to_string(), st.ckpt.seq);
+        design.insert("key_log_bytes_used".to_string(), st.key_log.used());
+        design.insert("heap_bytes".to_string(), heap.total());
+        design.insert("heap_free_bytes".to_string(), heap.free_bytes());
+        design.insert("deferred_frees".to_string(), st.deferred.len() as u64);
+        Stats {
+            preset: "pmekv".into(),
+            user_bytes_written: self.inner.user_bytes.load(Ordering::Relaxed),
+            pm_bytes_written: pm.lines_persisted * crate::pm::LINE,
+            pm,
+            disk_bytes_written: 0,
+            disk_bytes_read: 0,
+            write_amp_pm: 0.0,
+            write_amp_disk: 0.0,
+            keys: st.tree.len() as u64,
+            dram_index_bytes: st.tree.dram_bytes() as u64,
+            design,
+        }
+    }
+
+    fn check(&self) -> Result<Vec<String>> {
+        self.inner.check_impl()
+    }
+
+    fn close(&self) -> Result<()> {
+        self.stop_background();
+        let poisoned = self.inner.poisoned.lock().clone();
+        if let Some(why) = poisoned {
+            return Err(Error::Poisoned(why));
+        }
+        let mut st = self.inner.state.write();
+        self.inner.checkpoint_exclusive(&mut st)?;
+        self.inner.region.sync_all()?;
+        Ok(())
+    }
+}
+
+impl Drop for Pmekv {
+    fn drop(&mut self) {
+        self.stop_background();
+    }
+}

@@ -1,0 +1,400 @@
+//! [`FaultFs`]: an in-memory file system that loses unsynced data at a simulated crash and
+//! fails chosen operations.
+//!
+//! Durability model (that of a POSIX file system without data journaling guarantees):
+//! - appended bytes are durable once the file is `sync`ed;
+//! - a created, renamed or removed name is durable once its directory is `sync_dir`ed;
+//! - directories themselves are durable when created (a simplification: tierkv creates its
+//!   directories once, before anything that needs them).
+//!
+//! [`FaultFs::crash`] returns the file system a crash would leave: the durable names, each
+//! file cut back to its synced length.
+//!
+//! Fault injection: [`FaultFs::fail_after`] makes the n-th operation from now (every `Fs` and
+//! file call counts) fail with EIO or ENOSPC, once or from then on.
+
+use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::io;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use parking_lot::Mutex;
+
+use super::{Fs, FsFile, FsLock};
+
+/// Which error an injected fault returns.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum FaultKind {
+    /// EIO.
+    Eio,
+    /// ENOSPC.
+    Enospc,
+}
+
+impl FaultKind {
+    fn error(self) -> io::Error {
+        match self {
+            FaultKind::Eio => io::Error::from_raw_os_error(libc::EIO),
+            FaultKind::Enospc => io::Error::from_raw_os_error(libc::ENOSPC),
+        }
+    }
+}
+
+#[derive(Debug, Default, Clone)]
+struct MemFile {
+    data: Vec<u8>,
+    synced: usize,
+}
+
+#[derive(Debug, Default)]
+struct State {
+    files: HashMap<u64, MemFile>,
+    names: BTreeMap<PathBuf, u64>,
+    durable_names: BTreeMap<PathBuf, u64>,
+    dirs: BTreeSet<PathBuf>,
+    locks: BTreeSet<PathBuf>,
+    next_id: u64,
+    ops: u64,
+    fault: Option<(u64, FaultKind, bool)>,
+}
+
+impl State {
+    /// Count one operation; return the injected error if it is due.
+    fn tick(&mut self) -> io::Result<()> {
+        self.ops += 1;
+        if let Some((at, kind, sticky)) = self.fault {
+            if self.ops >= at {
+                if !sticky {
+                    self.fault = None;
+                }
+                return Err(kind.error());
+            }
+        }
+        Ok(())
+    }
+}
+
+/// The fault-injecting in-memory file system. Cheap to clone (shared handle).
+#[derive(Debug, Clone, Default)]
+pub struct FaultFs {
+    state: Arc<Mutex<State>>,
+}
+
+impl FaultFs {
+    /// An empty file system.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Fail the `n`-th operation from now (1 = the next one) with `kind`; with `sticky`, every
+    /// operation from then on fails too.
+    pub fn fail_after(&self, n: u64, kind: FaultKind, sticky: bool) {
+        let mut s = self.state.lock();
+        let at = s.ops + n.max(1);
+        s.fault = Some((at, kind, sticky));
+    }
+
+    /// Stop injecting faults.
+    pub fn clear_faults(&self) {
+        self.state.lock().fault = None;
+    }
+
+    /// Operations executed so far.
+    pub fn ops(&self) -> u64 {
+        self.state.lock().ops
+    }
+
+    /// The file system a crash would leave now: durable names only, each file cut back to
+    /// its synced bytes. The result shares nothing with `self`.
+    pub fn crash(&self) -> FaultFs {
+        let s = self.state.lock();
+        let mut files = HashMap::new();
+        for id in s.durable_names.values() {
+            if let Some(f) = s.files.get(id) {
+                let data = f.data[..f.synced.min(f.data.len())].to_vec();
+                let synced = data.len();
+                files.insert(*id, MemFile { data, synced });
+            }
+        }
+        let state = State {
+            files,
+            names: s.durable_names.clone(),
+            durable_names: s.durable_names.clone(),
+            dirs: s.dirs.clone(),
+            locks: BTreeSet::new(),
+            next_id: s.next_id,
+            ops: 0,
+            fault: None,
+        };
+        FaultFs {
+            state: Arc::new(Mutex::new(state)),
+        }
+    }
+
+    /// Overwrite bytes of `path` (durably), for corruption tests.
+    pub fn poke(&self, path: &Path, off: usize, bytes: &[u8]) -> io::Result<()> {
+        let mut s = self.state.lock();
+        let id = *s
+            .names
+            .get(path)
+            .ok_or_else(|| io::Error::from(io::ErrorKind::NotFound))?;
+        let f = s
+            .files
+            .get_mut(&id)
+            .ok_or_else(|| io::Error::from(io::ErrorKind::NotFound))?;
+        let end = off + bytes.len();
+        if end > f.data.len() {
+            f.data.resize(end, 0);
+        }
+        f.data[off..end].copy_from_slice(bytes);
+        f.synced = f.synced.max(end);
+        Ok(())
+    }
+
+    /// Cut `path` to `len` bytes (durably), for truncation tests.
+    pub fn truncate(&self, path: &Path, len: usize) -> io::Result<()> {
+        let mut s = self.state.lock();
+        let id = *s
+            .names
+            .get(path)
+            .ok_or_else(|| io::Error::from(io::ErrorKind::NotFound))?;
+        let f = s
+            .files
+            .get_mut(&id)
+            .ok_or_else(|| io::Error::from(io::ErrorKind::NotFound))?;
+        f.data.truncate(len);
+        f.synced = f.synced.min(len);
+        Ok(())
+    }
+}
+
+#[derive(Debug)]
+struct FaultFile {
+    state: Arc<Mutex<State>>,
+    id: u64,
+}
+
+impl FsFile for FaultFile {
+    fn append(&mut self, data: &[u8]) -> io::Result<()> {
+        let mut s = self.state.lock();
+        s.tick()?;
+        let f = s
+            .files
+            .get_mut(&self.id)
+            .ok_or_else(|| io::Error::from(io::ErrorKind::NotFound))?;
+        f.data.extend_from_slice(data);
+        Ok(())
+    }
+    fn read_at(&self, off: u64, buf: &mut [u8]) -> io::Result<usize> {
+        let mut s = self.state.lock();
+        s.tick()?;
+        let f = s
+            .files
+            .get(&self.id)
+            .ok_or_else(|| io::Error::from(io::ErrorKind::NotFound))?;
+        let off = usize::try_from(off).unwrap_or(usize::MAX);
+        if off >= f.data.len() {
+            return Ok(0);
+        }
+        let n = buf.len().min(f.data.len() - off);
+        buf[..n].copy_from_slice(&f.data[off..off + n]);
+        Ok(n)
+    }
+    fn sync(&mut self) -> io::Result<()> {
+        let mut s = self.state.lock();
+        s.tick()?;
+        let f = s
+            .files
+            .get_mut(&self.id)
+            .ok_or_else(|| io::Error::from(io::ErrorKind::NotFound))?;
+        f.synced = f.data.len();
+        Ok(())
+    }
+    fn len(&self) -> io::Result<u64> {
+        let s = self.state.lock();
+        Ok(s.files.get(&self.id).map_or(0, |f| f.data.len() as u64))
+    }
+}
+
+#[derive(Debug)]
+struct FaultLock {
+    state: Arc<Mutex<State>>,
+    path: PathBuf,
+}
+impl FsLock for FaultLock {}
+impl Drop for FaultLock {
+    fn drop(&mut self) {
+        self.state.lock().locks.remove(&self.path);
+    }
+}
+
+fn parent(path: &Path) -> PathBuf {
+    path.parent().map(Path::to_path_buf).unwrap_or_default()
+}
+
+impl Fs for FaultFs {
+    fn create_dir_all(&self, path: &Path) -> io::Result<()> {
+        let mut s = self.state.lock();
+        s.tick()?;
+        let mut p = Some(path);
+        while let Some(d) = p {
+            if d.as_os_str().is_empty() {
+                break;
+            }
+            s.dirs.insert(d.to_path_buf());
+            p = d.parent();
+        }
+        Ok(())
+    }
+    fn create(&self, path: &Path) -> io::Result<Box<dyn FsFile>> {
+        let mut s = self.state.lock();
+        s.tick()?;
+        if !s.dirs.contains(&parent(path)) {
+            return Err(io::Error::from(io::ErrorKind::NotFound));
+        }
+        s.next_id += 1;
+        let id = s.next_id;
+        s.files.insert(id, MemFile::default());
+        s.names.insert(path.to_path_buf(), id);
+        Ok(Box::new(FaultFile {
+            state: self.state.clone(),
+            id,
+        }))
+    }
+    fn open(&self, path: &Path) -> io::Result<Box<dyn FsFile>> {
+        let mut s = self.state.lock();
+        s.tick()?;
+        let id = *s
+            .names
+            .get(path)
+            .ok_or_else(|| io::Error::from(io::ErrorKind::NotFound))?;
+        Ok(Box::new(FaultFile {
+            state: self.state.clone(),
+            id,
+        }))
+    }
+    fn exists(&self, path: &Path) -> bool {
+        let s = self.state.lock();
+        s.names.contains_key(path) || s.dirs.contains(path)
+    }
+    fn rename(&self, from: &Path, to: &Path) -> io::Result<()> {
+        let mut s = self.state.lock();
+        s.tick()?;
+        let id = s
+            .names
+            .remove(from)
+            .ok_or_else(|| io::Error::from(io::ErrorKind::NotFound))?;
+        s.names.insert(to.to_path_buf(), id);
+        Ok(())
+    }
+    fn remove(&self, path: &Path) -> io::Result<()> {
+        let mut s = self.state.lock();
+        s.tick()?;
+        s.names
+            .remove(path)
+            .map(|_| ())
+            .ok_or_else(|| io::Error::from(io::ErrorKind::NotFound))
+    }
+    fn list(&self, dir: &Path) -> io::Result<Vec<String>> {
+        let mut s = self.state.lock();
+        s.tick()?;
+        if !s.dirs.contains(dir) {
+            return Err(io::Error::from(io::ErrorKind::NotFound));
+        }
+        let mut out: Vec<String> = s
+            .names
+            .keys()
+            .chain(s.dirs.iter())
+            .filter(|p| p.parent() == Some(dir))
+            .filter_map(|p| p.file_name().map(|n| n.to_string_lossy().into_owned()))
+            .collect();
+        out.sort();
+        out.dedup();
+        Ok(out)
+    }
+    fn sync_dir(&self, dir: &Path) -> io::Result<()> {
+        let mut s = self.state.lock();
+        s.tick()?;
+        let in_dir = |p: &PathBuf| p.parent() == Some(dir);
+        s.durable_names.retain(|p, _| !in_dir(p));
+        let current: Vec<(PathBuf, u64)> = s
+            .names
+            .iter()
+            .filter(|(p, _)| in_dir(p))
+            .map(|(p, i)| (p.clone(), *i))
+            .collect();
+        s.durable_names.extend(current);
+        Ok(())
+    }
+    fn lock(&self, path: &Path) -> io::Result<Box<dyn FsLock>> {
+        let mut s = self.state.lock();
+        s.tick()?;
+        if !s.locks.insert(path.to_path_buf()) {
+            return Err(io::Error::from(io::ErrorKind::WouldBlock));
+        }
+        Ok(Box::new(FaultLock {
+            state: self.state.clone(),
+            path: path.to_path_buf(),
+        }))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn crash_keeps_only_synced_bytes_and_synced_names() -> io::Result<()> {
+        let fs = FaultFs::new();
+        let d = Path::new("/db");
+        fs.create_dir_all(d)?;
+        let mut a = fs.create(&d.join("a"))?;
+        a.append(b"hello")?;
+        a.sync()?;
+        a.append(b" world")?;
+        fs.sync_dir(d)?;
+        let mut b = fs.create(&d.join("b"))?;
+        b.append(b"unsynced name")?;
+        b.sync()?;
+        let after = fs.crash();
+        assert_eq!(after.read_all(&d.join("a"))?, b"hello");
+        assert!(
+            !after.exists(&d.join("b")),
+            "name never synced to the directory"
+        );
+        Ok(())
+    }
+
+    #[test]
+    fn rename_is_durable_only_after_sync_dir() -> io::Result<()> {
+        let fs = FaultFs::new();
+        let d = Path::new("/db");
+        fs.create_dir_all(d)?;
+        fs.write_atomic(&d.join("CURRENT"), b"one")?;
+        let mut t = fs.create(&d.join("tmp"))?;
+        t.append(b"two")?;
+        t.sync()?;
+        fs.rename(&d.join("tmp"), &d.join("CURRENT"))?;
+        assert_eq!(fs.read_all(&d.join("CURRENT"))?, b"two");
+        assert_eq!(fs.crash().read_all(&d.join("CURRENT"))?, b"one");
+        Ok(())
+    }
+
+    #[test]
+    fn injected_faults_fire_once_or_sticky() -> io::Result<()> {
+        let fs = FaultFs::new();
+        fs.create_dir_all(Path::new("/d"))?;
+        fs.fail_after(2, FaultKind::Enospc, false);
+        let mut f = fs.create(Path::new("/d/f"))?;
+        let e = f.append(b"x").err().map(|e| e.raw_os_error());
+        assert_eq!(e, Some(Some(libc::ENOSPC)));
+        f.append(b"y")?;
+        fs.fail_after(1, FaultKind::Eio, true);
+        assert!(f.sync().is_err());
+        assert!(f.sync().is_err(), "sticky fault keeps failing");
+        fs.clear_faults();
+        f.sync()?;
+        assert_eq!(fs.read_all(Path::new("/d/f"))?, b"y");
+        Ok(())
+    }
+}

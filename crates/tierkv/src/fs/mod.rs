@@ -1,0 +1,195 @@
+//! The file seam: everything an engine writes to disk goes through [`Fs`].
+//!
+//! [`RealFs`] is the operating system; [`FaultFs`] is an in-memory file system for tests
+//! that forgets unsynced data at a simulated crash and fails chosen operations with EIO or
+//! ENOSPC (like LevelDB's fault-injection env). [`CountingFs`] wraps any `Fs` and counts
+//! bytes written and read, for write-amplification accounting.
+
+mod fault;
+mod real;
+
+use std::fmt::Debug;
+use std::io;
+use std::path::Path;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+
+pub use fault::{FaultFs, FaultKind};
+pub use real::RealFs;
+
+/// A file opened through an [`Fs`]: append-only writes, positional reads.
+pub trait FsFile: Send + Sync + Debug {
+    /// Append `data` at the end.
+    fn append(&mut self, data: &[u8]) -> io::Result<()>;
+    /// Read up to `buf.len()` bytes at `off`; returns how many were read (0 at end).
+    fn read_at(&self, off: u64, buf: &mut [u8]) -> io::Result<usize>;
+    /// Make everything appended so far durable (fsync).
+    fn sync(&mut self) -> io::Result<()>;
+    /// Current length.
+    fn len(&self) -> io::Result<u64>;
+    /// True when empty.
+    fn is_empty(&self) -> io::Result<bool> {
+        Ok(self.len()? == 0)
+    }
+}
+
+/// A held exclusive lock on a store directory; released when dropped.
+pub trait FsLock: Send + Sync + Debug {}
+
+/// File-system operations an engine needs.
+pub trait Fs: Send + Sync + Debug {
+    /// Create `path` and its parents as directories.
+    fn create_dir_all(&self, path: &Path) -> io::Result<()>;
+    /// Create (or truncate) `path` for appending.
+    fn create(&self, path: &Path) -> io::Result<Box<dyn FsFile>>;
+    /// Open an existing file for reading and appending.
+    fn open(&self, path: &Path) -> io::Result<Box<dyn FsFile>>;
+    /// True when `path` exists.
+    fn exists(&self, path: &Path) -> bool;
+    /// Atomically rename `from` to `to` (replacing `to`). Durable after [`Fs::sync_dir`].
+    fn rename(&self, from: &Path, to: &Path) -> io::Result<()>;
+    /// Remove a file.
+    fn remove(&self, path: &Path) -> io::Result<()>;
+    /// Names of the entries of `dir`.
+    fn list(&self, dir: &Path) -> io::Result<Vec<String>>;
+    /// Make the directory's entries (creations, renames, removals) durable.
+    fn sync_dir(&self, dir: &Path) -> io::Result<()>;
+    /// Take an exclusive lock on `path` (created if missing). Fails with
+    /// `io::ErrorKind::WouldBlock` when another handle holds it.
+    fn lock(&self, path: &Path) -> io::Result<Box<dyn FsLock>>;
+
+    /// The whole content of `path`.
+    fn read_all(&self, path: &Path) -> io::Result<Vec<u8>> {
+        let f = self.open(path)?;
+        let len = usize::try_from(f.len()?).map_err(|_| io::Error::other("file too large"))?;
+        let mut buf = vec![0u8; len];
+        let mut done = 0;
+        while done < len {
+            let n = f.read_at(done as u64, &mut buf[done..])?;
+            if n == 0 {
+                buf.truncate(done);
+                break;
+            }
+            done += n;
+        }
+        Ok(buf)
+    }
+
+    /// Replace `path` atomically with `data`: write a temp file, fsync, rename, fsync dir.
+    fn write_atomic(&self, path: &Path, data: &[u8]) -> io::Result<()> {
+        let dir = path.parent().unwrap_or(Path::new("."));
+        let mut tmp_name = path.file_name().unwrap_or_default().to_os_string();
+        tmp_name.push(".tmp");
+        let tmp = dir.join(tmp_name);
+        let mut f = self.create(&tmp)?;
+        f.append(data)?;
+        f.sync()?;
+        drop(f);
+        self.rename(&tmp, path)?;
+        self.sync_dir(dir)
+    }
+}
+
+/// Bytes moved through a [`CountingFs`].
+#[derive(Debug, Default)]
+pub struct IoCounters {
+    /// Bytes appended to files.
+    pub bytes_written: AtomicU64,
+    /// Bytes read from files.
+    pub bytes_read: AtomicU64,
+    /// fsync calls (files and directories).
+    pub syncs: AtomicU64,
+}
+
+/// An [`Fs`] that counts the bytes its files write and read.
+#[derive(Debug, Clone)]
+pub struct CountingFs {
+    inner: Arc<dyn Fs>,
+    counters: Arc<IoCounters>,
+}
+
+impl CountingFs {
+    /// Wrap `inner`.
+    pub fn new(inner: Arc<dyn Fs>) -> Self {
+        CountingFs {
+            inner,
+            counters: Arc::new(IoCounters::default()),
+        }
+    }
+    /// The counters.
+    pub fn counters(&self) -> &IoCounters {
+        &self.counters
+    }
+}
+
+#[derive(Debug)]
+struct CountingFile {
+    inner: Box<dyn FsFile>,
+    counters: Arc<IoCounters>,
+}
+
+impl FsFile for CountingFile {
+    fn append(&mut self, data: &[u8]) -> io::Result<()> {
+        self.inner.append(data)?;
+        self.counters
+            .bytes_written
+            .fetch_add(data.len() as u64, Ordering::Relaxed);
+        Ok(())
+    }
+    fn read_at(&self, off: u64, buf: &mut [u8]) -> io::Result<usize> {
+        let n = self.inner.read_at(off, buf)?;
+        self.counters
+            .bytes_read
+            .fetch_add(n as u64, Ordering::Relaxed);
+        Ok(n)
+    }
+    fn sync(&mut self) -> io::Result<()> {
+        self.counters.syncs.fetch_add(1, Ordering::Relaxed);
+        self.inner.sync()
+    }
+    fn len(&self) -> io::Result<u64> {
+        self.inner.len()
+    }
+}
+
+impl Fs for CountingFs {
+    fn create_dir_all(&self, path: &Path) -> io::Result<()> {
+        self.inner.create_dir_all(path)
+    }
+    fn create(&self, path: &Path) -> io::Result<Box<dyn FsFile>> {
+        Ok(Box::new(CountingFile {
+            inner: self.inner.create(path)?,
+            counters: self.counters.clone(),
+        }))
+    }
+    fn open(&self, path: &Path) -> io::Result<Box<dyn FsFile>> {
+        Ok(Box::new(CountingFile {
+            inner: self.inner.open(path)?,
+            counters: self.counters.clone(),
+        }))
+    }
+    fn exists(&self, path: &Path) -> bool {
+        self.inner.exists(path)
+    }
+    fn rename(&self, from: &Path, to: &Path) -> io::Result<()> {
+        self.inner.rename(from, to)
+    }
+    fn remove(&self, path: &Path) -> io::Result<()> {
+        self.inner.remove(path)
+    }
+    fn list(&self, dir: &Path) -> io::Result<Vec<String>> {
+        self.inner.list(dir)
+    }
+    fn sync_dir(&self, dir: &Path) -> io::Result<()> {
+        self.counters.syncs.fetch_add(1, Ordering::Relaxed);
+        self.inner.sync_dir(dir)
+    }
+    fn lock(&self, path: &Path) -> io::Result<Box<dyn FsLock>> {
+        self.inner.lock(path)
+    }
+}
+
+/// fsync a directory of the real file system.
+pub fn sync_dir_path(dir: &Path) -> io::Result<()> {
+    std::fs::File::open(dir)?.sync_all()
+}

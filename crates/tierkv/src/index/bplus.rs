@@ -1,0 +1,722 @@
+//! A DRAM B+-tree over byte-string keys, shared by the presets (PMEKV's key index tree,
+//! HPDK's DRAM B+-tree).
+//!
+//! Nodes live in an arena and are addressed by [`NodeId`]. Leaves are doubly linked in key
+//! order and carry a caller-defined [`LeafMeta`] (PMEKV keeps there the PM location of the
+//! leaf's KeyNode and a dirty flag); the tree calls [`LeafMeta::touched`] on every leaf whose
+//! entries change, including both halves of a split and the survivor of a merge.
+//!
+//! # Invariants
+//! - Every leaf's keys are strictly increasing; leaf `n.next`'s first key is greater than
+//!   `n`'s last key.
+//! - An inner node has `keys.len() + 1` children; every key in `children[i]` is `< keys[i]`
+//!   and every key in `children[i + 1]` is `>= keys[i]`.
+//! - Only the root may be an empty leaf. Leaves hold at most `capacity` entries and inner
+//!   nodes at most `capacity` keys. Deletion removes empty nodes and merges a leaf that
+//!   falls under a quarter full into its right sibling when both fit in half a node; inner
+//!   nodes are not rebalanced (they only shrink to one child), which keeps deletes cheap and
+//!   costs at most one extra level after mass deletion.
+//!
+//! # Thread safety
+//! The tree is a plain data structure (`&mut self` to modify); presets wrap it in a lock.
+
+use std::ops::Bound;
+
+/// The entries of one leaf and its meta, as [`BPlusTree::from_leaves`] takes them.
+pub type LeafEntries<V, M> = (Vec<(Box<[u8]>, V)>, M);
+
+/// Index of a node in the arena.
+pub type NodeId = u32;
+
+/// Per-leaf state kept by the owner of the tree.
+pub trait LeafMeta: Default {
+    /// The leaf's entries changed.
+    fn touched(&mut self) {}
+}
+
+impl LeafMeta for () {}
+
+/// A leaf: sorted keys with their values.
+#[derive(Debug)]
+pub struct Leaf<V, M> {
+    /// Keys, strictly increasing.
+    pub keys: Vec<Box<[u8]>>,
+    /// Values, parallel to `keys`.
+    pub vals: Vec<V>,
+    /// Next leaf in key order.
+    pub next: Option<NodeId>,
+    /// Previous leaf in key order.
+    pub prev: Option<NodeId>,
+    /// Owner state.
+    pub meta: M,
+}
+
+#[derive(Debug)]
+enum Node<V, M> {
+    Inner {
+        keys: Vec<Box<[u8]>>,
+        children: Vec<NodeId>,
+    },
+    Leaf(Leaf<V, M>),
+    Free,
+}
+
+/// Position of an entry: leaf and index inside it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Pos {
+    /// The leaf.
+    pub leaf: NodeId,
+    /// Index in the leaf.
+    pub idx: usize,
+}
+
+/// The B+-tree. See the module docs.
+#[derive(Debug)]
+pub struct BPlusTree<V, M = ()> {
+    nodes: Vec<Node<V, M>>,
+    free: Vec<NodeId>,
+    root: NodeId,
+    capacity: usize,
+    len: usize,
+    key_bytes: usize,
+}
+
+impl<V, M: LeafMeta> BPlusTree<V, M> {
+    /// An empty tree whose nodes hold up to `capacity` (>= 4) entries.
+    pub fn new(capacity: usize) -> Self {
+        let leaf = Leaf {
+            keys: Vec::new(),
+            vals: Vec::new(),
+            next: None,
+            prev: None,
+            meta: M::default(),
+        };
+        BPlusTree {
+            nodes: vec![Node::Leaf(leaf)],
+            free: Vec::new(),
+            root: 0,
+            capacity: capacity.max(4),
+            len: 0,
+            key_bytes: 0,
+        }
+    }
+
+    /// Build a tree whose leaves are exactly `leaves`, in order. Each leaf must be non-empty,
+    /// sorted, hold at most `capacity` entries, and lie entirely above the previous one;
+    /// returns `None` otherwise.
+    pub fn from_leaves(capacity: usize, leaves: Vec<LeafEntries<V, M>>) -> Option<Self> {
+        let mut t = Self::new(capacity);
+        if leaves.is_empty() {
+            return Some(t);
+        }
+        t.nodes.clear();
+        let mut level: Vec<(Box<[u8]>, NodeId)> = Vec::with_capacity(leaves.len());
+        let mut last_key: Option<Box<[u8]>> = None;
+        let n = leaves.len();
+        for (i, (entries, meta)) in leaves.into_iter().enumerate() {
+            if entries.is_empty() || entries.len() > t.capacity {
+                return None;
+            }
+            let mut keys = Vec::with_capacity(entries.len());
+            let mut vals = Vec::with_capacity(entries.len());
+            for (k, v) in entries {
+                if last_key.as_ref().is_some_and(|l| **l >= *k) {
+                    return None;
+                }
+                last_key = Some(k.clone());
+                t.key_bytes += k.len();
+                keys.push(k);
+                vals.push(v);
+            }
+            t.len += keys.len();
+            let id = i as NodeId;
+            let first = keys.first().cloned().unwrap_or_default();
+            let prev = if i == 0 { None } else { Some(id - 1) };
+            let next = if i + 1 == n { None } else { Some(id + 1) };
+            t.nodes.push(Node::Leaf(Leaf {
+                keys,
+                vals,
+                next,
+                prev,
+                meta,
+            }));
+            level.push((first, id));
+        }
+        // Build inner levels bottom-up, `capacity` children per node at most.
+        while level.len() > 1 {
+            let mut up = Vec::with_capacity(level.len() / t.capacity + 1);
+            for chunk in level.chunks(t.capacity) {
+                let first = chunk.first().map(|c| c.0.clone()).unwrap_or_default();
+                let children: Vec<NodeId> = chunk.iter().map(|c| c.1).collect();
+                let keys: Vec<Box<[u8]>> = chunk.iter().skip(1).map(|c| c.0.clone()).collect();
+                let id = t.nodes.len() as NodeId;
+                t.nodes.push(Node::Inner { keys, children });
+                up.push((first, id));
+            }
+            level = up;
+        }
+        t.root = level.first().map(|l| l.1).unwrap_or(0);
+        Some(t)
+    }
+
+    /// Entries in the tree.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// True when empty.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// Node capacity.
+    pub fn capacity(&self) -> usize {
+        self.capacity
+    }
+
+    /// Approximate DRAM footprint in bytes (keys, values, node overhead).
+    pub fn dram_bytes(&self) -> usize {
+        let entry = std::mem::size_of::<Box<[u8]>>() + std::mem::size_of::<V>();
+        self.key_bytes + self.len * entry + self.nodes.len() * std::mem::size_of::<Node<V, M>>()
+    }
+
+    fn alloc(&mut self, node: Node<V, M>) -> NodeId {
+        if let Some(id) = self.free.pop() {
+            self.nodes[id as usize] = node;
+            id
+        } else {
+            self.nodes.push(node);
+            (self.nodes.len() - 1) as NodeId
+        }
+    }
+
+    fn release(&mut self, id: NodeId) {
+        self.nodes[id as usize] = Node::Free;
+        self.free.push(id);
+    }
+
+    /// The leaf `id` (None if `id` is not a leaf).
+    pub fn leaf(&self, id: NodeId) -> Option<&Leaf<V, M>> {
+        match self.nodes.get(id as usize) {
+            Some(Node::Leaf(l)) => Some(l),
+            _ => None,
+        }
+    }
+
+    /// The leaf `id`, mutably (for its meta; keys must not be reordered).
+    pub fn leaf_meta_mut(&mut self, id: NodeId) -> Option<&mut M> {
+        match self.nodes.get_mut(id as usize) {
+            Some(Node::Leaf(l)) => Some(&mut l.meta),
+            _ => None,
+        }
+    }
+
+    fn leaf_mut(&mut self, id: NodeId) -> &mut Leaf<V, M> {
+        match &mut self.nodes[id as usize] {
+            Node::Leaf(l) => l,
+            _ => unreachable_leaf(),
+        }
+    }
+
+    /// The leftmost leaf.
+    pub fn first_leaf(&self) -> NodeId {
+        let mut id = self.root;
+        while let Node::Inner { children, .. } = &self.nodes[id as usize] {
+            id = children[0];
+        }
+        id
+    }
+
+    /// Ids of all leaves, in key order.
+    pub fn leaf_ids(&self) -> Vec<NodeId> {
+        let mut out = Vec::new();
+        let mut cur = Some(self.first_leaf());
+        while let Some(id) = cur {
+            out.push(id);
+            cur = self.leaf(id).and_then(|l| l.next);
+        }
+        out
+    }
+
+    /// Descend to the leaf that holds (or would hold) `key`, recording the path.
+    fn descend(&self, key: &[u8], path: &mut Vec<(NodeId, usize)>) -> NodeId {
+        let mut id = self.root;
+        loop {
+            match &self.nodes[id as usize] {
+                Node::Inner { keys, children } => {
+                    let idx = keys.partition_point(|k| &**k <= key);
+                    path.push((id, idx));
+                    id = children[idx];
+                }
+                _ => return id,
+            }
+        }
+    }
+
+    /// The value of `key`.
+    pub fn get(&self, key: &[u8]) -> Option<&V> {
+        let mut path = Vec::new();
+        let leaf = self.leaf(self.descend(key, &mut path))?;
+        leaf.keys
+            .binary_search_by(|k| (**k).cmp(key))
+            .ok()
+            .and_then(|i| leaf.vals.get(i))
+    }
+
+    /// Insert or replace; returns the old value and the leaf now holding `key`.
+    pub fn insert(&mut self, key: &[u8], val: V) -> (Option<V>, NodeId) {
+        let mut path = Vec::new();
+        let leaf_id = self.descend(key, &mut path);
+        let cap = self.capacity;
+        let leaf = self.leaf_mut(leaf_id);
+        let pos = match leaf.keys.binary_search_by(|k| (**k).cmp(key)) {
+            Ok(i) => {
+                leaf.meta.touched();
+                let old = std::mem::replace(&mut leaf.vals[i], val);
+                return (Some(old), leaf_id);
+            }
+            Err(i) => i,
+        };
+        leaf.keys.insert(pos, key.into());
+        leaf.vals.insert(pos, val);
+        leaf.meta.touched();
+        self.len += 1;
+        self.key_bytes += key.len();
+        if self.leaf_mut(leaf_id).keys.len() <= cap {
+            return (None, leaf_id);
+        }
+        // Split the leaf: the upper half moves to a new right sibling.
+        let (right_keys, right_vals, old_next) = {
+            let l = self.leaf_mut(leaf_id);
+            let mid = l.keys.len() / 2;
+            (l.keys.split_off(mid), l.vals.split_off(mid), l.next)
+        };
+        let sep = right_keys[0].clone();
+        let key_goes_right = key >= &*sep;
+        let mut meta = M::default();
+        meta.touched();
+        let right = self.alloc(Node::Leaf(Leaf {
+            keys: right_keys,
+            vals: right_vals,
+            next: old_next,
+            prev: Some(leaf_id),
+            meta,
+        }));
+        self.leaf_mut(leaf_id).next = Some(right);
+        if let Some(n) = old_next {
+            self.leaf_mut(n).prev = Some(right);
+        }
+        self.insert_separator(path, sep, right);
+        (None, if key_goes_right { right } else { leaf_id })
+    }
+
+    /// Insert `(sep, right)` into the parent at the end of `path`, splitting upwards.
+    fn insert_separator(
+        &mut self,
+        mut path: Vec<(NodeId, usize)>,
+        mut sep: Box<[u8]>,
+        mut right: NodeId,
+    ) {
+        let cap = self.capacity;
+        loop {
+            let Some((parent, idx)) = path.pop() else {
+                // The root split: grow a level.
+                let old_root = self.root;
+                self.root = self.alloc(Node::Inner {
+                    keys: vec![sep],
+                    children: vec![old_root, right],
+                });
+                return;
+            };
+            let Node::Inner { keys, children } = &mut self.nodes[parent as usize] else {
+                return;
+            };
+            keys.insert(idx, sep);
+            children.insert(idx + 1, right);
+            if keys.len() <= cap {
+                return;
+            }
+            let mid = keys.len() / 2;
+            let right_keys = keys.split_off(mid + 1);
+            let up = keys.pop().unwrap_or_default();
+            let right_children = children.split_off(mid + 1);
+            sep = up;
+            right = self.alloc(Node::Inner {
+                keys: right_keys,
+                children: right_children,
+            });
+        }
+    }
+
+    /// Remove `key`; returns its value and the leaf it was in (which may since have been
+    /// removed from the tree, if it became empty or was merged away).
+    pub fn remove(&mut self, key: &[u8]) -> Option<(V, NodeId)> {
+        let mut path = Vec::new();
+        let leaf_id = self.descend(key, &mut path);
+        let leaf = self.leaf_mut(leaf_id);
+        let i = leaf.keys.binary_search_by(|k| (**k).cmp(key)).ok()?;
+        let k = leaf.keys.remove(i);
+        let v = leaf.vals.remove(i);
+        leaf.meta.touched();
+        self.len -= 1;
+        self.key_bytes -= k.len();
+        let remaining = self.leaf_mut(leaf_id).keys.len();
+        if remaining == 0 {
+            if !path.is_empty() {
+                self.unlink_leaf(leaf_id);
+                self.remove_child(path);
+            }
+        } else if remaining < self.capacity / 4 {
+            self.try_merge_right(leaf_id, &path);
+        }
+        Some((v, leaf_id))
+    }
+
+    fn unlink_leaf(&mut self, id: NodeId) {
+        let (prev, next) = {
+            let l = self.leaf_mut(id);
+            (l.prev, l.next)
+        };
+        if let Some(p) = prev {
+            self.leaf_mut(p).next = next;
+        }
+        if let Some(n) = next {
+            self.leaf_mut(n).prev = prev;
+        }
+        self.release(id);
+    }
+
+    /// Remove the child at the end of `path` from its parent, recursively removing parents
+    /// that become empty and collapsing a root with one child.
+    fn remove_child(&mut self, mut path: Vec<(NodeId, usize)>) {
+        while let Some((parent, idx)) = path.pop() {
+            let Node::Inner { keys, children } = &mut self.nodes[parent as usize] else {
+                return;
+            };
+            children.remove(idx);
+            if !keys.is_empty() {
+                keys.remove(idx.saturating_sub(1));
+            }
+            if !children.is_empty() {
+                break;
+            }
+            if path.is_empty() {
+                // The root lost its last child: the tree is empty.
+                self.release(parent);
+                let leaf = Leaf {
+                    keys: Vec::new(),
+                    vals: Vec::new(),
+                    next: None,
+                    prev: None,
+                    meta: M::default(),
+                };
+                self.root = self.alloc(Node::Leaf(leaf));
+                return;
+            }
+            self.release(parent);
+        }
+        self.collapse_root();
+    }
+
+    fn collapse_root(&mut self) {
+        while let Node::Inner { children, .. } = &self.nodes[self.root as usize] {
+            if children.len() != 1 {
+                return;
+            }
+            let only = children[0];
+            let old = self.root;
+            self.root = only;
+            self.release(old);
+        }
+    }
+
+    /// Merge the right sibling (same parent) into `leaf_id` if both fit in half a node.
+    fn try_merge_right(&mut self, leaf_id: NodeId, path: &[(NodeId, usize)]) {
+        let Some(&(parent, idx)) = path.last() else {
+            return;
+        };
+        let Node::Inner { children, .. } = &self.nodes[parent as usize] else {
+            return;
+        };
+        let Some(&sib) = children.get(idx + 1) else {
+            return;
+        };
+        let (a, b) = (
+            self.leaf_mut(leaf_id).keys.len(),
+            self.leaf_mut(sib).keys.len(),
+        );
+        if a + b > self.capacity / 2 {
+            return;
+        }
+        let (keys, vals, next) = {
+            let s = self.leaf_mut(sib);
+            (
+                std::mem::take(&mut s.keys),
+                std::mem::take(&mut s.vals),
+                s.next,
+            )
+        };
+        let l = self.leaf_mut(leaf_id);
+        l.keys.extend(keys);
+        l.vals.extend(vals);
+        l.next = next;
+        l.meta.touched();
+        if let Some(n) = next {
+            self.leaf_mut(n).prev = Some(leaf_id);
+        }
+        self.release(sib);
+        if let Node::Inner { keys, children } = &mut self.nodes[parent as usize] {
+            children.remove(idx + 1);
+            keys.remove(idx);
+        }
+        self.collapse_root();
+    }
+
+    /// Position of the first entry with key >= `key` (or > when `exclusive`).
+    pub fn seek(&self, key: &[u8], exclusive: bool) -> Option<Pos> {
+        let mut path = Vec::new();
+        let leaf_id = self.descend(key, &mut path);
+        let leaf = self.leaf(leaf_id)?;
+        let idx = if exclusive {
+            leaf.keys.partition_point(|k| &**k <= key)
+        } else {
+            leaf.keys.partition_point(|k| &**k < key)
+        };
+        self.normalize(Pos { leaf: leaf_id, idx })
+    }
+
+    /// Position of the first entry.
+    pub fn first(&self) -> Option<Pos> {
+        self.normalize(Pos {
+            leaf: self.first_leaf(),
+            idx: 0,
+        })
+    }
+
+    /// Position of the first entry of the range's start bound.
+    pub fn seek_bound(&self, start: Bound<&[u8]>) -> Option<Pos> {
+        match start {
+            Bound::Unbounded => self.first(),
+            Bound::Included(k) => self.seek(k, false),
+            Bound::Excluded(k) => self.seek(k, true),
+        }
+    }
+
+    /// Move past empty tails of leaves.
+    fn normalize(&self, mut pos: Pos) -> Option<Pos> {
+        loop {
+            let leaf = self.leaf(pos.leaf)?;
+            if pos.idx < leaf.keys.len() {
+                return Some(pos);
+            }
+            pos = Pos {
+                leaf: leaf.next?,
+                idx: 0,
+            };
+        }
+    }
+
+    /// The entry at `pos`.
+    pub fn entry(&self, pos: Pos) -> Option<(&[u8], &V)> {
+        let leaf = self.leaf(pos.leaf)?;
+        Some((leaf.keys.get(pos.idx)?, leaf.vals.get(pos.idx)?))
+    }
+
+    /// The position after `pos`.
+    pub fn next_pos(&self, pos: Pos) -> Option<Pos> {
+        self.normalize(Pos {
+            leaf: pos.leaf,
+            idx: pos.idx + 1,
+        })
+    }
+
+    /// Iterate entries from `start` in key order.
+    pub fn range_from<'a>(
+        &'a self,
+        start: Bound<&[u8]>,
+    ) -> impl Iterator<Item = (&'a [u8], &'a V)> + 'a {
+        let mut pos = self.seek_bound(start);
+        std::iter::from_fn(move || {
+            let p = pos?;
+            let e = self.entry(p);
+            pos = self.next_pos(p);
+            e
+        })
+    }
+
+    /// Check the invariants; returns a description of the first violation.
+    pub fn check_invariants(&self) -> Result<(), String> {
+        let mut count = 0usize;
+        let mut last: Option<&[u8]> = None;
+        for id in self.leaf_ids() {
+            let leaf = self.leaf(id).ok_or("leaf chain reaches a non-leaf")?;
+            if leaf.keys.len() != leaf.vals.len() {
+                return Err(format!(
+                    "leaf {id}: {} keys, {} values",
+                    leaf.keys.len(),
+                    leaf.vals.len()
+                ));
+            }
+            if leaf.keys.is_empty() && id != self.root {
+                return Err(format!("non-root leaf {id} is empty"));
+            }
+            for k in &leaf.keys {
+                if last.is_some_and(|l| l >= &**k) {
+                    return Err(format!("leaf {id}: keys out of order"));
+                }
+                last = Some(k);
+            }
+            count += leaf.keys.len();
+        }
+        if count != self.len {
+            return Err(format!(
+                "leaves hold {count} entries, tree counts {}",
+                self.len
+            ));
+        }
+        self.check_node(self.root, None, None)
+    }
+
+    fn check_node(&self, id: NodeId, lo: Option<&[u8]>, hi: Option<&[u8]>) -> Result<(), String> {
+        match &self.nodes[id as usize] {
+            Node::Free => Err(format!("node {id} is free but reachable")),
+            Node::Leaf(l) => {
+                if let (Some(lo), Some(first)) = (lo, l.keys.first()) {
+                    if &**first < lo {
+                        return Err(format!("leaf {id} below its separator"));
+                    }
+                }
+                if let (Some(hi), Some(last)) = (hi, l.keys.last()) {
+                    if &**last >= hi {
+                        return Err(format!("leaf {id} above its separator"));
+                    }
+                }
+                Ok(())
+            }
+            Node::Inner { keys, children } => {
+                if children.len() != keys.len() + 1 {
+                    return Err(format!(
+                        "inner {id}: {} keys, {} children",
+                        keys.len(),
+                        children.len()
+                    ));
+                }
+                for (i, c) in children.iter().enumerate() {
+                    let clo = if i == 0 { lo } else { Some(&*keys[i - 1]) };
+                    let chi = if i == keys.len() { hi } else { Some(&*keys[i]) };
+                    self.check_node(*c, clo, chi)?;
+                }
+                Ok(())
+            }
+        }
+    }
+}
+
+#[cold]
+fn unreachable_leaf() -> ! {
+    // Only reached if a caller passes a non-leaf id obtained from this tree's own descent,
+    // which the invariants rule out.
+    panic!("B+-tree invariant violated: expected a leaf")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use rand::rngs::SmallRng;
+    use rand::{Rng, SeedableRng};
+    use std::collections::BTreeMap;
+
+    #[derive(Default, Debug)]
+    struct Touch(u32);
+    impl LeafMeta for Touch {
+        fn touched(&mut self) {
+            self.0 += 1;
+        }
+    }
+
+    #[test]
+    fn random_ops_match_btreemap() {
+        for cap in [4usize, 5, 16, 64] {
+            let mut rng = SmallRng::seed_from_u64(cap as u64);
+            let mut t: BPlusTree<u64, Touch> = BPlusTree::new(cap);
+            let mut m = BTreeMap::new();
+            for step in 0..20_000u64 {
+                let k = rng.random_range(0..2_000u32).to_be_bytes().to_vec();
+                if rng.random_bool(0.6) {
+                    assert_eq!(t.insert(&k, step).0, m.insert(k.clone(), step));
+                } else {
+                    assert_eq!(t.remove(&k).map(|x| x.0), m.remove(&k));
+                }
+                if step % 997 == 0 {
+                    t.check_invariants()
+                        .map_err(|e| format!("cap {cap} step {step}: {e}"))
+                        .unwrap_or_else(|e| panic!("{e}"));
+                    let got: Vec<(Vec<u8>, u64)> = t
+                        .range_from(Bound::Unbounded)
+                        .map(|(k, v)| (k.to_vec(), *v))
+                        .collect();
+                    let want: Vec<(Vec<u8>, u64)> =
+                        m.iter().map(|(k, v)| (k.clone(), *v)).collect();
+                    assert_eq!(got, want);
+                }
+            }
+            // Drain everything: the tree must end empty and valid.
+            let keys: Vec<Vec<u8>> = m.keys().cloned().collect();
+            for k in keys {
+                assert!(t.remove(&k).is_some());
+            }
+            assert!(t.is_empty());
+            assert_eq!(t.check_invariants(), Ok(()));
+        }
+    }
+
+    #[test]
+    fn seek_bounds() {
+        let mut t: BPlusTree<u32> = BPlusTree::new(4);
+        for i in (0..100u32).step_by(2) {
+            t.insert(&i.to_be_bytes(), i);
+        }
+        let from = |b: Bound<&[u8]>| t.range_from(b).next().map(|(_, v)| *v);
+        assert_eq!(from(Bound::Included(&7u32.to_be_bytes())), Some(8));
+        assert_eq!(from(Bound::Included(&8u32.to_be_bytes())), Some(8));
+        assert_eq!(from(Bound::Excluded(&8u32.to_be_bytes())), Some(10));
+        assert_eq!(from(Bound::Excluded(&98u32.to_be_bytes())), None);
+        assert_eq!(from(Bound::Unbounded), Some(0));
+        assert_eq!(t.get(&[]), None, "empty key absent");
+    }
+
+    #[test]
+    fn split_touches_both_halves_and_from_leaves_round_trips() {
+        let mut t: BPlusTree<u32, Touch> = BPlusTree::new(4);
+        for i in 0..5u32 {
+            t.insert(&i.to_be_bytes(), i);
+        }
+        let ids = t.leaf_ids();
+        assert_eq!(ids.len(), 2);
+        assert!(ids
+            .iter()
+            .all(|id| t.leaf(*id).is_some_and(|l| l.meta.0 > 0)));
+        let leaves: Vec<LeafEntries<u32, Touch>> = ids
+            .iter()
+            .filter_map(|id| t.leaf(*id))
+            .map(|l| {
+                (
+                    l.keys.iter().cloned().zip(l.vals.iter().copied()).collect(),
+                    Touch(0),
+                )
+            })
+            .collect();
+        let r = BPlusTree::from_leaves(4, leaves).unwrap_or_else(|| panic!("valid leaves"));
+        assert_eq!(r.check_invariants(), Ok(()));
+        assert_eq!(r.len(), 5);
+        assert_eq!(r.get(&3u32.to_be_bytes()), Some(&3));
+        let unsorted = vec![
+            (vec![(Box::from(&b"b"[..]), 1u32)], ()),
+            (vec![(Box::from(&b"a"[..]), 2u32)], ()),
+        ];
+        assert!(
+            BPlusTree::from_leaves(4, unsorted).is_none(),
+            "overlapping leaves refused"
+        );
+    }
+}

@@ -1,0 +1,3 @@
+//! In-memory and persistent index structures shared by the presets.
+
+pub mod bplus;

@@ -1,0 +1,298 @@
+//! [`Options`]: how a store is opened, with a documented default for every field.
+//!
+//! Fields marked *creation-only* shape the persistent format: they are recorded when a store
+//! is created and the recorded value wins on every later open (changing them later has no
+//! effect). All other fields may change between opens.
+
+use std::fmt;
+use std::path::PathBuf;
+use std::str::FromStr;
+use std::sync::Arc;
+
+use crate::error::Error;
+use crate::fs::Fs;
+use crate::pm::sim::SimDevice;
+
+/// Largest key tierkv accepts, and the default of [`Options::max_key_size`].
+pub const MAX_KEY_SIZE: usize = 65_535;
+/// Largest value tierkv accepts, and the default of [`Options::max_value_size`].
+pub const MAX_VALUE_SIZE: usize = 64 << 20;
+
+/// The storage design a store runs. A directory remembers its preset; opening it with
+/// another preset fails with [`Error::PresetMismatch`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
+#[non_exhaustive]
+pub enum Preset {
+    /// PMEKV (Micromachines 2020): DRAM B+-tree of key → value pointer, values in a PM heap,
+    /// KeyNodes persisted in PM, two-tier log. See [`crate::engine::pmekv`].
+    #[default]
+    Pmekv,
+}
+
+impl Preset {
+    /// Every preset this build hosts.
+    pub const ALL: &'static [Preset] = &[Preset::Pmekv];
+
+    /// The preset's command-line / on-disk name.
+    pub fn name(self) -> &'static str {
+        match self {
+            Preset::Pmekv => "pmekv",
+        }
+    }
+
+    /// Stable numeric id written to disk. Never renumber.
+    pub(crate) fn id(self) -> u32 {
+        match self {
+            Preset::Pmekv => 5,
+        }
+    }
+
+    pub(crate) fn from_id(id: u32) -> Option<Preset> {
+        Preset::ALL.iter().copied().find(|p| p.id() == id)
+    }
+}
+
+impl fmt::Display for Preset {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+impl FromStr for Preset {
+    type Err = Error;
+    fn from_str(s: &str) -> Result<Self, Error> {
+        Preset::ALL
+            .iter()
+            .copied()
+            .find(|p| p.name() == s)
+            .ok_or_else(|| {
+                let names: Vec<&str> = Preset::ALL.iter().map(|p| p.name()).collect();
+                Error::InvalidArgument(format!(
+                    "unknown preset `{s}` (known: {})",
+                    names.join(", ")
+                ))
+            })
+    }
+}
+
+/// Options of the `pmekv` preset. Defaults follow the paper where it gives one.
+#[derive(Debug, Clone)]
+pub struct PmekvOptions {
+    /// Keys per LeadNode (B+-tree leaf) and per inner node. The paper gives no figure;
+    /// default 64 (a KeyNode of 16-byte keys then fits in ~2 KiB of PM). Range 4..=1024.
+    pub node_capacity: usize,
+    /// Size of the key-value log ring in PM. *Creation-only.* Default 4 MiB. A single
+    /// [`crate::WriteBatch`] must fit in it (else [`Error::InvalidArgument`]).
+    pub kv_log_size: u64,
+    /// Size of the key log ring in PM. *Creation-only.* Default 32 MiB. When it is half full
+    /// the dirty LeadNodes are written back as KeyNodes; when full, writers wait for that.
+    pub key_log_size: u64,
+    /// Period of the background KeyNode write-back, in milliseconds. Default 1000.
+    /// 0 disables the background thread: write-back then runs in the writing thread when the
+    /// key log is half full, and at `flush()`/`close()` (deterministic; used by tests).
+    pub writeback_interval_ms: u64,
+}
+
+impl Default for PmekvOptions {
+    fn default() -> Self {
+        Self {
+            node_capacity: 64,
+            kv_log_size: 4 << 20,
+            key_log_size: 32 << 20,
+            writeback_interval_ms: 1000,
+        }
+    }
+}
+
+/// How to open a store. Build with [`Options::new`] and the chained setters.
+#[derive(Clone)]
+pub struct Options {
+    /// The design to run. Default [`Preset::Pmekv`] (the only preset this build hosts).
+    pub preset: Preset,
+    /// Create the directory and store if missing. Default `true`.
+    pub create_if_missing: bool,
+    /// Fail if the store already exists. Default `false`.
+    pub error_if_exists: bool,
+    /// Where the PM pool files live. Default `<dir>/pm`. Point it at a DAX mount for real PM
+    /// or at `/dev/shm/...` to emulate PM in DRAM. The directory records the identity of its
+    /// pool, so a wrong path is detected at open.
+    pub pm_path: Option<PathBuf>,
+    /// Also `msync` PM at commit points, so acknowledged writes survive power loss on a file
+    /// system without DAX. Default `false` (writes survive a process crash only).
+    pub pm_sync: bool,
+    /// Emulated extra latency per persisted 64-byte line, in ns (SLM-DB §6.1 used 300/500/900).
+    /// Default 0.
+    pub pm_write_latency_ns: u64,
+    /// Emulated PM write bandwidth cap in MB/s; 0 = unlimited. Default 0.
+    pub pm_write_bandwidth_mbps: u64,
+    /// Size of each PM pool file. *Creation-only.* Default 256 MiB. The region grows by
+    /// adding pools; a single value must fit in one pool.
+    pub pm_pool_size: u64,
+    /// Largest accepted key, at most [`MAX_KEY_SIZE`] (the default).
+    pub max_key_size: usize,
+    /// Largest accepted value, at most [`MAX_VALUE_SIZE`] (the default, 64 MiB).
+    pub max_value_size: usize,
+    /// Options of the `pmekv` preset.
+    pub pmekv: PmekvOptions,
+    /// File-system seam (tests inject [`crate::fs::FaultFs`]). Default: the real file system.
+    pub fs: Option<Arc<dyn Fs>>,
+    /// Simulated PM device (tests). When set, PM lives in the crash simulator instead of
+    /// pool files and `pm_path` is ignored. Default `None`.
+    pub pm_device: Option<SimDevice>,
+}
+
+impl fmt::Debug for Options {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Options")
+            .field("preset", &self.preset)
+            .field("create_if_missing", &self.create_if_missing)
+            .field("error_if_exists", &self.error_if_exists)
+            .field("pm_path", &self.pm_path)
+            .field("pm_sync", &self.pm_sync)
+            .field("pm_write_latency_ns", &self.pm_write_latency_ns)
+            .field("pm_write_bandwidth_mbps", &self.pm_write_bandwidth_mbps)
+            .field("pm_pool_size", &self.pm_pool_size)
+            .field("max_key_size", &self.max_key_size)
+            .field("max_value_size", &self.max_value_size)
+            .field("pmekv", &self.pmekv)
+            .field("fs", &self.fs.as_ref().map(|_| "custom"))
+            .field("pm_device", &self.pm_device.as_ref().map(|_| "simulated"))
+            .finish()
+    }
+}
+
+impl Default for Options {
+    fn default() -> Self {
+        Self {
+            preset: Preset::default(),
+            create_if_missing: true,
+            error_if_exists: false,
+            pm_path: None,
+            pm_sync: false,
+            pm_write_latency_ns: 0,
+            pm_write_bandwidth_mbps: 0,
+            pm_pool_size: 256 << 20,
+            max_key_size: MAX_KEY_SIZE,
+            max_value_size: MAX_VALUE_SIZE,
+            pmekv: PmekvOptions::default(),
+            fs: None,
+            pm_device: None,
+        }
+    }
+}
+
+impl Options {
+    /// Defaults, as documented on each field.
+    pub fn new() -> Self {
+        Self::default()
+    }
+    /// Set [`Options::preset`].
+    pub fn preset(mut self, preset: Preset) -> Self {
+        self.preset = preset;
+        self
+    }
+    /// Set [`Options::create_if_missing`].
+    pub fn create_if_missing(mut self, v: bool) -> Self {
+        self.create_if_missing = v;
+        self
+    }
+    /// Set [`Options::error_if_exists`].
+    pub fn error_if_exists(mut self, v: bool) -> Self {
+        self.error_if_exists = v;
+        self
+    }
+    /// Set [`Options::pm_path`].
+    pub fn pm_path(mut self, p: impl Into<PathBuf>) -> Self {
+        self.pm_path = Some(p.into());
+        self
+    }
+    /// Set [`Options::pm_sync`].
+    pub fn pm_sync(mut self, v: bool) -> Self {
+        self.pm_sync = v;
+        self
+    }
+    /// Set [`Options::pm_write_latency_ns`].
+    pub fn pm_write_latency_ns(mut self, v: u64) -> Self {
+        self.pm_write_latency_ns = v;
+        self
+    }
+    /// Set [`Options::pm_write_bandwidth_mbps`].
+    pub fn pm_write_bandwidth_mbps(mut self, v: u64) -> Self {
+        self.pm_write_bandwidth_mbps = v;
+        self
+    }
+    /// Set [`Options::pm_pool_size`].
+    pub fn pm_pool_size(mut self, v: u64) -> Self {
+        self.pm_pool_size = v;
+        self
+    }
+    /// Set [`Options::max_key_size`].
+    pub fn max_key_size(mut self, v: usize) -> Self {
+        self.max_key_size = v;
+        self
+    }
+    /// Set [`Options::max_value_size`].
+    pub fn max_value_size(mut self, v: usize) -> Self {
+        self.max_value_size = v;
+        self
+    }
+    /// Set [`Options::pmekv`].
+    pub fn pmekv(mut self, v: PmekvOptions) -> Self {
+        self.pmekv = v;
+        self
+    }
+    /// Set [`Options::fs`].
+    pub fn fs(mut self, fs: Arc<dyn Fs>) -> Self {
+        self.fs = Some(fs);
+        self
+    }
+    /// Set [`Options::pm_device`].
+    pub fn pm_device(mut self, dev: SimDevice) -> Self {
+        self.pm_device = Some(dev);
+        self
+    }
+
+    /// Reject option values no store can run with.
+    pub(crate) fn validate(&self) -> Result<(), Error> {
+        let bad = |m: String| Err(Error::InvalidArgument(m));
+        if self.max_key_size > MAX_KEY_SIZE {
+            return bad(format!(
+                "max_key_size {} exceeds {MAX_KEY_SIZE}",
+                self.max_key_size
+            ));
+        }
+        if self.max_value_size > MAX_VALUE_SIZE {
+            return bad(format!(
+                "max_value_size {} exceeds {MAX_VALUE_SIZE}",
+                self.max_value_size
+            ));
+        }
+        if self.pm_pool_size < (1 << 20)
+            || self.pm_pool_size > (1 << 40)
+            || !self.pm_pool_size.is_multiple_of(4096)
+        {
+            return bad(format!(
+                "pm_pool_size {} must be a multiple of 4096 between 1 MiB and 1 TiB",
+                self.pm_pool_size
+            ));
+        }
+        let p = &self.pmekv;
+        if !(4..=1024).contains(&p.node_capacity) {
+            return bad(format!(
+                "pmekv.node_capacity {} not in 4..=1024",
+                p.node_capacity
+            ));
+        }
+        for (name, v) in [
+            ("kv_log_size", p.kv_log_size),
+            ("key_log_size", p.key_log_size),
+        ] {
+            if v < 64 << 10 || !v.is_multiple_of(64) {
+                return bad(format!(
+                    "pmekv.{name} {v} must be a multiple of 64 and at least 64 KiB"
+                ));
+            }
+        }
+        Ok(())
+    }
+}

@@ -1,0 +1,650 @@
+//! The persistent-memory region: every PM access in tierkv goes through [`Region`].
+//!
+//! A region is a sequence of equally sized *pools*. In production each pool is a file
+//! (`pool-000000`, `pool-000001`, ... under the PM path) mapped `MAP_SHARED` (with
+//! `MAP_SYNC` when the file system supports DAX); in tracked mode each pool lives in a
+//! [`sim::SimDevice`]. Addresses are 64-bit *global offsets*: pool `i` covers
+//! `[i * pool_size, (i + 1) * pool_size)`. Offsets never become raw pointers that outlive
+//! the region; pools are only added, never remapped, so views stay valid while the region
+//! lives. Every pool starts with a 64-byte header (docs/format/pm-pool.md).
+//!
+//! # Thread safety
+//! Readers take views with [`Region::slice`]. Writes are `unsafe`: the writer guarantees that
+//! no other thread reads or writes the same bytes concurrently. The engines uphold this by
+//! writing only freshly allocated space, or log space owned by the single writer, and by
+//! publishing a location (through a lock or an 8-byte atomic store) only after its bytes are
+//! written. 8-byte words that are read while they may change use
+//! [`Region::store_u64_atomic`] / [`Region::load_u64_atomic`].
+//!
+//! # Persistence
+//! [`Region::flush`] writes lines back (CLWB, CLFLUSHOPT or CLFLUSH, see [`flush`]),
+//! [`Region::fence`] orders them (SFENCE); [`Region::persist`] is both. With `sync` the
+//! fence is followed by `msync` of the flushed pages, for power-loss durability on a file
+//! system without DAX.
+
+pub mod flush;
+pub mod sim;
+
+use std::fs::OpenOptions;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::OnceLock;
+use std::time::{Duration, Instant};
+
+use parking_lot::Mutex;
+
+use crate::error::{Error, Result};
+use crate::format::crc;
+pub use flush::{FlushInstr, LINE};
+use sim::SimDevice;
+
+/// Bytes at the start of every pool reserved for the pool header.
+pub const POOL_HEADER_LEN: u64 = 64;
+/// Most pools a region may have.
+pub const MAX_POOLS: usize = 4096;
+const POOL_MAGIC: &[u8; 8] = b"TKVPOOL\0";
+const POOL_VERSION: u32 = 1;
+
+/// Where a region's pools live.
+#[derive(Debug, Clone)]
+pub enum Backing {
+    /// Pool files in this directory.
+    Dir(PathBuf),
+    /// The crash simulator.
+    Sim(SimDevice),
+}
+
+/// How to open a [`Region`].
+#[derive(Debug, Clone)]
+pub struct RegionConfig {
+    /// Where the pools live.
+    pub backing: Backing,
+    /// Pool size for new regions (existing regions keep theirs).
+    pub pool_size: u64,
+    /// Identity of the owning store, written into every pool header and checked at open.
+    pub db_id: u64,
+    /// `msync` flushed pages at every fence.
+    pub sync: bool,
+    /// Emulated latency per persisted line (ns).
+    pub write_latency_ns: u64,
+    /// Emulated bandwidth cap (MB/s, 0 = none).
+    pub write_bandwidth_mbps: u64,
+    /// Create the first pool when none exists.
+    pub create: bool,
+}
+
+/// Counters of PM traffic.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize)]
+pub struct PmStats {
+    /// Bytes written by stores.
+    pub bytes_stored: u64,
+    /// Cache lines written back.
+    pub lines_persisted: u64,
+    /// Fences (persist calls).
+    pub persist_calls: u64,
+    /// Pools in the region.
+    pub pools: u64,
+    /// Bytes of PM mapped.
+    pub capacity: u64,
+}
+
+struct Pool {
+    base: *mut u8,
+    len: u64,
+    path: PathBuf,
+    _map: Option<Mapping>,
+}
+
+// SAFETY: `base` points into a mapping (or simulator allocation) owned by the pool or the
+// region's `SimDevice`, alive as long as the pool; access to the bytes follows the region's
+// thread-safety contract above.
+unsafe impl Send for Pool {}
+// SAFETY: as above; `&Pool` only hands out the pointer, never unsynchronised interior state.
+unsafe impl Sync for Pool {}
+
+/// A persistent-memory region. See the module docs.
+pub struct Region {
+    pools: Box<[OnceLock<Pool>]>,
+    npools: AtomicUsize,
+    pool_size: u64,
+    db_id: u64,
+    backing: Backing,
+    grow_lock: Mutex<()>,
+    instr: FlushInstr,
+    sync: bool,
+    latency_ns: u64,
+    bandwidth_bps: u64,
+    throttle: Mutex<Instant>,
+    bytes_stored: AtomicU64,
+    lines_persisted: AtomicU64,
+    persist_calls: AtomicU64,
+}
+
+impl std::fmt::Debug for Region {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Region")
+            .field("pools", &self.pool_count())
+            .field("pool_size", &self.pool_size)
+            .field("instr", &self.instr)
+            .finish()
+    }
+}
+
+fn pool_file(dir: &Path, i: usize) -> PathBuf {
+    dir.join(format!("pool-{i:06}"))
+}
+
+/// Encode a pool header (64 bytes).
+pub fn encode_pool_header(index: u32, pool_size: u64, db_id: u64) -> [u8; 64] {
+    let mut h = [0u8; 64];
+    h[0..8].copy_from_slice(POOL_MAGIC);
+    h[8..12].copy_from_slice(&POOL_VERSION.to_le_bytes());
+    h[12..16].copy_from_slice(&index.to_le_bytes());
+    h[16..24].copy_from_slice(&pool_size.to_le_bytes());
+    h[24..32].copy_from_slice(&db_id.to_le_bytes());
+    let c = crc::masked(&h[0..32]);
+    h[32..36].copy_from_slice(&c.to_le_bytes());
+    h
+}
+
+impl Region {
+    /// Open (or create) a region.
+    pub fn open(cfg: RegionConfig) -> Result<Region> {
+        let instr = FlushInstr::detect();
+        let mut pools: Vec<OnceLock<Pool>> = Vec::with_capacity(MAX_POOLS);
+        pools.resize_with(MAX_POOLS, OnceLock::new);
+        let mut region = Region {
+            pools: pools.into_boxed_slice(),
+            npools: AtomicUsize::new(0),
+            pool_size: cfg.pool_size,
+            db_id: cfg.db_id,
+            backing: cfg.backing.clone(),
+            grow_lock: Mutex::new(()),
+            instr,
+            sync: cfg.sync,
+            latency_ns: cfg.write_latency_ns,
+            bandwidth_bps: cfg.write_bandwidth_mbps.saturating_mul(1_000_000),
+            throttle: Mutex::new(Instant::now()),
+            bytes_stored: AtomicU64::new(0),
+            lines_persisted: AtomicU64::new(0),
+            persist_calls: AtomicU64::new(0),
+        };
+        let existing = region.attach_existing()?;
+        if existing == 0 {
+            if !cfg.create {
+                return Err(Error::InvalidArgument("PM region has no pools".into()));
+            }
+            region.grow()?;
+        }
+        Ok(region)
+    }
+
+    /// Map every existing pool and verify its header. Returns how many there are.
+    fn attach_existing(&mut self) -> Result<usize> {
+        let mut i = 0usize;
+        loop {
+            let pool = match &self.backing {
+                Backing::Dir(dir) => {
+                    let path = pool_file(dir, i);
+                    if !path.exists() {
+                        break;
+                    }
+                    let file = OpenOptions::new().read(true).write(true).open(&path)?;
+                    let len = file.metadata()?.len();
+                    if i == 0 {
+                        self.pool_size = len;
+                    }
+                    if len != self.pool_size || len < POOL_HEADER_LEN {
+                        return Err(Error::corruption(
+                            &path,
+                            0,
+                            format!("pool file is {len} bytes, expected {}", self.pool_size),
+                        ));
+                    }
+                    let map = map_file(&file, len)?;
+                    let base = map.ptr;
+                    Pool {
+                        base,
+                        len,
+                        path,
+                        _map: Some(map),
+                    }
+                }
+                Backing::Sim(dev) => {
+                    let Some((base, len)) = dev.pool(i) else {
+                        break;
+                    };
+                    if i == 0 {
+                        self.pool_size = len as u64;
+                    }
+                    let path = PathBuf::from(format!("<sim>/pool-{i:06}"));
+                    if len as u64 != self.pool_size || (len as u64) < POOL_HEADER_LEN {
+                        return Err(Error::corruption(
+                            path,
+                            0,
+                            format!("pool is {len} bytes, expected {}", self.pool_size),
+                        ));
+                    }
+                    Pool {
+                        base,
+                        len: len as u64,
+                        path,
+                        _map: None,
+                    }
+                }
+            };
+            self.check_header(i, &pool)?;
+            if i >= MAX_POOLS {
+                return Err(Error::corruption(
+                    pool.path,
+                    0,
+                    "more pools than a region may have",
+                ));
+            }
+            let _ = self.pools[i].set(pool);
+            i += 1;
+            self.npools.store(i, Ordering::Release);
+        }
+        Ok(i)
+    }
+
+    fn check_header(&self, i: usize, pool: &Pool) -> Result<()> {
+        // SAFETY: the pool is at least POOL_HEADER_LEN bytes (checked by the caller) and no
+        // writer exists yet.
+        let h = unsafe { std::slice::from_raw_parts(pool.base, POOL_HEADER_LEN as usize) };
+        let bad = |d: String| Err(Error::corruption(&pool.path, 0, d));
+        if &h[0..8] != POOL_MAGIC {
+            return bad("not a tierkv PM pool (bad magic)".into());
+        }
+        let stored = u32::from_le_bytes([h[32], h[33], h[34], h[35]]);
+        if stored != crc::masked(&h[0..32]) {
+            return bad("pool header checksum mismatch".into());
+        }
+        let version = u32::from_le_bytes([h[8], h[9], h[10], h[11]]);
+        if version != POOL_VERSION {
+            return bad(format!("unsupported pool format version {version}"));
+        }
+        let index = u32::from_le_bytes([h[12], h[13], h[14], h[15]]);
+        let size = u64::from_le_bytes([h[16], h[17], h[18], h[19], h[20], h[21], h[22], h[23]]);
+        let db = u64::from_le_bytes([h[24], h[25], h[26], h[27], h[28], h[29], h[30], h[31]]);
+        if index as usize != i || size != pool.len {
+            return bad(format!(
+                "pool header says index {index} size {size}, file is index {i} size {}",
+                pool.len
+            ));
+        }
+        if db != self.db_id {
+            return bad(format!(
+                "pool belongs to store {db:#x}, not {:#x}",
+                self.db_id
+            ));
+        }
+        Ok(())
+    }
+
+    /// Add one pool; returns its index.
+    pub fn grow(&self) -> Result<usize> {
+        let _g = self.grow_lock.lock();
+        let i = self.npools.load(Ordering::Acquire);
+        if i >= MAX_POOLS {
+            return Err(Error::PmFull(format!(
+                "region already has {MAX_POOLS} pools"
+            )));
+        }
+        let pool = match &self.backing {
+            Backing::Dir(dir) => {
+                std::fs::create_dir_all(dir)?;
+                let path = pool_file(dir, i);
+                let tmp = dir.join(format!("pool-{i:06}.tmp"));
+                let file = OpenOptions::new()
+                    .read(true)
+                    .write(true)
+                    .create(true)
+                    .truncate(true)
+                    .open(&tmp)?;
+                file.set_len(self.pool_size)?;
+                let map = map_file(&file, self.pool_size)?;
+                let header = encode_pool_header(i as u32, self.pool_size, self.db_id);
+                // SAFETY: fresh mapping of pool_size >= 64 bytes; nobody else sees it yet.
+                unsafe { std::ptr::copy_nonoverlapping(header.as_ptr(), map.ptr, 64) };
+                map.flush()?;
+                file.sync_all()?;
+                std::fs::rename(&tmp, &path)?;
+                crate::fs::sync_dir_path(dir)?;
+                let base = map.ptr;
+                Pool {
+                    base,
+                    len: self.pool_size,
+                    path,
+                    _map: Some(map),
+                }
+            }
+            Backing::Sim(dev) => {
+                let (idx, base) = dev.add_pool(self.pool_size as usize);
+                let header = encode_pool_header(idx as u32, self.pool_size, self.db_id);
+                // SAFETY: fresh allocation of pool_size >= 64 bytes; nobody else sees it yet.
+                unsafe { std::ptr::copy_nonoverlapping(header.as_ptr(), base, 64) };
+                dev.flush(idx, 0, 64);
+                dev.fence();
+                Pool {
+                    base,
+                    len: self.pool_size,
+                    path: PathBuf::from(format!("<sim>/pool-{idx:06}")),
+                    _map: None,
+                }
+            }
+        };
+        let _ = self.pools[i].set(pool);
+        self.npools.store(i + 1, Ordering::Release);
+        Ok(i)
+    }
+
+    /// Number of pools.
+    pub fn pool_count(&self) -> usize {
+        self.npools.load(Ordering::Acquire)
+    }
+
+    /// Size of each pool.
+    pub fn pool_size(&self) -> u64 {
+        self.pool_size
+    }
+
+    /// True when every pool is mapped with MAP_SYNC (a DAX file system).
+    pub fn is_dax(&self) -> bool {
+        (0..self.pool_count())
+            .all(|i| matches!(self.pools[i].get(), Some(Pool { _map: Some(m), .. }) if m.dax))
+    }
+
+    /// The flush instruction in use.
+    pub fn flush_instr(&self) -> FlushInstr {
+        self.instr
+    }
+
+    /// Global offset of byte `off` of pool `pool`.
+    pub fn addr(&self, pool: usize, off: u64) -> u64 {
+        pool as u64 * self.pool_size + off
+    }
+
+    /// File and in-file offset of a global offset (for error messages).
+    pub fn locate(&self, addr: u64) -> (PathBuf, u64) {
+        let i = (addr / self.pool_size) as usize;
+        match self.pools.get(i).and_then(|p| p.get()) {
+            Some(p) => (p.path.clone(), addr % self.pool_size),
+            None => (
+                PathBuf::from(format!("<pm>/pool-{i:06}")),
+                addr % self.pool_size,
+            ),
+        }
+    }
+
+    /// A [`Error::Corruption`] at global offset `addr`.
+    pub fn corruption(&self, addr: u64, detail: impl Into<String>) -> Error {
+        let (file, off) = self.locate(addr);
+        Error::corruption(file, off, detail)
+    }
+
+    /// Pool and base pointer for `[addr, addr+len)`, if it lies inside one mapped pool.
+    #[inline]
+    fn resolve(&self, addr: u64, len: u64) -> Option<*mut u8> {
+        let i = (addr / self.pool_size) as usize;
+        let off = addr % self.pool_size;
+        let end = off.checked_add(len)?;
+        let pool = self.pools.get(i)?.get()?;
+        if end > pool.len {
+            return None;
+        }
+        // SAFETY: `off < end <= pool.len`, so the result stays inside the pool mapping.
+        Some(unsafe { pool.base.add(off as usize) })
+    }
+
+    /// A read view of `[addr, addr+len)`, or `None` if the range is not inside one pool.
+    #[inline]
+    pub fn slice(&self, addr: u64, len: usize) -> Option<&[u8]> {
+        let p = self.resolve(addr, len as u64)?;
+        // SAFETY: `resolve` checked the range lies in a live mapping that outlives `&self`;
+        // concurrent writers never touch bytes other threads read (module contract).
+        Some(unsafe { std::slice::from_raw_parts(p, len) })
+    }
+
+    /// Like [`Region::slice`], but a range outside the region is [`Error::Corruption`]
+    /// (for offsets that came from persistent data).
+    pub fn slice_checked(&self, addr: u64, len: usize, what: &str) -> Result<&[u8]> {
+        self.slice(addr, len).ok_or_else(|| {
+            self.corruption(
+                addr,
+                format!("{what}: range of {len} bytes is outside the PM region"),
+            )
+        })
+    }
+
+    /// Store `bytes` at `addr` (not yet persistent).
+    ///
+    /// # Safety
+    /// No other thread may read or write `[addr, addr+bytes.len())` concurrently.
+    pub unsafe fn write(&self, addr: u64, bytes: &[u8]) -> Result<()> {
+        let p = self.resolve(addr, bytes.len() as u64).ok_or_else(|| {
+            Error::InvalidArgument(format!(
+                "PM write of {} bytes at {addr:#x} outside region",
+                bytes.len()
+            ))
+        })?;
+        // SAFETY: range checked by `resolve`; exclusivity guaranteed by the caller.
+        unsafe { std::ptr::copy_nonoverlapping(bytes.as_ptr(), p, bytes.len()) };
+        self.bytes_stored
+            .fetch_add(bytes.len() as u64, Ordering::Relaxed);
+        Ok(())
+    }
+
+    /// Failure-atomic 8-byte store (not yet persistent). `addr` must be 8-byte aligned.
+    pub fn store_u64_atomic(&self, addr: u64, v: u64) -> Result<()> {
+        let p = self.atomic_ptr(addr)?;
+        p.store(v, Ordering::Release);
+        self.bytes_stored.fetch_add(8, Ordering::Relaxed);
+        Ok(())
+    }
+
+    /// Atomic 8-byte load, pairing with [`Region::store_u64_atomic`].
+    pub fn load_u64_atomic(&self, addr: u64) -> Result<u64> {
+        Ok(self.atomic_ptr(addr)?.load(Ordering::Acquire))
+    }
+
+    fn atomic_ptr(&self, addr: u64) -> Result<&AtomicU64> {
+        if !addr.is_multiple_of(8) {
+            return Err(Error::InvalidArgument(format!(
+                "atomic PM access at unaligned offset {addr:#x}"
+            )));
+        }
+        let p = self
+            .resolve(addr, 8)
+            .ok_or_else(|| self.corruption(addr, "atomic word outside the PM region"))?;
+        // SAFETY: `p` is 8-byte aligned (pools are page aligned, `addr % 8 == 0`), inside a
+        // live mapping that outlives `&self`, and every concurrent access to this word goes
+        // through an atomic (module contract).
+        Ok(unsafe { &*(p as *const AtomicU64) })
+    }
+
+    /// Write back the lines of `[addr, addr+len)` without a fence.
+    pub fn flush(&self, addr: u64, len: u64) {
+        if len == 0 {
+            return;
+        }
+        let first = addr & !(LINE - 1);
+        let end = addr.saturating_add(len);
+        let lines = (end - first).div_ceil(LINE);
+        self.lines_persisted.fetch_add(lines, Ordering::Relaxed);
+        match &self.backing {
+            Backing::Sim(dev) => {
+                let i = (addr / self.pool_size) as usize;
+                dev.flush(i, addr % self.pool_size, len);
+            }
+            Backing::Dir(_) => {
+                let Some(base) = self.resolve(first, end - first) else {
+                    return;
+                };
+                for l in 0..lines {
+                    // SAFETY: every line start is inside `[first, end)`, which `resolve`
+                    // found inside a live mapping.
+                    unsafe { flush::flush_line(self.instr, base.add((l * LINE) as usize)) };
+                }
+                if self.sync {
+                    self.msync(first, end - first);
+                }
+            }
+        }
+        self.emulate(lines);
+    }
+
+    /// Order all earlier flushes and stores (SFENCE). A crash point in tracked mode.
+    pub fn fence(&self) {
+        self.persist_calls.fetch_add(1, Ordering::Relaxed);
+        match &self.backing {
+            Backing::Sim(dev) => dev.fence(),
+            Backing::Dir(_) => flush::sfence(),
+        }
+    }
+
+    /// [`Region::flush`] then [`Region::fence`].
+    pub fn persist(&self, addr: u64, len: u64) {
+        self.flush(addr, len);
+        self.fence();
+    }
+
+    fn msync(&self, addr: u64, len: u64) {
+        let page = 4096u64;
+        let start = addr & !(page - 1);
+        let end = addr + len;
+        if let Some(p) = self.resolve(start, end - start) {
+            // SAFETY: page-aligned range inside a live mapping. A failing msync is reported
+            // by `sync_all` at the next commit-level sync; here it is best effort.
+            unsafe {
+                libc::msync(
+                    p as *mut libc::c_void,
+                    (end - start) as usize,
+                    libc::MS_SYNC,
+                )
+            };
+        }
+    }
+
+    /// msync every pool (clean shutdown, and commit points with `pm_sync`).
+    pub fn sync_all(&self) -> Result<()> {
+        for i in 0..self.pool_count() {
+            if let Some(Pool { _map: Some(m), .. }) = self.pools[i].get() {
+                m.flush()?;
+            }
+        }
+        Ok(())
+    }
+
+    fn emulate(&self, lines: u64) {
+        if self.latency_ns > 0 {
+            spin_for(Duration::from_nanos(self.latency_ns.saturating_mul(lines)));
+        }
+        if self.bandwidth_bps > 0 {
+            let cost = Duration::from_secs_f64((lines * LINE) as f64 / self.bandwidth_bps as f64);
+            let until = {
+                let mut next = self.throttle.lock();
+                let now = Instant::now();
+                if *next < now {
+                    *next = now;
+                }
+                *next += cost;
+                *next
+            };
+            while Instant::now() < until {
+                std::hint::spin_loop();
+            }
+        }
+    }
+
+    /// Traffic counters.
+    pub fn stats(&self) -> PmStats {
+        PmStats {
+            bytes_stored: self.bytes_stored.load(Ordering::Relaxed),
+            lines_persisted: self.lines_persisted.load(Ordering::Relaxed),
+            persist_calls: self.persist_calls.load(Ordering::Relaxed),
+            pools: self.pool_count() as u64,
+            capacity: self.pool_count() as u64 * self.pool_size,
+        }
+    }
+}
+
+fn spin_for(d: Duration) {
+    let start = Instant::now();
+    while start.elapsed() < d {
+        std::hint::spin_loop();
+    }
+}
+
+/// A shared file mapping. memmap2 offers no `MAP_SYNC`, so pools are mapped with libc
+/// directly: `MAP_SHARED_VALIDATE | MAP_SYNC` on a DAX file system, else `MAP_SHARED`.
+struct Mapping {
+    ptr: *mut u8,
+    len: usize,
+    dax: bool,
+}
+
+impl Mapping {
+    fn flush(&self) -> std::io::Result<()> {
+        // SAFETY: `ptr..ptr+len` is our live mapping.
+        let rc = unsafe { libc::msync(self.ptr as *mut libc::c_void, self.len, libc::MS_SYNC) };
+        if rc == 0 {
+            Ok(())
+        } else {
+            Err(std::io::Error::last_os_error())
+        }
+    }
+}
+
+impl Drop for Mapping {
+    fn drop(&mut self) {
+        // SAFETY: unmapping exactly the mapping created in `map_file`; no view outlives the
+        // region that owns this mapping.
+        unsafe { libc::munmap(self.ptr as *mut libc::c_void, self.len) };
+    }
+}
+
+/// Map `len` bytes of `file` shared, with MAP_SYNC when the file system supports DAX.
+fn map_file(file: &std::fs::File, len: u64) -> Result<Mapping> {
+    use std::os::fd::AsRawFd;
+    const MAP_SHARED_VALIDATE: libc::c_int = 0x03;
+    const MAP_SYNC: libc::c_int = 0x80000;
+    let len =
+        usize::try_from(len).map_err(|_| Error::InvalidArgument("pool too large to map".into()))?;
+    let prot = libc::PROT_READ | libc::PROT_WRITE;
+    // SAFETY: mapping a file opened read-write by this process, length = file length; a
+    // failure is reported as MAP_FAILED and handled. The store directory is locked, so no
+    // other process truncates the file under the mapping.
+    let mut p = unsafe {
+        libc::mmap(
+            std::ptr::null_mut(),
+            len,
+            prot,
+            MAP_SHARED_VALIDATE | MAP_SYNC,
+            file.as_raw_fd(),
+            0,
+        )
+    };
+    let dax = p != libc::MAP_FAILED;
+    if !dax {
+        // SAFETY: as above, without MAP_SYNC.
+        p = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                len,
+                prot,
+                libc::MAP_SHARED,
+                file.as_raw_fd(),
+                0,
+            )
+        };
+    }
+    if p == libc::MAP_FAILED {
+        return Err(Error::Io(std::io::Error::last_os_error()));
+    }
+    Ok(Mapping {
+        ptr: p as *mut u8,
+        len,
+        dax,
+    })
+}

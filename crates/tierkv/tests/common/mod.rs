@@ -1,0 +1,259 @@
+//! Shared test harness: one generic model of the API, run against every preset.
+#![allow(dead_code, clippy::unwrap_used, clippy::expect_used)]
+
+use std::collections::BTreeMap;
+use std::ops::Bound;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use rand::rngs::SmallRng;
+use rand::{Rng, SeedableRng};
+use tierkv::fs::FaultFs;
+use tierkv::pm::sim::SimDevice;
+use tierkv::{Db, Options, PmekvOptions, Preset, WriteBatch};
+
+/// Every preset; a new preset joins every generic test by being in `Preset::ALL`.
+pub fn presets() -> &'static [Preset] {
+    Preset::ALL
+}
+
+/// Store directory used inside a `FaultFs`.
+pub fn dir() -> PathBuf {
+    PathBuf::from("/db")
+}
+
+/// Small, deterministic options on a simulated device and file system.
+pub fn sim_options(preset: Preset, dev: &SimDevice, fs: &FaultFs) -> Options {
+    Options::new()
+        .preset(preset)
+        .pm_device(dev.clone())
+        .fs(Arc::new(fs.clone()))
+        .pm_pool_size(1 << 20)
+        .max_value_size(16 << 10)
+        .pmekv(PmekvOptions {
+            node_capacity: 8,
+            kv_log_size: 64 << 10,
+            key_log_size: 64 << 10,
+            writeback_interval_ms: 0,
+        })
+}
+
+/// The reference model.
+pub type Model = BTreeMap<Vec<u8>, Vec<u8>>;
+
+/// One step of a random workload.
+#[derive(Debug, Clone)]
+pub enum Step {
+    Put(Vec<u8>, Vec<u8>),
+    Delete(Vec<u8>),
+    Batch(Vec<(Vec<u8>, Option<Vec<u8>>)>),
+    InsertIfAbsent(Vec<u8>, Vec<u8>),
+    UpdateIfPresent(Vec<u8>, Vec<u8>),
+    Get(Vec<u8>),
+    Scan(Option<Vec<u8>>, Option<Vec<u8>>),
+    Seek(Vec<u8>),
+    Flush,
+    Reopen,
+    Crash(u64, f64),
+}
+
+impl Step {
+    /// True for steps that change the store.
+    pub fn writes(&self) -> bool {
+        matches!(
+            self,
+            Step::Put(..)
+                | Step::Delete(_)
+                | Step::Batch(_)
+                | Step::InsertIfAbsent(..)
+                | Step::UpdateIfPresent(..)
+        )
+    }
+}
+
+pub fn key(rng: &mut SmallRng, space: u32) -> Vec<u8> {
+    let i = rng.random_range(0..space);
+    match i % 7 {
+        0 if i == 0 => Vec::new(),
+        1 => format!("k{i:05}-{}", "x".repeat((i % 40) as usize)).into_bytes(),
+        2 => vec![0xff, (i >> 8) as u8, i as u8, 0],
+        _ => format!("k{i:05}").into_bytes(),
+    }
+}
+
+pub fn value(rng: &mut SmallRng, step: usize) -> Vec<u8> {
+    let len = match rng.random_range(0..20) {
+        0 => 0,
+        1 => rng.random_range(1000..6000),
+        _ => rng.random_range(1..200),
+    };
+    let mut v = format!("v{step}:").into_bytes();
+    v.resize(len.max(v.len()), b'a' + (step % 26) as u8);
+    v
+}
+
+/// A random workload. `crashes` enables Reopen/Crash steps.
+pub fn workload(seed: u64, n: usize, space: u32, crashes: bool) -> Vec<Step> {
+    let mut rng = SmallRng::seed_from_u64(seed);
+    (0..n)
+        .map(|i| match rng.random_range(0..100) {
+            0..=34 => Step::Put(key(&mut rng, space), value(&mut rng, i)),
+            35..=44 => Step::Delete(key(&mut rng, space)),
+            45..=54 => {
+                let n = rng.random_range(1..6);
+                Step::Batch(
+                    (0..n)
+                        .map(|_| {
+                            (
+                                key(&mut rng, space),
+                                if rng.random_bool(0.75) {
+                                    Some(value(&mut rng, i))
+                                } else {
+                                    None
+                                },
+                            )
+                        })
+                        .collect(),
+                )
+            }
+            55..=59 => Step::InsertIfAbsent(key(&mut rng, space), value(&mut rng, i)),
+            60..=64 => Step::UpdateIfPresent(key(&mut rng, space), value(&mut rng, i)),
+            65..=79 => Step::Get(key(&mut rng, space)),
+            80..=84 => {
+                let a = key(&mut rng, space);
+                let b = key(&mut rng, space);
+                let (lo, hi) = if a <= b { (a, b) } else { (b, a) };
+                Step::Scan(
+                    rng.random_bool(0.8).then_some(lo),
+                    rng.random_bool(0.8).then_some(hi),
+                )
+            }
+            85..=87 => Step::Seek(key(&mut rng, space)),
+            88..=91 => Step::Flush,
+            92..=95 if crashes => Step::Reopen,
+            96..=99 if crashes => {
+                Step::Crash(rng.random(), [0.0, 0.5, 1.0][rng.random_range(0..3)])
+            }
+            _ => Step::Get(key(&mut rng, space)),
+        })
+        .collect()
+}
+
+/// Apply a write step to the model; returns the expected boolean result.
+pub fn model_apply(m: &mut Model, step: &Step) -> bool {
+    match step {
+        Step::Put(k, v) => {
+            m.insert(k.clone(), v.clone());
+            true
+        }
+        Step::Delete(k) => {
+            m.remove(k);
+            true
+        }
+        Step::Batch(ops) => {
+            for (k, v) in ops {
+                match v {
+                    Some(v) => m.insert(k.clone(), v.clone()),
+                    None => m.remove(k),
+                };
+            }
+            true
+        }
+        Step::InsertIfAbsent(k, v) => {
+            if m.contains_key(k) {
+                false
+            } else {
+                m.insert(k.clone(), v.clone());
+                true
+            }
+        }
+        Step::UpdateIfPresent(k, v) => {
+            if m.contains_key(k) {
+                m.insert(k.clone(), v.clone());
+                true
+            } else {
+                false
+            }
+        }
+        _ => true,
+    }
+}
+
+/// Run a write step against the store; returns its boolean result.
+pub fn db_apply(db: &Db, step: &Step) -> tierkv::Result<bool> {
+    match step {
+        Step::Put(k, v) => db.put(k, v).map(|_| true),
+        Step::Delete(k) => db.delete(k).map(|_| true),
+        Step::Batch(ops) => {
+            let mut b = WriteBatch::new();
+            for (k, v) in ops {
+                match v {
+                    Some(v) => b.put(k, v),
+                    None => b.delete(k),
+                };
+            }
+            db.write(b).map(|_| true)
+        }
+        Step::InsertIfAbsent(k, v) => db.insert_if_absent(k, v),
+        Step::UpdateIfPresent(k, v) => db.update_if_present(k, v),
+        Step::Flush => db.flush().map(|_| true),
+        _ => Ok(true),
+    }
+}
+
+/// Everything in the store, by a full scan.
+pub fn dump(db: &Db) -> Model {
+    db.scan::<(Bound<&[u8]>, Bound<&[u8]>)>((Bound::Unbounded, Bound::Unbounded))
+        .unwrap()
+        .map(|r| r.unwrap())
+        .collect()
+}
+
+/// Assert the store holds exactly `m`, through scan, get and iter, and that check is clean.
+pub fn assert_matches(db: &Db, m: &Model, ctx: &str) {
+    let got = dump(db);
+    if &got != m {
+        let extra: Vec<_> = got
+            .keys()
+            .filter(|k| !m.contains_key(*k))
+            .map(|k| tierkv::escape(k))
+            .take(5)
+            .collect();
+        let missing: Vec<_> = m
+            .keys()
+            .filter(|k| !got.contains_key(*k))
+            .map(|k| tierkv::escape(k))
+            .take(5)
+            .collect();
+        let differ: Vec<_> = m
+            .iter()
+            .filter(|(k, v)| got.get(*k).is_some_and(|g| g != *v))
+            .map(|(k, _)| tierkv::escape(k))
+            .take(5)
+            .collect();
+        panic!("{ctx}: store differs from model: extra {extra:?}, missing {missing:?}, different {differ:?}");
+    }
+    for (k, v) in m.iter().take(50) {
+        assert_eq!(
+            db.get(k).unwrap().as_ref(),
+            Some(v),
+            "{ctx}: get {}",
+            tierkv::escape(k)
+        );
+    }
+    let problems = db.check().unwrap();
+    assert!(problems.is_empty(), "{ctx}: check found {problems:?}");
+}
+
+/// A fresh real directory for tests that need real files.
+pub fn tempdir() -> tempfile::TempDir {
+    let base = if Path::new("/dev/shm").is_dir() {
+        "/dev/shm"
+    } else {
+        "/tmp"
+    };
+    tempfile::Builder::new()
+        .prefix("tierkv-test")
+        .tempdir_in(base)
+        .unwrap()
+}
