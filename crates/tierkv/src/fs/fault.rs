@@ -56,6 +56,8 @@ struct State {
     next_id: u64,
     ops: u64,
     fault: Option<(u64, FaultKind, bool)>,
+    /// After a crash point: nothing more becomes durable.
+    frozen: bool,
 }
 
 impl State {
@@ -99,6 +101,12 @@ impl FaultFs {
         self.state.lock().fault = None;
     }
 
+    /// Stop making anything durable (a crash point was reached elsewhere, e.g. in PM); the
+    /// next [`FaultFs::crash`] returns the state as of now.
+    pub fn freeze(&self) {
+        self.state.lock().frozen = true;
+    }
+
     /// Operations executed so far.
     pub fn ops(&self) -> u64 {
         self.state.lock().ops
@@ -125,6 +133,7 @@ impl FaultFs {
             next_id: s.next_id,
             ops: 0,
             fault: None,
+            frozen: false,
         };
         FaultFs {
             state: Arc::new(Mutex::new(state)),
@@ -203,11 +212,14 @@ impl FsFile for FaultFile {
     fn sync(&mut self) -> io::Result<()> {
         let mut s = self.state.lock();
         s.tick()?;
+        let frozen = s.frozen;
         let f = s
             .files
             .get_mut(&self.id)
             .ok_or_else(|| io::Error::from(io::ErrorKind::NotFound))?;
-        f.synced = f.data.len();
+        if !frozen {
+            f.synced = f.data.len();
+        }
         Ok(())
     }
     fn len(&self) -> io::Result<u64> {
@@ -315,6 +327,9 @@ impl Fs for FaultFs {
     fn sync_dir(&self, dir: &Path) -> io::Result<()> {
         let mut s = self.state.lock();
         s.tick()?;
+        if s.frozen {
+            return Ok(());
+        }
         let in_dir = |p: &PathBuf| p.parent() == Some(dir);
         s.durable_names.retain(|p, _| !in_dir(p));
         let current: Vec<(PathBuf, u64)> = s

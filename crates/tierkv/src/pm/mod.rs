@@ -169,7 +169,7 @@ impl Region {
             lines_persisted: AtomicU64::new(0),
             persist_calls: AtomicU64::new(0),
         };
-        let existing = region.attach_existing()?;
+        let existing = region.attach_existing(cfg.create)?;
         if existing == 0 {
             if !cfg.create {
                 return Err(Error::InvalidArgument("PM region has no pools".into()));
@@ -180,7 +180,10 @@ impl Region {
     }
 
     /// Map every existing pool and verify its header. Returns how many there are.
-    fn attach_existing(&mut self) -> Result<usize> {
+    ///
+    /// With `creating`, a pool whose header was never made durable (all zero: a crash hit
+    /// the creation of a store) gets its header written now instead of being refused.
+    fn attach_existing(&mut self, creating: bool) -> Result<usize> {
         let mut i = 0usize;
         loop {
             let pool = match &self.backing {
@@ -233,6 +236,18 @@ impl Region {
                     }
                 }
             };
+            // SAFETY: the pool is at least POOL_HEADER_LEN bytes and no writer exists yet.
+            let header =
+                unsafe { std::slice::from_raw_parts_mut(pool.base, POOL_HEADER_LEN as usize) };
+            if creating && header.iter().all(|&b| b == 0) {
+                header.copy_from_slice(&encode_pool_header(i as u32, pool.len, self.db_id));
+                if let Backing::Sim(dev) = &self.backing {
+                    dev.flush(i, 0, POOL_HEADER_LEN);
+                    dev.fence();
+                } else if let Some(m) = &pool._map {
+                    m.flush()?;
+                }
+            }
             self.check_header(i, &pool)?;
             if i >= MAX_POOLS {
                 return Err(Error::corruption(

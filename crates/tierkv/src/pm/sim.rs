@@ -88,6 +88,7 @@ struct SimState {
     fences: u64,
     crash_at: Option<u64>,
     frozen: Option<Frozen>,
+    on_freeze: Option<Box<dyn Fn() + Send>>,
 }
 
 /// A simulated PM device for crash testing. Cheap to clone (shared handle).
@@ -124,8 +125,15 @@ impl SimDevice {
                 fences: 0,
                 crash_at: None,
                 frozen: None,
+                on_freeze: None,
             })),
         }
+    }
+
+    /// Call `f` when the armed crash point is reached (e.g. to freeze a
+    /// [`crate::fs::FaultFs`] at the same instant, so files and PM crash together).
+    pub fn on_freeze(&self, f: impl Fn() + Send + 'static) {
+        self.state.lock().on_freeze = Some(Box::new(f));
     }
 
     /// Freeze the device just before fence number `n` (1-based) takes effect.
@@ -221,6 +229,7 @@ impl SimDevice {
                 fences: 0,
                 crash_at: None,
                 frozen: None,
+                on_freeze: None,
             })),
         }
     }
@@ -279,6 +288,9 @@ impl SimDevice {
             let durable = s.pools.iter().map(|p| p.durable.clone()).collect();
             s.frozen = Some(Frozen { volatile, durable });
             s.pending.clear();
+            if let Some(f) = &s.on_freeze {
+                f();
+            }
             return;
         }
         let pending = std::mem::take(&mut s.pending);

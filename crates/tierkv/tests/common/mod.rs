@@ -42,7 +42,7 @@ pub fn sim_options(preset: Preset, dev: &SimDevice, fs: &FaultFs) -> Options {
 pub type Model = BTreeMap<Vec<u8>, Vec<u8>>;
 
 /// One step of a random workload.
-#[derive(Debug, Clone)]
+#[derive(Clone)]
 pub enum Step {
     Put(Vec<u8>, Vec<u8>),
     Delete(Vec<u8>),
@@ -55,6 +55,47 @@ pub enum Step {
     Flush,
     Reopen,
     Crash(u64, f64),
+}
+
+fn short(v: &[u8]) -> String {
+    let e = tierkv::escape(&v[..v.len().min(24)]);
+    if v.len() > 24 {
+        format!("{e}..({} bytes)", v.len())
+    } else {
+        e
+    }
+}
+
+impl std::fmt::Debug for Step {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Step::Put(k, v) => write!(f, "Put({}, {})", short(k), short(v)),
+            Step::Delete(k) => write!(f, "Delete({})", short(k)),
+            Step::Batch(ops) => {
+                write!(f, "Batch[")?;
+                for (k, v) in ops {
+                    match v {
+                        Some(v) => write!(f, "put {}={} ", short(k), short(v))?,
+                        None => write!(f, "del {} ", short(k))?,
+                    }
+                }
+                write!(f, "]")
+            }
+            Step::InsertIfAbsent(k, v) => write!(f, "InsertIfAbsent({}, {})", short(k), short(v)),
+            Step::UpdateIfPresent(k, v) => write!(f, "UpdateIfPresent({}, {})", short(k), short(v)),
+            Step::Get(k) => write!(f, "Get({})", short(k)),
+            Step::Scan(a, b) => write!(
+                f,
+                "Scan({:?}, {:?})",
+                a.as_deref().map(short),
+                b.as_deref().map(short)
+            ),
+            Step::Seek(k) => write!(f, "Seek({})", short(k)),
+            Step::Flush => write!(f, "Flush"),
+            Step::Reopen => write!(f, "Reopen"),
+            Step::Crash(s, e) => write!(f, "Crash({s}, {e})"),
+        }
+    }
 }
 
 impl Step {
