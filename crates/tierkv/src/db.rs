@@ -282,6 +282,17 @@ impl Db {
     }
 }
 
+impl Db {
+    /// Drop the handle *without* a clean shutdown, as if the process had been killed: no
+    /// final write-back, no flush, background threads stopped where they are. For crash
+    /// tests (pair it with [`crate::pm::sim::SimDevice::simulate_crash`] and
+    /// [`crate::fs::FaultFs::crash`]).
+    pub fn simulate_process_crash(self) {
+        let engine = self.engine.write().take();
+        drop(engine);
+    }
+}
+
 impl Drop for Db {
     fn drop(&mut self) {
         let _ = self.close();

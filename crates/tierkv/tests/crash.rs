@@ -36,6 +36,7 @@ fn run(preset: Preset, steps: &[Step], crash_at: Option<u64>, during_open: bool)
     let db = Db::open(dir(), sim_options(preset, &dev, &fs)).unwrap();
     let base = dev.fences();
     if during_open {
+        db.simulate_process_crash();
         return Run {
             inflight: dev.crashed().then_some(0),
             fences: base,
@@ -51,6 +52,7 @@ fn run(preset: Preset, steps: &[Step], crash_at: Option<u64>, during_open: bool)
             db_apply(&db, s).unwrap();
         }
         if dev.crashed() {
+            db.simulate_process_crash();
             return Run {
                 fences: dev.fences() - base,
                 dev,
@@ -60,9 +62,7 @@ fn run(preset: Preset, steps: &[Step], crash_at: Option<u64>, during_open: bool)
         }
     }
     let fences = dev.fences() - base;
-    // Dropping the store would checkpoint into the frozen device; forget it instead of
-    // closing so the run ends exactly at the crash point.
-    std::mem::forget(db);
+    db.simulate_process_crash();
     Run {
         dev,
         fs,
@@ -110,7 +110,7 @@ fn check_point(preset: Preset, steps: &[Step], n: u64, seed: u64, frac: f64) {
         let want = model_apply(&mut m, s);
         assert_eq!(db_apply(&db, s).unwrap(), want, "{ctx}: after reopen {s:?}");
     }
-    drop(db);
+    db.simulate_process_crash();
     let dev = dev.simulate_crash(seed.wrapping_add(n), 0.5);
     let fs = fs.crash();
     let db = Db::open(dir(), sim_options(preset, &dev, &fs)).unwrap();

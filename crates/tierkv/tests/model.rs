@@ -49,7 +49,7 @@ fn run(preset: Preset, seed: u64, steps: usize) {
             }
             Step::Crash(s, frac) => {
                 // Every acknowledged write must survive, whatever the caches evicted.
-                drop(db);
+                db.simulate_process_crash();
                 dev = dev.simulate_crash(*s, *frac);
                 fs = fs.crash();
                 db = Db::open(dir(), sim_options(preset, &dev, &fs)).unwrap();

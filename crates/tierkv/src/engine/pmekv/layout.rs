@@ -200,18 +200,24 @@ pub fn value_alloc_size(len: usize) -> u64 {
     align_up(VALUE_HEADER + len as u64, LINE)
 }
 
-/// Encode the 8-byte header of a value record.
-pub fn value_header(value: &[u8]) -> [u8; 8] {
+/// Encode the 8-byte header of the value record of `key`.
+///
+/// The checksum covers the key (which is not stored in the record) as well as the length
+/// and the value, so a pointer that reaches another key's value — for instance through
+/// space reused after a stale checkpoint — can never verify.
+pub fn value_header(key: &[u8], value: &[u8]) -> [u8; 8] {
     let len = (value.len() as u32).to_le_bytes();
-    let c = crc::masked_parts(&[&len, value]);
+    let klen = (key.len() as u32).to_le_bytes();
+    let c = crc::masked_parts(&[&klen, key, &len, value]);
     let mut h = [0u8; 8];
     h[0..4].copy_from_slice(&c.to_le_bytes());
     h[4..8].copy_from_slice(&len);
     h
 }
 
-/// Verify a value record (`rec` = header + value); returns the value or what is wrong.
-pub fn value_verify(rec: &[u8], expect_len: u32) -> Result<&[u8], String> {
+/// Verify the value record of `key` (`rec` = header + value); returns the value or what is
+/// wrong.
+pub fn value_verify<'a>(rec: &'a [u8], key: &[u8], expect_len: u32) -> Result<&'a [u8], String> {
     let mut c = Cursor::new(rec);
     let stored = c.u32().ok_or("short value record")?;
     let len = c.u32().ok_or("short value record")?;
@@ -223,8 +229,9 @@ pub fn value_verify(rec: &[u8], expect_len: u32) -> Result<&[u8], String> {
     let value = c
         .bytes(len as usize)
         .ok_or("value record runs past its allocation")?;
-    if stored != crc::masked_parts(&[&len.to_le_bytes(), value]) {
-        return Err("value checksum mismatch".into());
+    let klen = (key.len() as u32).to_le_bytes();
+    if stored != crc::masked_parts(&[&klen, key, &len.to_le_bytes(), value]) {
+        return Err("value checksum mismatch (damaged, or not this key's value)".into());
     }
     Ok(value)
 }

@@ -279,13 +279,13 @@ impl Inner {
         Ok(addr)
     }
 
-    fn read_value(&self, v: ValueRef) -> Result<Vec<u8>> {
+    fn read_value(&self, key: &[u8], v: ValueRef) -> Result<Vec<u8>> {
         let rec = self.region.slice_checked(
             v.addr,
             (layout::VALUE_HEADER + v.len as u64) as usize,
             "value record",
         )?;
-        layout::value_verify(rec, v.len)
+        layout::value_verify(rec, key, v.len)
             .map(<[u8]>::to_vec)
             .map_err(|d| self.region.corruption(v.addr, d))
     }
@@ -308,11 +308,11 @@ impl Inner {
             let mut r = Ok(());
             for op in ops {
                 match op {
-                    BatchOp::Put { value, .. } => {
+                    BatchOp::Put { key, value } => {
                         let size = layout::value_alloc_size(value.len());
                         match self.write_new(
                             &mut heap,
-                            &[&layout::value_header(value), value],
+                            &[&layout::value_header(key, value), value],
                             size,
                         ) {
                             Ok(addr) => vals.push(Some(ValueRef {
@@ -616,7 +616,7 @@ impl Inner {
         let heap = self.heap.lock();
         let mut used: Vec<(u64, u64, String)> = Vec::new();
         for (k, v) in st.tree.range_from(Bound::Unbounded) {
-            if let Err(e) = self.read_value(*v) {
+            if let Err(e) = self.read_value(k, *v) {
                 problems.push(format!("key {}: {e}", crate::escape(k)));
             }
             used.push((
@@ -703,7 +703,7 @@ impl Engine for Pmekv {
     fn get(&self, key: &[u8]) -> Result<Option<Vec<u8>>> {
         let st = self.inner.state.read();
         match st.tree.get(key) {
-            Some(v) => self.inner.read_value(*v).map(Some),
+            Some(v) => self.inner.read_value(key, *v).map(Some),
             None => Ok(None),
         }
     }
@@ -729,7 +729,7 @@ impl Engine for Pmekv {
             if past || out.len() >= max {
                 break;
             }
-            out.push((k.to_vec(), self.inner.read_value(*v)?));
+            out.push((k.to_vec(), self.inner.read_value(k, *v)?));
         }
         Ok(out)
     }

@@ -13,6 +13,12 @@
 //! 6. if anything was replayed or a torn batch was seen, write a checkpoint at once, so the
 //!    logs start empty and stale entries can never be replayed again.
 //!
+//! Falling back to the older checkpoint slot is right when the newer record was torn by a
+//! crash (nothing it replaced has been freed yet). When the newer record was damaged later,
+//! the fallback is caught: its KeyNodes fail their checksums once reused, a key-log entry
+//! with KFlag 0 above its sequence number proves a newer checkpoint existed, and values are
+//! checksummed together with their key, so reused space never passes for a value.
+//!
 //! A damaged log entry in the middle of the log is detected (sequence numbers must run
 //! without a gap) and reported as corruption. Damage to the entries of the very last
 //! operation cannot be told apart from a write torn by the crash, exactly like a torn tail
@@ -218,9 +224,21 @@ fn recover(region: Region, sb: Superblock, capacity: usize, background: bool) ->
     let mut max_seq = ckpt.seq;
     let mut saw_live = false;
     let mut replay: Vec<LogEntry> = Vec::new();
-    for (e, flag, _) in key_log.scan(&region) {
+    for (e, flag, addr) in key_log.scan(&region) {
         max_seq = max_seq.max(e.seq);
-        if flag != 0 && e.seq > ckpt.seq {
+        if e.seq > ckpt.seq {
+            if flag == 0 {
+                // KFlags are cleared only for entries a checkpoint covers: a newer
+                // checkpoint than the one we found existed, so its record is damaged.
+                return Err(region.corruption(
+                    addr,
+                    format!(
+                        "key-log entry {} was written back by a checkpoint newer than the newest valid one ({}): \
+                         the newest checkpoint record is damaged",
+                        e.seq, ckpt.seq
+                    ),
+                ));
+            }
             saw_live = true;
             replay.push(e);
         }
@@ -250,7 +268,7 @@ fn recover(region: Region, sb: Superblock, capacity: usize, background: bool) ->
                         e.value_addr,
                         (layout::VALUE_HEADER + e.value_len as u64) as usize,
                     )
-                    .is_some_and(|rec| layout::value_verify(rec, e.value_len).is_ok())
+                    .is_some_and(|rec| layout::value_verify(rec, &e.key, e.value_len).is_ok())
         });
         if complete && values_ok {
             replay.extend(b);
