@@ -192,8 +192,7 @@ fn truncated_pool_is_corruption() {
         let copy = dev.simulate_crash(0, 0.0);
         assert!(copy.truncate_pool(0, len));
         let e = Db::open(dir(), sim_options(PRESET, &copy, &fs.crash()))
-            .err()
-            .expect("truncated pool must not open");
+            .expect_err("truncated pool must not open");
         assert!(e.is_corruption(), "pool cut to {len}: {e}");
     }
 }
@@ -207,8 +206,7 @@ fn damaged_options_file_is_corruption() {
         let b = f.read_all(&path).unwrap()[off];
         f.poke(&path, off, &[b ^ 1]).unwrap();
         let e = Db::open(dir(), sim_options(PRESET, &dev, &f))
-            .err()
-            .expect("damaged OPTIONS must not open");
+            .expect_err("damaged OPTIONS must not open");
         assert!(
             matches!(&e, Error::Corruption { file, offset, .. } if file == &path && *offset <= 32),
             "byte {off}: {e}"
@@ -216,9 +214,7 @@ fn damaged_options_file_is_corruption() {
     }
     let f = fs.crash();
     f.truncate(&path, 20).unwrap();
-    let e = Db::open(dir(), sim_options(PRESET, &dev, &f))
-        .err()
-        .expect("truncated OPTIONS");
+    let e = Db::open(dir(), sim_options(PRESET, &dev, &f)).expect_err("truncated OPTIONS");
     assert!(e.is_corruption(), "{e}");
 }
 
@@ -276,8 +272,7 @@ fn damaged_live_log_entry_is_corruption_not_silent_loss() {
     assert!(copy.poke(0, (mid + 20) as usize, &[0xee]));
     assert!(copy.poke(0, (kv_addr + 20) as usize, &[0xee]));
     let e = Db::open(dir(), sim_options(PRESET, &copy, &fs.crash()))
-        .err()
-        .expect("a lost middle log entry must not open");
+        .expect_err("a lost middle log entry must not open");
     assert!(
         matches!(&e, Error::Corruption { detail, .. } if detail.contains("missing or damaged")),
         "{e}"
@@ -309,33 +304,25 @@ fn foreign_or_garbage_pool_files_are_corruption() {
     }
     // b's pool under a's directory: it belongs to another store.
     std::fs::copy(b.join("pm/pool-000000"), a.join("pm/pool-000000")).unwrap();
-    let e = Db::open(&a, tierkv::Options::new().pmekv(small_logs()))
-        .err()
-        .expect("foreign pool");
+    let e = Db::open(&a, tierkv::Options::new().pmekv(small_logs())).expect_err("foreign pool");
     assert!(
         matches!(&e, Error::Corruption { detail, .. } if detail.contains("belongs to store")),
         "{e}"
     );
     // Garbage of the right size.
     std::fs::write(a.join("pm/pool-000000"), vec![0x42u8; 4 << 20]).unwrap();
-    let e = Db::open(&a, tierkv::Options::new().pmekv(small_logs()))
-        .err()
-        .expect("garbage pool");
+    let e = Db::open(&a, tierkv::Options::new().pmekv(small_logs())).expect_err("garbage pool");
     assert!(
         matches!(&e, Error::Corruption { detail, .. } if detail.contains("not a tierkv PM pool")),
         "{e}"
     );
     // Too small.
     std::fs::write(a.join("pm/pool-000000"), b"tiny").unwrap();
-    let e = Db::open(&a, tierkv::Options::new().pmekv(small_logs()))
-        .err()
-        .expect("tiny pool");
+    let e = Db::open(&a, tierkv::Options::new().pmekv(small_logs())).expect_err("tiny pool");
     assert!(e.is_corruption(), "{e}");
     // Missing.
     std::fs::remove_file(a.join("pm/pool-000000")).unwrap();
-    let e = Db::open(&a, tierkv::Options::new().pmekv(small_logs()))
-        .err()
-        .expect("missing pool");
+    let e = Db::open(&a, tierkv::Options::new().pmekv(small_logs())).expect_err("missing pool");
     assert!(
         matches!(&e, Error::Corruption { detail, .. } if detail.contains("missing")),
         "{e}"
