@@ -17,11 +17,7 @@ use clap::{Parser, Subcommand};
 use tierkv::{Db, Error, Options, Preset};
 
 #[derive(Parser, Debug)]
-#[command(
-    name = "tierkv",
-    version,
-    about = "tierkv: a key-value store for DRAM + persistent memory + SSD"
-)]
+#[command(name = "tierkv", version, about = "tierkv: a key-value store for DRAM + persistent memory + SSD")]
 struct Cli {
     #[command(subcommand)]
     cmd: Cmd,
@@ -98,8 +94,7 @@ fn arg_bytes(s: &std::ffi::OsStr) -> Result<Vec<u8>, Error> {
     let raw = s.as_bytes();
     let text = std::str::from_utf8(raw)
         .map_err(|_| Error::InvalidArgument("argument is not UTF-8; use \\xNN escapes".into()))?;
-    tierkv::unescape(text)
-        .ok_or_else(|| Error::InvalidArgument(format!("malformed \\xNN escape in `{text}`")))
+    tierkv::unescape(text).ok_or_else(|| Error::InvalidArgument(format!("malformed \\xNN escape in `{text}`")))
 }
 
 fn open(t: &Target, create: bool) -> Result<Db, Error> {
@@ -148,12 +143,7 @@ fn run(cli: Cli) -> Result<Outcome, Error> {
             db.delete(&key)?;
             db.close()?;
         }
-        Cmd::Scan {
-            t,
-            start,
-            end,
-            limit,
-        } => {
+        Cmd::Scan { t, start, end, limit } => {
             let start = start.map(|s| arg_bytes(&s)).transpose()?;
             let end = end.map(|s| arg_bytes(&s)).transpose()?;
             let db = open(&t, false)?;
@@ -169,8 +159,7 @@ fn run(cli: Cli) -> Result<Outcome, Error> {
             let db = open(&t, false)?;
             let s = db.stats();
             db.close()?;
-            let json = serde_json::to_string_pretty(&s)
-                .map_err(|e| Error::InvalidArgument(e.to_string()))?;
+            let json = serde_json::to_string_pretty(&s).map_err(|e| Error::InvalidArgument(e.to_string()))?;
             writeln!(out, "{json}")?;
         }
         Cmd::Check { t } => {

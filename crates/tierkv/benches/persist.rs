@@ -1,7 +1,4 @@
-#![allow(
-    clippy::unwrap_used,
-    reason = "benchmark setup: a failure should abort the run"
-)]
+#![allow(clippy::unwrap_used, reason = "benchmark setup: a failure should abort the run")]
 //! Production-mode cost of the PM layer: `Region::persist` against a bare loop of the same
 //! flush instruction + SFENCE on the same mapping. The crash simulator must cost nothing
 //! here: the ratio of the two should be ~1.
@@ -11,15 +8,8 @@ use tierkv::pm::flush::{flush_line, sfence, FlushInstr};
 use tierkv::pm::{Backing, Region, RegionConfig};
 
 fn bench(c: &mut Criterion) {
-    let base = if std::path::Path::new("/dev/shm").is_dir() {
-        "/dev/shm"
-    } else {
-        "/tmp"
-    };
-    let dir = tempfile::Builder::new()
-        .prefix("tierkv-persist-bench")
-        .tempdir_in(base)
-        .unwrap();
+    let base = if std::path::Path::new("/dev/shm").is_dir() { "/dev/shm" } else { "/tmp" };
+    let dir = tempfile::Builder::new().prefix("tierkv-persist-bench").tempdir_in(base).unwrap();
     let region = Region::open(RegionConfig {
         backing: Backing::Dir(dir.path().to_path_buf()),
         pool_size: 64 << 20,

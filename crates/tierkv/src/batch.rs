@@ -41,18 +41,13 @@ impl WriteBatch {
 
     /// Queue `key = value`.
     pub fn put(&mut self, key: impl AsRef<[u8]>, value: impl AsRef<[u8]>) -> &mut Self {
-        self.ops.push(BatchOp::Put {
-            key: key.as_ref().to_vec(),
-            value: value.as_ref().to_vec(),
-        });
+        self.ops.push(BatchOp::Put { key: key.as_ref().to_vec(), value: value.as_ref().to_vec() });
         self
     }
 
     /// Queue the removal of `key`.
     pub fn delete(&mut self, key: impl AsRef<[u8]>) -> &mut Self {
-        self.ops.push(BatchOp::Delete {
-            key: key.as_ref().to_vec(),
-        });
+        self.ops.push(BatchOp::Delete { key: key.as_ref().to_vec() });
         self
     }
 

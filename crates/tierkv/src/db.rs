@@ -26,10 +26,7 @@ pub struct Db {
 
 impl std::fmt::Debug for Db {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Db")
-            .field("dir", &self.dir)
-            .field("preset", &self.opts.preset)
-            .finish()
+        f.debug_struct("Db").field("dir", &self.dir).field("preset", &self.opts.preset).finish()
     }
 }
 
@@ -42,10 +39,7 @@ impl Db {
         let fs = CountingFs::new(base);
         if !fs.exists(&dir) {
             if !opts.create_if_missing {
-                return Err(Error::InvalidArgument(format!(
-                    "store directory {} does not exist",
-                    dir.display()
-                )));
+                return Err(Error::InvalidArgument(format!("store directory {} does not exist", dir.display())));
             }
             fs.create_dir_all(&dir)?;
         }
@@ -56,8 +50,7 @@ impl Db {
         let path = dir.join(OPTIONS_FILE);
         let (record, fresh) = if fs.exists(&path) {
             let raw = fs.read_all(&path)?;
-            let rec =
-                OptionsRecord::decode(&raw).map_err(|(off, d)| Error::corruption(&path, off, d))?;
+            let rec = OptionsRecord::decode(&raw).map_err(|(off, d)| Error::corruption(&path, off, d))?;
             if rec.preset != opts.preset {
                 return Err(Error::PresetMismatch {
                     stored: rec.preset.to_string(),
@@ -65,44 +58,23 @@ impl Db {
                 });
             }
             if rec.state == RecordState::Ready && opts.error_if_exists {
-                return Err(Error::InvalidArgument(format!(
-                    "store {} already exists",
-                    dir.display()
-                )));
+                return Err(Error::InvalidArgument(format!("store {} already exists", dir.display())));
             }
             let fresh = rec.state == RecordState::Creating;
             (rec, fresh)
         } else {
-            let rec = OptionsRecord {
-                preset: opts.preset,
-                db_id: rand::random::<u64>() | 1,
-                state: RecordState::Creating,
-            };
+            let rec =
+                OptionsRecord { preset: opts.preset, db_id: rand::random::<u64>() | 1, state: RecordState::Creating };
             fs.write_atomic(&path, &rec.encode())?;
             (rec, true)
         };
-        let ctx = EngineCtx {
-            dir: dir.clone(),
-            opts: opts.clone(),
-            fs: fs.clone(),
-            db_id: record.db_id,
-            fresh,
-        };
+        let ctx = EngineCtx { dir: dir.clone(), opts: opts.clone(), fs: fs.clone(), db_id: record.db_id, fresh };
         let engine = engine::open(opts.preset, ctx)?;
         if fresh {
-            let ready = OptionsRecord {
-                state: RecordState::Ready,
-                ..record
-            };
+            let ready = OptionsRecord { state: RecordState::Ready, ..record };
             fs.write_atomic(&path, &ready.encode())?;
         }
-        Ok(Db {
-            engine: RwLock::new(Some(engine)),
-            opts,
-            dir,
-            fs,
-            _lock: lock,
-        })
+        Ok(Db { engine: RwLock::new(Some(engine)), opts, dir, fs, _lock: lock })
     }
 
     /// The preset recorded in `dir`, or `None` if no store exists there (real file system).
@@ -112,8 +84,7 @@ impl Db {
             return Ok(None);
         }
         let raw = RealFs.read_all(&path)?;
-        let rec =
-            OptionsRecord::decode(&raw).map_err(|(off, d)| Error::corruption(&path, off, d))?;
+        let rec = OptionsRecord::decode(&raw).map_err(|(off, d)| Error::corruption(&path, off, d))?;
         Ok(Some(rec.preset))
     }
 
@@ -153,14 +124,9 @@ impl Db {
 
     /// Set `key` to `value`. Durable (see the preset's docs) when it returns.
     pub fn put(&self, key: impl AsRef<[u8]>, value: impl AsRef<[u8]>) -> Result<()> {
-        let op = BatchOp::Put {
-            key: key.as_ref().to_vec(),
-            value: value.as_ref().to_vec(),
-        };
+        let op = BatchOp::Put { key: key.as_ref().to_vec(), value: value.as_ref().to_vec() };
         self.check_op(&op)?;
-        self.engine()?
-            .write(std::slice::from_ref(&op), Cond::None)
-            .map(|_| ())
+        self.engine()?.write(std::slice::from_ref(&op), Cond::None).map(|_| ())
     }
 
     /// The value of `key`, if present.
@@ -172,40 +138,24 @@ impl Db {
 
     /// Remove `key` (no error if absent).
     pub fn delete(&self, key: impl AsRef<[u8]>) -> Result<()> {
-        let op = BatchOp::Delete {
-            key: key.as_ref().to_vec(),
-        };
+        let op = BatchOp::Delete { key: key.as_ref().to_vec() };
         self.check_op(&op)?;
-        self.engine()?
-            .write(std::slice::from_ref(&op), Cond::None)
-            .map(|_| ())
+        self.engine()?.write(std::slice::from_ref(&op), Cond::None).map(|_| ())
     }
 
     /// Set `key` only if it is absent; returns whether it was written ("insert if not
     /// exists", SLM-DB). Atomic with respect to concurrent writers.
     pub fn insert_if_absent(&self, key: impl AsRef<[u8]>, value: impl AsRef<[u8]>) -> Result<bool> {
-        let op = BatchOp::Put {
-            key: key.as_ref().to_vec(),
-            value: value.as_ref().to_vec(),
-        };
+        let op = BatchOp::Put { key: key.as_ref().to_vec(), value: value.as_ref().to_vec() };
         self.check_op(&op)?;
-        self.engine()?
-            .write(std::slice::from_ref(&op), Cond::Absent)
+        self.engine()?.write(std::slice::from_ref(&op), Cond::Absent)
     }
 
     /// Set `key` only if it is present; returns whether it was written ("insert if exists").
-    pub fn update_if_present(
-        &self,
-        key: impl AsRef<[u8]>,
-        value: impl AsRef<[u8]>,
-    ) -> Result<bool> {
-        let op = BatchOp::Put {
-            key: key.as_ref().to_vec(),
-            value: value.as_ref().to_vec(),
-        };
+    pub fn update_if_present(&self, key: impl AsRef<[u8]>, value: impl AsRef<[u8]>) -> Result<bool> {
+        let op = BatchOp::Put { key: key.as_ref().to_vec(), value: value.as_ref().to_vec() };
         self.check_op(&op)?;
-        self.engine()?
-            .write(std::slice::from_ref(&op), Cond::Present)
+        self.engine()?.write(std::slice::from_ref(&op), Cond::Present)
     }
 
     /// Apply a batch atomically: after a crash all of it is visible or none.
@@ -245,10 +195,7 @@ impl Db {
     pub fn stats(&self) -> Stats {
         let mut s = match self.engine() {
             Ok(e) => e.stats(),
-            Err(_) => Stats {
-                preset: self.opts.preset.to_string(),
-                ..Stats::default()
-            },
+            Err(_) => Stats { preset: self.opts.preset.to_string(), ..Stats::default() },
         };
         let c = self.fs.counters();
         s.disk_bytes_written += c.bytes_written.load(std::sync::atomic::Ordering::Relaxed);

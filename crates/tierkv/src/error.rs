@@ -35,9 +35,7 @@ pub enum Error {
     InvalidArgument(String),
 
     /// The directory was created with another preset.
-    #[error(
-        "preset mismatch: the directory holds a `{stored}` store, but `{requested}` was requested"
-    )]
+    #[error("preset mismatch: the directory holds a `{stored}` store, but `{requested}` was requested")]
     PresetMismatch {
         /// Preset recorded in the directory.
         stored: String,
@@ -65,16 +63,8 @@ pub enum Error {
 
 impl Error {
     /// Shorthand for [`Error::Corruption`].
-    pub(crate) fn corruption(
-        file: impl Into<PathBuf>,
-        offset: u64,
-        detail: impl Into<String>,
-    ) -> Self {
-        Error::Corruption {
-            file: file.into(),
-            offset,
-            detail: detail.into(),
-        }
+    pub(crate) fn corruption(file: impl Into<PathBuf>, offset: u64, detail: impl Into<String>) -> Self {
+        Error::Corruption { file: file.into(), offset, detail: detail.into() }
     }
 
     /// True for [`Error::Corruption`].

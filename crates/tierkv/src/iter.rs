@@ -29,29 +29,20 @@ pub struct Scan {
 
 impl std::fmt::Debug for Scan {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Scan")
-            .field("buffered", &self.buf.len())
-            .finish()
+        f.debug_struct("Scan").field("buffered", &self.buf.len()).finish()
     }
 }
 
 impl Scan {
     pub(crate) fn new(engine: Arc<dyn Engine>, start: Bound<Vec<u8>>, end: Bound<Vec<u8>>) -> Scan {
-        Scan {
-            engine,
-            next_start: Some(start),
-            end,
-            buf: VecDeque::new(),
-        }
+        Scan { engine, next_start: Some(start), end, buf: VecDeque::new() }
     }
 
     fn refill(&mut self) -> Result<()> {
         let Some(start) = self.next_start.take() else {
             return Ok(());
         };
-        let chunk =
-            self.engine
-                .scan_chunk(owned(start.as_ref()), owned(self.end.as_ref()), CHUNK)?;
+        let chunk = self.engine.scan_chunk(owned(start.as_ref()), owned(self.end.as_ref()), CHUNK)?;
         if chunk.len() == CHUNK {
             self.next_start = chunk.last().map(|(k, _)| Bound::Excluded(k.clone()));
         }
@@ -86,9 +77,7 @@ impl std::fmt::Debug for DbIterator {
 
 impl DbIterator {
     pub(crate) fn new(engine: Arc<dyn Engine>) -> DbIterator {
-        DbIterator {
-            scan: Scan::new(engine, Bound::Unbounded, Bound::Unbounded),
-        }
+        DbIterator { scan: Scan::new(engine, Bound::Unbounded, Bound::Unbounded) }
     }
 
     /// Position before the first key `>= key`.

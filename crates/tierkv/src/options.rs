@@ -61,17 +61,10 @@ impl fmt::Display for Preset {
 impl FromStr for Preset {
     type Err = Error;
     fn from_str(s: &str) -> Result<Self, Error> {
-        Preset::ALL
-            .iter()
-            .copied()
-            .find(|p| p.name() == s)
-            .ok_or_else(|| {
-                let names: Vec<&str> = Preset::ALL.iter().map(|p| p.name()).collect();
-                Error::InvalidArgument(format!(
-                    "unknown preset `{s}` (known: {})",
-                    names.join(", ")
-                ))
-            })
+        Preset::ALL.iter().copied().find(|p| p.name() == s).ok_or_else(|| {
+            let names: Vec<&str> = Preset::ALL.iter().map(|p| p.name()).collect();
+            Error::InvalidArgument(format!("unknown preset `{s}` (known: {})", names.join(", ")))
+        })
     }
 }
 
@@ -81,10 +74,12 @@ pub struct PmekvOptions {
     /// Keys per LeadNode (B+-tree leaf) and per inner node. The paper gives no figure;
     /// default 64 (a KeyNode of 16-byte keys then fits in ~2 KiB of PM). Range 4..=1024.
     pub node_capacity: usize,
-    /// Size of the key-value log ring in PM. *Creation-only.* Default 4 MiB. A single
+    /// Size of the key-value log ring in PM. *Creation-only.* Default 4 MiB, at least
+    /// 256 KiB. A single
     /// [`crate::WriteBatch`] must fit in it (else [`Error::InvalidArgument`]).
     pub kv_log_size: u64,
-    /// Size of the key log ring in PM. *Creation-only.* Default 32 MiB. When it is half full
+    /// Size of the key log ring in PM. *Creation-only.* Default 32 MiB, at least 256 KiB.
+    /// When it is half full
     /// the dirty LeadNodes are written back as KeyNodes; when full, writers wait for that.
     pub key_log_size: u64,
     /// Period of the background KeyNode write-back, in milliseconds. Default 1000.
@@ -95,12 +90,7 @@ pub struct PmekvOptions {
 
 impl Default for PmekvOptions {
     fn default() -> Self {
-        Self {
-            node_capacity: 64,
-            kv_log_size: 4 << 20,
-            key_log_size: 32 << 20,
-            writeback_interval_ms: 1000,
-        }
+        Self { node_capacity: 64, kv_log_size: 4 << 20, key_log_size: 32 << 20, writeback_interval_ms: 1000 }
     }
 }
 
@@ -256,21 +246,12 @@ impl Options {
     pub(crate) fn validate(&self) -> Result<(), Error> {
         let bad = |m: String| Err(Error::InvalidArgument(m));
         if self.max_key_size > MAX_KEY_SIZE {
-            return bad(format!(
-                "max_key_size {} exceeds {MAX_KEY_SIZE}",
-                self.max_key_size
-            ));
+            return bad(format!("max_key_size {} exceeds {MAX_KEY_SIZE}", self.max_key_size));
         }
         if self.max_value_size > MAX_VALUE_SIZE {
-            return bad(format!(
-                "max_value_size {} exceeds {MAX_VALUE_SIZE}",
-                self.max_value_size
-            ));
+            return bad(format!("max_value_size {} exceeds {MAX_VALUE_SIZE}", self.max_value_size));
         }
-        if self.pm_pool_size < (1 << 20)
-            || self.pm_pool_size > (1 << 40)
-            || !self.pm_pool_size.is_multiple_of(4096)
-        {
+        if self.pm_pool_size < (1 << 20) || self.pm_pool_size > (1 << 40) || !self.pm_pool_size.is_multiple_of(4096) {
             return bad(format!(
                 "pm_pool_size {} must be a multiple of 4096 between 1 MiB and 1 TiB",
                 self.pm_pool_size
@@ -278,19 +259,13 @@ impl Options {
         }
         let p = &self.pmekv;
         if !(4..=1024).contains(&p.node_capacity) {
-            return bad(format!(
-                "pmekv.node_capacity {} not in 4..=1024",
-                p.node_capacity
-            ));
+            return bad(format!("pmekv.node_capacity {} not in 4..=1024", p.node_capacity));
         }
-        for (name, v) in [
-            ("kv_log_size", p.kv_log_size),
-            ("key_log_size", p.key_log_size),
-        ] {
-            if v < 64 << 10 || !v.is_multiple_of(64) {
-                return bad(format!(
-                    "pmekv.{name} {v} must be a multiple of 64 and at least 64 KiB"
-                ));
+        for (name, v) in [("kv_log_size", p.kv_log_size), ("key_log_size", p.key_log_size)] {
+            // At least 256 KiB, so that one operation on the largest key (64 KiB) always
+            // fits in half a ring.
+            if v < 256 << 10 || !v.is_multiple_of(64) {
+                return bad(format!("pmekv.{name} {v} must be a multiple of 64 and at least 256 KiB"));
             }
         }
         Ok(())

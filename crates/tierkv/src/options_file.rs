@@ -53,12 +53,7 @@ impl OptionsRecord {
     /// Decode; the error carries the offset of the bad field and what is wrong.
     pub fn decode(b: &[u8]) -> Result<OptionsRecord, (u64, String)> {
         let mut c = Cursor::new(b);
-        let short = || {
-            (
-                b.len() as u64,
-                format!("record is {} bytes, expected {RECORD_LEN}", b.len()),
-            )
-        };
+        let short = || (b.len() as u64, format!("record is {} bytes, expected {RECORD_LEN}", b.len()));
         if b.len() != RECORD_LEN {
             return Err(short());
         }
@@ -82,10 +77,6 @@ impl OptionsRecord {
             2 => RecordState::Ready,
             s => return Err((24, format!("unknown state {s}"))),
         };
-        Ok(OptionsRecord {
-            preset,
-            db_id,
-            state,
-        })
+        Ok(OptionsRecord { preset, db_id, state })
     }
 }

@@ -46,10 +46,7 @@ fn build(live_log: bool) -> (SimDevice, FaultFs, Model) {
 fn verify_damaged(dev: &SimDevice, fs: &FaultFs, m: &Model, ctx: &str) -> bool {
     let db = match Db::open(dir(), sim_options(PRESET, dev, fs)) {
         Err(e) => {
-            assert!(
-                e.is_corruption(),
-                "{ctx}: open failed with a non-corruption error: {e}"
-            );
+            assert!(e.is_corruption(), "{ctx}: open failed with a non-corruption error: {e}");
             return false;
         }
         Ok(db) => db,
@@ -85,50 +82,30 @@ fn image(dev: &SimDevice) -> Vec<u8> {
 fn structures(dev: &SimDevice, m: &Model) -> Vec<(String, u64, u64)> {
     let img = image(dev);
     let sb = Superblock::decode(&img[64..128]).unwrap();
-    let slots: Vec<Option<Checkpoint>> = layout::CKPT_SLOT_ADDR
-        .iter()
-        .map(|&a| Checkpoint::decode(&img[a as usize..a as usize + 64]))
-        .collect();
-    let (active, ck) = slots
-        .iter()
-        .enumerate()
-        .filter_map(|(i, c)| c.map(|c| (i, c)))
-        .max_by_key(|(_, c)| c.generation)
-        .unwrap();
+    let slots: Vec<Option<Checkpoint>> =
+        layout::CKPT_SLOT_ADDR.iter().map(|&a| Checkpoint::decode(&img[a as usize..a as usize + 64])).collect();
+    let (active, ck) =
+        slots.iter().enumerate().filter_map(|(i, c)| c.map(|c| (i, c))).max_by_key(|(_, c)| c.generation).unwrap();
     let mut out = vec![
         ("pool header".to_string(), 0, 64),
         ("superblock".to_string(), 64, 64),
-        (
-            "active checkpoint slot".to_string(),
-            layout::CKPT_SLOT_ADDR[active],
-            64,
-        ),
+        ("active checkpoint slot".to_string(), layout::CKPT_SLOT_ADDR[active], 64),
         ("directory".to_string(), ck.dir_addr, ck.dir_bytes),
     ];
     let _ = sb;
-    let kns = layout::dir_decode(
-        &img[ck.dir_addr as usize..(ck.dir_addr + ck.dir_bytes) as usize],
-        ck.kn_count,
-    )
-    .unwrap();
+    let kns =
+        layout::dir_decode(&img[ck.dir_addr as usize..(ck.dir_addr + ck.dir_bytes) as usize], ck.kn_count).unwrap();
     let mut values = 0;
     for (i, (a, l)) in kns.iter().enumerate() {
         out.push((format!("KeyNode {i}"), *a, *l as u64));
         let entries = layout::keynode_decode(&img[*a as usize..(*a + *l as u64) as usize]).unwrap();
         for (k, v) in entries.iter().take(2) {
             assert!(m.contains_key(&**k));
-            out.push((
-                format!("value of {}", tierkv::escape(k)),
-                v.addr,
-                layout::VALUE_HEADER + v.len as u64,
-            ));
+            out.push((format!("value of {}", tierkv::escape(k)), v.addr, layout::VALUE_HEADER + v.len as u64));
             values += 1;
         }
     }
-    assert!(
-        values > 10 && kns.len() > 5,
-        "the store must have a real tree to damage"
-    );
+    assert!(values > 10 && kns.len() > 5, "the store must have a real tree to damage");
     out
 }
 
@@ -150,19 +127,14 @@ fn flipped_bytes_in_every_pm_structure() {
                 // A store that opened with a damaged value must say so in `check`.
                 if name.starts_with("value") {
                     let db = Db::open(dir(), sim_options(PRESET, &copy, &fs.crash())).unwrap();
-                    assert!(
-                        !db.check().unwrap().is_empty(),
-                        "{ctx}: check missed a damaged value"
-                    );
+                    assert!(!db.check().unwrap().is_empty(), "{ctx}: check missed a damaged value");
                 }
             }
             cases += 1;
             off += step;
         }
     }
-    eprintln!(
-        "{cases} flipped-byte cases, {opened} opened with every key correct or reported corrupt"
-    );
+    eprintln!("{cases} flipped-byte cases, {opened} opened with every key correct or reported corrupt");
     assert!(cases > 100);
 }
 
@@ -191,8 +163,7 @@ fn truncated_pool_is_corruption() {
     for len in [32usize, 4096, 600_000] {
         let copy = dev.simulate_crash(0, 0.0);
         assert!(copy.truncate_pool(0, len));
-        let e = Db::open(dir(), sim_options(PRESET, &copy, &fs.crash()))
-            .expect_err("truncated pool must not open");
+        let e = Db::open(dir(), sim_options(PRESET, &copy, &fs.crash())).expect_err("truncated pool must not open");
         assert!(e.is_corruption(), "pool cut to {len}: {e}");
     }
 }
@@ -205,8 +176,7 @@ fn damaged_options_file_is_corruption() {
         let f = fs.crash();
         let b = f.read_all(&path).unwrap()[off];
         f.poke(&path, off, &[b ^ 1]).unwrap();
-        let e = Db::open(dir(), sim_options(PRESET, &dev, &f))
-            .expect_err("damaged OPTIONS must not open");
+        let e = Db::open(dir(), sim_options(PRESET, &dev, &f)).expect_err("damaged OPTIONS must not open");
         assert!(
             matches!(&e, Error::Corruption { file, offset, .. } if file == &path && *offset <= 32),
             "byte {off}: {e}"
@@ -222,11 +192,7 @@ fn damaged_options_file_is_corruption() {
 fn log_entries(dev: &SimDevice, kind: LogKind) -> Vec<(u64, u64)> {
     let img = image(dev);
     let sb = Superblock::decode(&img[64..128]).unwrap();
-    let (start, len) = if kind == LogKind::Key {
-        sb.key_log
-    } else {
-        sb.kv_log
-    };
+    let (start, len) = if kind == LogKind::Key { sb.key_log } else { sb.kv_log };
     let mut out = Vec::new();
     let mut off = 0;
     while off < len {
@@ -248,10 +214,7 @@ fn log_entries(dev: &SimDevice, kind: LogKind) -> Vec<(u64, u64)> {
 fn damaged_live_log_entry_is_corruption_not_silent_loss() {
     let (dev, fs, m) = build(true);
     let entries = log_entries(&dev, LogKind::Key);
-    assert!(
-        entries.len() >= 20,
-        "the crashed store has live key-log entries"
-    );
+    assert!(entries.len() >= 20, "the crashed store has live key-log entries");
     // The newest 20 entries are the puts after the last checkpoint (older ones are covered
     // by it; their cleared KFlags were never persisted). Damage one in the middle of those.
     let (seq, mid) = entries[entries.len() - 10];
@@ -264,25 +227,15 @@ fn damaged_live_log_entry_is_corruption_not_silent_loss() {
     drop(db);
     // Both copies damaged: the sequence gap is detected.
     let kv = log_entries(&dev, LogKind::KeyValue);
-    let (_, kv_addr) = *kv
-        .iter()
-        .find(|(s, _)| *s == seq)
-        .expect("the entry is in the key-value log too");
+    let (_, kv_addr) = *kv.iter().find(|(s, _)| *s == seq).expect("the entry is in the key-value log too");
     let copy = dev.simulate_crash(0, 0.0);
     assert!(copy.poke(0, (mid + 20) as usize, &[0xee]));
     assert!(copy.poke(0, (kv_addr + 20) as usize, &[0xee]));
-    let e = Db::open(dir(), sim_options(PRESET, &copy, &fs.crash()))
-        .expect_err("a lost middle log entry must not open");
-    assert!(
-        matches!(&e, Error::Corruption { detail, .. } if detail.contains("missing or damaged")),
-        "{e}"
-    );
+    let e =
+        Db::open(dir(), sim_options(PRESET, &copy, &fs.crash())).expect_err("a lost middle log entry must not open");
+    assert!(matches!(&e, Error::Corruption { detail, .. } if detail.contains("missing or damaged")), "{e}");
     // The undamaged store recovers everything.
-    let db = Db::open(
-        dir(),
-        sim_options(PRESET, &dev.simulate_crash(0, 0.0), &fs.crash()),
-    )
-    .unwrap();
+    let db = Db::open(dir(), sim_options(PRESET, &dev.simulate_crash(0, 0.0), &fs.crash())).unwrap();
     assert_matches(&db, &m, "undamaged live log");
 }
 
@@ -292,30 +245,18 @@ fn foreign_or_garbage_pool_files_are_corruption() {
     let a = t.path().join("a");
     let b = t.path().join("b");
     for d in [&a, &b] {
-        let db = Db::open(
-            d,
-            tierkv::Options::new()
-                .pm_pool_size(4 << 20)
-                .pmekv(small_logs()),
-        )
-        .unwrap();
+        let db = Db::open(d, tierkv::Options::new().pm_pool_size(4 << 20).pmekv(small_logs())).unwrap();
         db.put(b"k", d.to_string_lossy().as_bytes()).unwrap();
         db.close().unwrap();
     }
     // b's pool under a's directory: it belongs to another store.
     std::fs::copy(b.join("pm/pool-000000"), a.join("pm/pool-000000")).unwrap();
     let e = Db::open(&a, tierkv::Options::new().pmekv(small_logs())).expect_err("foreign pool");
-    assert!(
-        matches!(&e, Error::Corruption { detail, .. } if detail.contains("belongs to store")),
-        "{e}"
-    );
+    assert!(matches!(&e, Error::Corruption { detail, .. } if detail.contains("belongs to store")), "{e}");
     // Garbage of the right size.
     std::fs::write(a.join("pm/pool-000000"), vec![0x42u8; 4 << 20]).unwrap();
     let e = Db::open(&a, tierkv::Options::new().pmekv(small_logs())).expect_err("garbage pool");
-    assert!(
-        matches!(&e, Error::Corruption { detail, .. } if detail.contains("not a tierkv PM pool")),
-        "{e}"
-    );
+    assert!(matches!(&e, Error::Corruption { detail, .. } if detail.contains("not a tierkv PM pool")), "{e}");
     // Too small.
     std::fs::write(a.join("pm/pool-000000"), b"tiny").unwrap();
     let e = Db::open(&a, tierkv::Options::new().pmekv(small_logs())).expect_err("tiny pool");
@@ -323,17 +264,10 @@ fn foreign_or_garbage_pool_files_are_corruption() {
     // Missing.
     std::fs::remove_file(a.join("pm/pool-000000")).unwrap();
     let e = Db::open(&a, tierkv::Options::new().pmekv(small_logs())).expect_err("missing pool");
-    assert!(
-        matches!(&e, Error::Corruption { detail, .. } if detail.contains("missing")),
-        "{e}"
-    );
+    assert!(matches!(&e, Error::Corruption { detail, .. } if detail.contains("missing")), "{e}");
     assert!(Path::new(&b).exists());
 }
 
 fn small_logs() -> tierkv::PmekvOptions {
-    tierkv::PmekvOptions {
-        kv_log_size: 64 << 10,
-        key_log_size: 256 << 10,
-        ..Default::default()
-    }
+    tierkv::PmekvOptions { kv_log_size: 256 << 10, key_log_size: 256 << 10, ..Default::default() }
 }

@@ -37,12 +37,7 @@ fn run(preset: Preset, steps: &[Step], crash_at: Option<u64>, during_open: bool)
     let base = dev.fences();
     if during_open {
         db.simulate_process_crash();
-        return Run {
-            inflight: dev.crashed().then_some(0),
-            fences: base,
-            dev,
-            fs,
-        };
+        return Run { inflight: dev.crashed().then_some(0), fences: base, dev, fs };
     }
     if let Some(n) = crash_at {
         dev.crash_before_fence(base + n);
@@ -53,22 +48,12 @@ fn run(preset: Preset, steps: &[Step], crash_at: Option<u64>, during_open: bool)
         }
         if dev.crashed() {
             db.simulate_process_crash();
-            return Run {
-                fences: dev.fences() - base,
-                dev,
-                fs,
-                inflight: Some(i),
-            };
+            return Run { fences: dev.fences() - base, dev, fs, inflight: Some(i) };
         }
     }
     let fences = dev.fences() - base;
     db.simulate_process_crash();
-    Run {
-        dev,
-        fs,
-        inflight: None,
-        fences,
-    }
+    Run { dev, fs, inflight: None, fences }
 }
 
 fn model_upto(steps: &[Step], n: usize) -> Model {
@@ -82,20 +67,14 @@ fn model_upto(steps: &[Step], n: usize) -> Model {
 /// Crash at fence `n`, reopen, verify, keep working, crash again, verify.
 fn check_point(preset: Preset, steps: &[Step], n: u64, seed: u64, frac: f64) {
     let r = run(preset, steps, Some(n), false);
-    let Some(i) = r.inflight else {
-        panic!("crash point {n} not reached")
-    };
-    let ctx = format!(
-        "{preset} seed {seed} fence {n} (step {i}: {:?}) evict {frac}",
-        steps[i]
-    );
+    let Some(i) = r.inflight else { panic!("crash point {n} not reached") };
+    let ctx = format!("{preset} seed {seed} fence {n} (step {i}: {:?}) evict {frac}", steps[i]);
     let before = model_upto(steps, i);
     let mut after = before.clone();
     model_apply(&mut after, &steps[i]);
     let dev = r.dev.simulate_crash(seed ^ n, frac);
     let fs = r.fs.crash();
-    let db = Db::open(dir(), sim_options(preset, &dev, &fs))
-        .unwrap_or_else(|e| panic!("{ctx}: reopen failed: {e}"));
+    let db = Db::open(dir(), sim_options(preset, &dev, &fs)).unwrap_or_else(|e| panic!("{ctx}: reopen failed: {e}"));
     let got = dump(&db);
     let mut m = if got == after {
         after
@@ -127,11 +106,7 @@ fn sweep(preset: Preset, seeds: std::ops::Range<u64>, steps: usize, sample: u64)
             let frac = [0.0, 0.3, 1.0][(n % 3) as usize];
             check_point(preset, &w, n, seed, frac);
             points += 1;
-            n += if sample > 1 {
-                1 + (seed * 7 + n) % sample
-            } else {
-                1
-            };
+            n += if sample > 1 { 1 + (seed * 7 + n) % sample } else { 1 };
         }
     }
     points
@@ -141,17 +116,10 @@ fn sweep(preset: Preset, seeds: std::ops::Range<u64>, steps: usize, sample: u64)
 fn crash_at_every_fence_every_preset() {
     let soak = std::env::var("TIERKV_SOAK").is_ok();
     for &preset in presets() {
-        let points = if soak {
-            sweep(preset, 0..40, 400, 3)
-        } else {
-            sweep(preset, 0..26, 70, 1)
-        };
+        let points = if soak { sweep(preset, 0..40, 400, 3) } else { sweep(preset, 0..26, 70, 1) };
         eprintln!("{preset}: {points} crash points verified");
         let want = if soak { 10_000 } else { 2_000 };
-        assert!(
-            points >= want,
-            "{preset}: only {points} crash points exercised, want >= {want}"
-        );
+        assert!(points >= want, "{preset}: only {points} crash points exercised, want >= {want}");
     }
 }
 
@@ -162,16 +130,11 @@ fn crash_during_creation_every_preset() {
         assert!(total > 0);
         for n in 1..=total {
             let r = run(preset, &[], Some(n), true);
-            assert_eq!(
-                r.inflight,
-                Some(0),
-                "{preset}: fence {n} during open not reached"
-            );
+            assert_eq!(r.inflight, Some(0), "{preset}: fence {n} during open not reached");
             let dev = r.dev.simulate_crash(n, 0.5);
             let fs = r.fs.crash();
-            let db = Db::open(dir(), sim_options(preset, &dev, &fs)).unwrap_or_else(|e| {
-                panic!("{preset}: reopen after crash at creation fence {n}: {e}")
-            });
+            let db = Db::open(dir(), sim_options(preset, &dev, &fs))
+                .unwrap_or_else(|e| panic!("{preset}: reopen after crash at creation fence {n}: {e}"));
             db.put(b"k", b"v").unwrap();
             assert_matches(
                 &db,

@@ -24,21 +24,14 @@ fn run(preset: Preset, seed: u64, steps: usize) {
                 let lo_b = lo.as_deref().map_or(Bound::Unbounded, Bound::Included);
                 let hi_b = hi.as_deref().map_or(Bound::Unbounded, Bound::Excluded);
                 let got: Vec<_> = db.scan((lo_b, hi_b)).unwrap().map(|r| r.unwrap()).collect();
-                let want: Vec<_> = m
-                    .range::<[u8], _>((lo_b, hi_b))
-                    .map(|(k, v)| (k.clone(), v.clone()))
-                    .collect();
+                let want: Vec<_> = m.range::<[u8], _>((lo_b, hi_b)).map(|(k, v)| (k.clone(), v.clone())).collect();
                 assert_eq!(got, want, "{ctx}");
             }
             Step::Seek(k) => {
                 let mut it = db.iter().unwrap();
                 it.seek(k);
                 let got: Vec<_> = (0..3).filter_map(|_| it.next().unwrap()).collect();
-                let want: Vec<_> = m
-                    .range(k.clone()..)
-                    .take(3)
-                    .map(|(k, v)| (k.clone(), v.clone()))
-                    .collect();
+                let want: Vec<_> = m.range(k.clone()..).take(3).map(|(k, v)| (k.clone(), v.clone())).collect();
                 assert_eq!(got, want, "{ctx}");
             }
             Step::Reopen => {
@@ -66,10 +59,7 @@ fn run(preset: Preset, seed: u64, steps: usize) {
 
 #[test]
 fn model_random_sequences_every_preset() {
-    let seeds: u64 = std::env::var("TIERKV_MODEL_SEEDS")
-        .ok()
-        .and_then(|s| s.parse().ok())
-        .unwrap_or(12);
+    let seeds: u64 = std::env::var("TIERKV_MODEL_SEEDS").ok().and_then(|s| s.parse().ok()).unwrap_or(12);
     for &preset in presets() {
         for seed in 0..seeds {
             run(preset, seed, 800);

@@ -51,12 +51,7 @@ pub trait Engine: Send + Sync {
     /// nothing when it does not hold.
     fn write(&self, ops: &[BatchOp], cond: Cond) -> Result<bool>;
     /// Up to `max` entries of `[start, end)` in key order, values included.
-    fn scan_chunk(
-        &self,
-        start: Bound<&[u8]>,
-        end: Bound<&[u8]>,
-        max: usize,
-    ) -> Result<Vec<(Vec<u8>, Vec<u8>)>>;
+    fn scan_chunk(&self, start: Bound<&[u8]>, end: Bound<&[u8]>, max: usize) -> Result<Vec<(Vec<u8>, Vec<u8>)>>;
     /// Finish pending background work that makes the state compact to recover (write-back,
     /// flush of memtables).
     fn flush(&self) -> Result<()>;

@@ -44,21 +44,15 @@ impl<'a> Cursor<'a> {
     }
     /// A little-endian `u16`.
     pub fn u16(&mut self) -> Option<u16> {
-        self.bytes(2)
-            .and_then(|b| b.try_into().ok())
-            .map(u16::from_le_bytes)
+        self.bytes(2).and_then(|b| b.try_into().ok()).map(u16::from_le_bytes)
     }
     /// A little-endian `u32`.
     pub fn u32(&mut self) -> Option<u32> {
-        self.bytes(4)
-            .and_then(|b| b.try_into().ok())
-            .map(u32::from_le_bytes)
+        self.bytes(4).and_then(|b| b.try_into().ok()).map(u32::from_le_bytes)
     }
     /// A little-endian `u64`.
     pub fn u64(&mut self) -> Option<u64> {
-        self.bytes(8)
-            .and_then(|b| b.try_into().ok())
-            .map(u64::from_le_bytes)
+        self.bytes(8).and_then(|b| b.try_into().ok()).map(u64::from_le_bytes)
     }
 }
 
@@ -78,10 +72,6 @@ mod tests {
         assert_eq!(c.u16(), None, "one byte left, u16 needs two");
         assert_eq!(c.u8(), Some(0));
         assert_eq!(c.u8(), None);
-        assert_eq!(
-            Cursor::new(&[0; 4]).bytes(usize::MAX),
-            None,
-            "overflowing length"
-        );
+        assert_eq!(Cursor::new(&[0; 4]).bytes(usize::MAX), None, "overflowing length");
     }
 }

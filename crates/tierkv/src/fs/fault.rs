@@ -135,22 +135,14 @@ impl FaultFs {
             fault: None,
             frozen: false,
         };
-        FaultFs {
-            state: Arc::new(Mutex::new(state)),
-        }
+        FaultFs { state: Arc::new(Mutex::new(state)) }
     }
 
     /// Overwrite bytes of `path` (durably), for corruption tests.
     pub fn poke(&self, path: &Path, off: usize, bytes: &[u8]) -> io::Result<()> {
         let mut s = self.state.lock();
-        let id = *s
-            .names
-            .get(path)
-            .ok_or_else(|| io::Error::from(io::ErrorKind::NotFound))?;
-        let f = s
-            .files
-            .get_mut(&id)
-            .ok_or_else(|| io::Error::from(io::ErrorKind::NotFound))?;
+        let id = *s.names.get(path).ok_or_else(|| io::Error::from(io::ErrorKind::NotFound))?;
+        let f = s.files.get_mut(&id).ok_or_else(|| io::Error::from(io::ErrorKind::NotFound))?;
         let end = off + bytes.len();
         if end > f.data.len() {
             f.data.resize(end, 0);
@@ -163,14 +155,8 @@ impl FaultFs {
     /// Cut `path` to `len` bytes (durably), for truncation tests.
     pub fn truncate(&self, path: &Path, len: usize) -> io::Result<()> {
         let mut s = self.state.lock();
-        let id = *s
-            .names
-            .get(path)
-            .ok_or_else(|| io::Error::from(io::ErrorKind::NotFound))?;
-        let f = s
-            .files
-            .get_mut(&id)
-            .ok_or_else(|| io::Error::from(io::ErrorKind::NotFound))?;
+        let id = *s.names.get(path).ok_or_else(|| io::Error::from(io::ErrorKind::NotFound))?;
+        let f = s.files.get_mut(&id).ok_or_else(|| io::Error::from(io::ErrorKind::NotFound))?;
         f.data.truncate(len);
         f.synced = f.synced.min(len);
         Ok(())
@@ -187,20 +173,14 @@ impl FsFile for FaultFile {
     fn append(&mut self, data: &[u8]) -> io::Result<()> {
         let mut s = self.state.lock();
         s.tick()?;
-        let f = s
-            .files
-            .get_mut(&self.id)
-            .ok_or_else(|| io::Error::from(io::ErrorKind::NotFound))?;
+        let f = s.files.get_mut(&self.id).ok_or_else(|| io::Error::from(io::ErrorKind::NotFound))?;
         f.data.extend_from_slice(data);
         Ok(())
     }
     fn read_at(&self, off: u64, buf: &mut [u8]) -> io::Result<usize> {
         let mut s = self.state.lock();
         s.tick()?;
-        let f = s
-            .files
-            .get(&self.id)
-            .ok_or_else(|| io::Error::from(io::ErrorKind::NotFound))?;
+        let f = s.files.get(&self.id).ok_or_else(|| io::Error::from(io::ErrorKind::NotFound))?;
         let off = usize::try_from(off).unwrap_or(usize::MAX);
         if off >= f.data.len() {
             return Ok(0);
@@ -213,10 +193,7 @@ impl FsFile for FaultFile {
         let mut s = self.state.lock();
         s.tick()?;
         let frozen = s.frozen;
-        let f = s
-            .files
-            .get_mut(&self.id)
-            .ok_or_else(|| io::Error::from(io::ErrorKind::NotFound))?;
+        let f = s.files.get_mut(&self.id).ok_or_else(|| io::Error::from(io::ErrorKind::NotFound))?;
         if !frozen {
             f.synced = f.data.len();
         }
@@ -268,22 +245,13 @@ impl Fs for FaultFs {
         let id = s.next_id;
         s.files.insert(id, MemFile::default());
         s.names.insert(path.to_path_buf(), id);
-        Ok(Box::new(FaultFile {
-            state: self.state.clone(),
-            id,
-        }))
+        Ok(Box::new(FaultFile { state: self.state.clone(), id }))
     }
     fn open(&self, path: &Path) -> io::Result<Box<dyn FsFile>> {
         let mut s = self.state.lock();
         s.tick()?;
-        let id = *s
-            .names
-            .get(path)
-            .ok_or_else(|| io::Error::from(io::ErrorKind::NotFound))?;
-        Ok(Box::new(FaultFile {
-            state: self.state.clone(),
-            id,
-        }))
+        let id = *s.names.get(path).ok_or_else(|| io::Error::from(io::ErrorKind::NotFound))?;
+        Ok(Box::new(FaultFile { state: self.state.clone(), id }))
     }
     fn exists(&self, path: &Path) -> bool {
         let s = self.state.lock();
@@ -292,20 +260,14 @@ impl Fs for FaultFs {
     fn rename(&self, from: &Path, to: &Path) -> io::Result<()> {
         let mut s = self.state.lock();
         s.tick()?;
-        let id = s
-            .names
-            .remove(from)
-            .ok_or_else(|| io::Error::from(io::ErrorKind::NotFound))?;
+        let id = s.names.remove(from).ok_or_else(|| io::Error::from(io::ErrorKind::NotFound))?;
         s.names.insert(to.to_path_buf(), id);
         Ok(())
     }
     fn remove(&self, path: &Path) -> io::Result<()> {
         let mut s = self.state.lock();
         s.tick()?;
-        s.names
-            .remove(path)
-            .map(|_| ())
-            .ok_or_else(|| io::Error::from(io::ErrorKind::NotFound))
+        s.names.remove(path).map(|_| ()).ok_or_else(|| io::Error::from(io::ErrorKind::NotFound))
     }
     fn list(&self, dir: &Path) -> io::Result<Vec<String>> {
         let mut s = self.state.lock();
@@ -332,12 +294,8 @@ impl Fs for FaultFs {
         }
         let in_dir = |p: &PathBuf| p.parent() == Some(dir);
         s.durable_names.retain(|p, _| !in_dir(p));
-        let current: Vec<(PathBuf, u64)> = s
-            .names
-            .iter()
-            .filter(|(p, _)| in_dir(p))
-            .map(|(p, i)| (p.clone(), *i))
-            .collect();
+        let current: Vec<(PathBuf, u64)> =
+            s.names.iter().filter(|(p, _)| in_dir(p)).map(|(p, i)| (p.clone(), *i)).collect();
         s.durable_names.extend(current);
         Ok(())
     }
@@ -347,10 +305,7 @@ impl Fs for FaultFs {
         if !s.locks.insert(path.to_path_buf()) {
             return Err(io::Error::from(io::ErrorKind::WouldBlock));
         }
-        Ok(Box::new(FaultLock {
-            state: self.state.clone(),
-            path: path.to_path_buf(),
-        }))
+        Ok(Box::new(FaultLock { state: self.state.clone(), path: path.to_path_buf() }))
     }
 }
 
@@ -373,10 +328,7 @@ mod tests {
         b.sync()?;
         let after = fs.crash();
         assert_eq!(after.read_all(&d.join("a"))?, b"hello");
-        assert!(
-            !after.exists(&d.join("b")),
-            "name never synced to the directory"
-        );
+        assert!(!after.exists(&d.join("b")), "name never synced to the directory");
         Ok(())
     }
 

@@ -111,10 +111,7 @@ pub struct CountingFs {
 impl CountingFs {
     /// Wrap `inner`.
     pub fn new(inner: Arc<dyn Fs>) -> Self {
-        CountingFs {
-            inner,
-            counters: Arc::new(IoCounters::default()),
-        }
+        CountingFs { inner, counters: Arc::new(IoCounters::default()) }
     }
     /// The counters.
     pub fn counters(&self) -> &IoCounters {
@@ -131,16 +128,12 @@ struct CountingFile {
 impl FsFile for CountingFile {
     fn append(&mut self, data: &[u8]) -> io::Result<()> {
         self.inner.append(data)?;
-        self.counters
-            .bytes_written
-            .fetch_add(data.len() as u64, Ordering::Relaxed);
+        self.counters.bytes_written.fetch_add(data.len() as u64, Ordering::Relaxed);
         Ok(())
     }
     fn read_at(&self, off: u64, buf: &mut [u8]) -> io::Result<usize> {
         let n = self.inner.read_at(off, buf)?;
-        self.counters
-            .bytes_read
-            .fetch_add(n as u64, Ordering::Relaxed);
+        self.counters.bytes_read.fetch_add(n as u64, Ordering::Relaxed);
         Ok(n)
     }
     fn sync(&mut self) -> io::Result<()> {
@@ -157,16 +150,10 @@ impl Fs for CountingFs {
         self.inner.create_dir_all(path)
     }
     fn create(&self, path: &Path) -> io::Result<Box<dyn FsFile>> {
-        Ok(Box::new(CountingFile {
-            inner: self.inner.create(path)?,
-            counters: self.counters.clone(),
-        }))
+        Ok(Box::new(CountingFile { inner: self.inner.create(path)?, counters: self.counters.clone() }))
     }
     fn open(&self, path: &Path) -> io::Result<Box<dyn FsFile>> {
-        Ok(Box::new(CountingFile {
-            inner: self.inner.open(path)?,
-            counters: self.counters.clone(),
-        }))
+        Ok(Box::new(CountingFile { inner: self.inner.open(path)?, counters: self.counters.clone() }))
     }
     fn exists(&self, path: &Path) -> bool {
         self.inner.exists(path)

@@ -45,12 +45,7 @@ impl Fs for RealFs {
         std::fs::create_dir_all(path)
     }
     fn create(&self, path: &Path) -> io::Result<Box<dyn FsFile>> {
-        let file = OpenOptions::new()
-            .read(true)
-            .write(true)
-            .create(true)
-            .truncate(true)
-            .open(path)?;
+        let file = OpenOptions::new().read(true).write(true).create(true).truncate(true).open(path)?;
         Ok(Box::new(RealFile { file, len: 0 }))
     }
     fn open(&self, path: &Path) -> io::Result<Box<dyn FsFile>> {
@@ -79,17 +74,10 @@ impl Fs for RealFs {
         super::sync_dir_path(dir)
     }
     fn lock(&self, path: &Path) -> io::Result<Box<dyn FsLock>> {
-        let file = OpenOptions::new()
-            .read(true)
-            .write(true)
-            .create(true)
-            .truncate(false)
-            .open(path)?;
+        let file = OpenOptions::new().read(true).write(true).create(true).truncate(false).open(path)?;
         match file.try_lock() {
             Ok(()) => Ok(Box::new(RealLock { _file: file })),
-            Err(std::fs::TryLockError::WouldBlock) => {
-                Err(io::Error::from(io::ErrorKind::WouldBlock))
-            }
+            Err(std::fs::TryLockError::WouldBlock) => Err(io::Error::from(io::ErrorKind::WouldBlock)),
             Err(std::fs::TryLockError::Error(e)) => Err(e),
         }
     }

@@ -53,10 +53,7 @@ pub struct Leaf<V, M> {
 
 #[derive(Debug)]
 enum Node<V, M> {
-    Inner {
-        keys: Vec<Box<[u8]>>,
-        children: Vec<NodeId>,
-    },
+    Inner { keys: Vec<Box<[u8]>>, children: Vec<NodeId> },
     Leaf(Leaf<V, M>),
     Free,
 }
@@ -84,13 +81,7 @@ pub struct BPlusTree<V, M = ()> {
 impl<V, M: LeafMeta> BPlusTree<V, M> {
     /// An empty tree whose nodes hold up to `capacity` (>= 4) entries.
     pub fn new(capacity: usize) -> Self {
-        let leaf = Leaf {
-            keys: Vec::new(),
-            vals: Vec::new(),
-            next: None,
-            prev: None,
-            meta: M::default(),
-        };
+        let leaf = Leaf { keys: Vec::new(), vals: Vec::new(), next: None, prev: None, meta: M::default() };
         BPlusTree {
             nodes: vec![Node::Leaf(leaf)],
             free: Vec::new(),
@@ -133,13 +124,7 @@ impl<V, M: LeafMeta> BPlusTree<V, M> {
             let first = keys.first().cloned().unwrap_or_default();
             let prev = if i == 0 { None } else { Some(id - 1) };
             let next = if i + 1 == n { None } else { Some(id + 1) };
-            t.nodes.push(Node::Leaf(Leaf {
-                keys,
-                vals,
-                next,
-                prev,
-                meta,
-            }));
+            t.nodes.push(Node::Leaf(Leaf { keys, vals, next, prev, meta }));
             level.push((first, id));
         }
         // Build inner levels bottom-up, `capacity` children per node at most.
@@ -257,10 +242,7 @@ impl<V, M: LeafMeta> BPlusTree<V, M> {
     pub fn get(&self, key: &[u8]) -> Option<&V> {
         let mut path = Vec::new();
         let leaf = self.leaf(self.descend(key, &mut path))?;
-        leaf.keys
-            .binary_search_by(|k| (**k).cmp(key))
-            .ok()
-            .and_then(|i| leaf.vals.get(i))
+        leaf.keys.binary_search_by(|k| (**k).cmp(key)).ok().and_then(|i| leaf.vals.get(i))
     }
 
     /// Insert or replace; returns the old value and the leaf now holding `key`.
@@ -311,21 +293,13 @@ impl<V, M: LeafMeta> BPlusTree<V, M> {
     }
 
     /// Insert `(sep, right)` into the parent at the end of `path`, splitting upwards.
-    fn insert_separator(
-        &mut self,
-        mut path: Vec<(NodeId, usize)>,
-        mut sep: Box<[u8]>,
-        mut right: NodeId,
-    ) {
+    fn insert_separator(&mut self, mut path: Vec<(NodeId, usize)>, mut sep: Box<[u8]>, mut right: NodeId) {
         let cap = self.capacity;
         loop {
             let Some((parent, idx)) = path.pop() else {
                 // The root split: grow a level.
                 let old_root = self.root;
-                self.root = self.alloc(Node::Inner {
-                    keys: vec![sep],
-                    children: vec![old_root, right],
-                });
+                self.root = self.alloc(Node::Inner { keys: vec![sep], children: vec![old_root, right] });
                 return;
             };
             let Node::Inner { keys, children } = &mut self.nodes[parent as usize] else {
@@ -341,10 +315,7 @@ impl<V, M: LeafMeta> BPlusTree<V, M> {
             let up = keys.pop().unwrap_or_default();
             let right_children = children.split_off(mid + 1);
             sep = up;
-            right = self.alloc(Node::Inner {
-                keys: right_keys,
-                children: right_children,
-            });
+            right = self.alloc(Node::Inner { keys: right_keys, children: right_children });
         }
     }
 
@@ -403,13 +374,7 @@ impl<V, M: LeafMeta> BPlusTree<V, M> {
             if path.is_empty() {
                 // The root lost its last child: the tree is empty.
                 self.release(parent);
-                let leaf = Leaf {
-                    keys: Vec::new(),
-                    vals: Vec::new(),
-                    next: None,
-                    prev: None,
-                    meta: M::default(),
-                };
+                let leaf = Leaf { keys: Vec::new(), vals: Vec::new(), next: None, prev: None, meta: M::default() };
                 self.root = self.alloc(Node::Leaf(leaf));
                 return;
             }
@@ -441,20 +406,13 @@ impl<V, M: LeafMeta> BPlusTree<V, M> {
         let Some(&sib) = children.get(idx + 1) else {
             return;
         };
-        let (a, b) = (
-            self.leaf_mut(leaf_id).keys.len(),
-            self.leaf_mut(sib).keys.len(),
-        );
+        let (a, b) = (self.leaf_mut(leaf_id).keys.len(), self.leaf_mut(sib).keys.len());
         if a + b > self.capacity / 2 {
             return;
         }
         let (keys, vals, next) = {
             let s = self.leaf_mut(sib);
-            (
-                std::mem::take(&mut s.keys),
-                std::mem::take(&mut s.vals),
-                s.next,
-            )
+            (std::mem::take(&mut s.keys), std::mem::take(&mut s.vals), s.next)
         };
         let l = self.leaf_mut(leaf_id);
         l.keys.extend(keys);
@@ -487,10 +445,7 @@ impl<V, M: LeafMeta> BPlusTree<V, M> {
 
     /// Position of the first entry.
     pub fn first(&self) -> Option<Pos> {
-        self.normalize(Pos {
-            leaf: self.first_leaf(),
-            idx: 0,
-        })
+        self.normalize(Pos { leaf: self.first_leaf(), idx: 0 })
     }
 
     /// Position of the first entry of the range's start bound.
@@ -509,10 +464,7 @@ impl<V, M: LeafMeta> BPlusTree<V, M> {
             if pos.idx < leaf.keys.len() {
                 return Some(pos);
             }
-            pos = Pos {
-                leaf: leaf.next?,
-                idx: 0,
-            };
+            pos = Pos { leaf: leaf.next?, idx: 0 };
         }
     }
 
@@ -524,17 +476,11 @@ impl<V, M: LeafMeta> BPlusTree<V, M> {
 
     /// The position after `pos`.
     pub fn next_pos(&self, pos: Pos) -> Option<Pos> {
-        self.normalize(Pos {
-            leaf: pos.leaf,
-            idx: pos.idx + 1,
-        })
+        self.normalize(Pos { leaf: pos.leaf, idx: pos.idx + 1 })
     }
 
     /// Iterate entries from `start` in key order.
-    pub fn range_from<'a>(
-        &'a self,
-        start: Bound<&[u8]>,
-    ) -> impl Iterator<Item = (&'a [u8], &'a V)> + 'a {
+    pub fn range_from<'a>(&'a self, start: Bound<&[u8]>) -> impl Iterator<Item = (&'a [u8], &'a V)> + 'a {
         let mut pos = self.seek_bound(start);
         std::iter::from_fn(move || {
             let p = pos?;
@@ -551,11 +497,7 @@ impl<V, M: LeafMeta> BPlusTree<V, M> {
         for id in self.leaf_ids() {
             let leaf = self.leaf(id).ok_or("leaf chain reaches a non-leaf")?;
             if leaf.keys.len() != leaf.vals.len() {
-                return Err(format!(
-                    "leaf {id}: {} keys, {} values",
-                    leaf.keys.len(),
-                    leaf.vals.len()
-                ));
+                return Err(format!("leaf {id}: {} keys, {} values", leaf.keys.len(), leaf.vals.len()));
             }
             if leaf.keys.is_empty() && id != self.root {
                 return Err(format!("non-root leaf {id} is empty"));
@@ -569,10 +511,7 @@ impl<V, M: LeafMeta> BPlusTree<V, M> {
             count += leaf.keys.len();
         }
         if count != self.len {
-            return Err(format!(
-                "leaves hold {count} entries, tree counts {}",
-                self.len
-            ));
+            return Err(format!("leaves hold {count} entries, tree counts {}", self.len));
         }
         self.check_node(self.root, None, None)
     }
@@ -595,11 +534,7 @@ impl<V, M: LeafMeta> BPlusTree<V, M> {
             }
             Node::Inner { keys, children } => {
                 if children.len() != keys.len() + 1 {
-                    return Err(format!(
-                        "inner {id}: {} keys, {} children",
-                        keys.len(),
-                        children.len()
-                    ));
+                    return Err(format!("inner {id}: {} keys, {} children", keys.len(), children.len()));
                 }
                 for (i, c) in children.iter().enumerate() {
                     let clo = if i == 0 { lo } else { Some(&*keys[i - 1]) };
@@ -651,12 +586,9 @@ mod tests {
                     t.check_invariants()
                         .map_err(|e| format!("cap {cap} step {step}: {e}"))
                         .unwrap_or_else(|e| panic!("{e}"));
-                    let got: Vec<(Vec<u8>, u64)> = t
-                        .range_from(Bound::Unbounded)
-                        .map(|(k, v)| (k.to_vec(), *v))
-                        .collect();
-                    let want: Vec<(Vec<u8>, u64)> =
-                        m.iter().map(|(k, v)| (k.clone(), *v)).collect();
+                    let got: Vec<(Vec<u8>, u64)> =
+                        t.range_from(Bound::Unbounded).map(|(k, v)| (k.to_vec(), *v)).collect();
+                    let want: Vec<(Vec<u8>, u64)> = m.iter().map(|(k, v)| (k.clone(), *v)).collect();
                     assert_eq!(got, want);
                 }
             }
@@ -693,30 +625,17 @@ mod tests {
         }
         let ids = t.leaf_ids();
         assert_eq!(ids.len(), 2);
-        assert!(ids
-            .iter()
-            .all(|id| t.leaf(*id).is_some_and(|l| l.meta.0 > 0)));
+        assert!(ids.iter().all(|id| t.leaf(*id).is_some_and(|l| l.meta.0 > 0)));
         let leaves: Vec<LeafEntries<u32, Touch>> = ids
             .iter()
             .filter_map(|id| t.leaf(*id))
-            .map(|l| {
-                (
-                    l.keys.iter().cloned().zip(l.vals.iter().copied()).collect(),
-                    Touch(0),
-                )
-            })
+            .map(|l| (l.keys.iter().cloned().zip(l.vals.iter().copied()).collect(), Touch(0)))
             .collect();
         let r = BPlusTree::from_leaves(4, leaves).unwrap_or_else(|| panic!("valid leaves"));
         assert_eq!(r.check_invariants(), Ok(()));
         assert_eq!(r.len(), 5);
         assert_eq!(r.get(&3u32.to_be_bytes()), Some(&3));
-        let unsorted = vec![
-            (vec![(Box::from(&b"b"[..]), 1u32)], ()),
-            (vec![(Box::from(&b"a"[..]), 2u32)], ()),
-        ];
-        assert!(
-            BPlusTree::from_leaves(4, unsorted).is_none(),
-            "overlapping leaves refused"
-        );
+        let unsorted = vec![(vec![(Box::from(&b"b"[..]), 1u32)], ()), (vec![(Box::from(&b"a"[..]), 2u32)], ())];
+        assert!(BPlusTree::from_leaves(4, unsorted).is_none(), "overlapping leaves refused");
     }
 }

@@ -48,11 +48,7 @@ fn detect_uncached() -> FlushInstr {
     // leaf, and leaf 7 is queried only when it exists.
     let max = __cpuid(0).eax;
     let leaf1 = __cpuid(1);
-    let leaf7 = if max >= 7 {
-        Some(__cpuid_count(7, 0))
-    } else {
-        None
-    };
+    let leaf7 = if max >= 7 { Some(__cpuid_count(7, 0)) } else { None };
     if let Some(l7) = leaf7 {
         if l7.ebx & (1 << 24) != 0 {
             return FlushInstr::Clwb;
@@ -122,10 +118,7 @@ mod tests {
         let buf = vec![7u8; 256];
         let best = FlushInstr::detect();
         let mut usable = vec![FlushInstr::Fence];
-        if matches!(
-            best,
-            FlushInstr::Clwb | FlushInstr::ClflushOpt | FlushInstr::Clflush
-        ) {
+        if matches!(best, FlushInstr::Clwb | FlushInstr::ClflushOpt | FlushInstr::Clflush) {
             usable.push(FlushInstr::Clflush);
         }
         if matches!(best, FlushInstr::Clwb | FlushInstr::ClflushOpt) {
@@ -141,9 +134,6 @@ mod tests {
             }
             sfence();
         }
-        assert!(
-            buf.iter().all(|&b| b == 7),
-            "flushing must not change memory"
-        );
+        assert!(buf.iter().all(|&b| b == 7), "flushing must not change memory");
     }
 }

@@ -206,12 +206,7 @@ impl Region {
                     }
                     let map = map_file(&file, len)?;
                     let base = map.ptr;
-                    Pool {
-                        base,
-                        len,
-                        path,
-                        _map: Some(map),
-                    }
+                    Pool { base, len, path, _map: Some(map) }
                 }
                 Backing::Sim(dev) => {
                     let Some((base, len)) = dev.pool(i) else {
@@ -228,17 +223,11 @@ impl Region {
                             format!("pool is {len} bytes, expected {}", self.pool_size),
                         ));
                     }
-                    Pool {
-                        base,
-                        len: len as u64,
-                        path,
-                        _map: None,
-                    }
+                    Pool { base, len: len as u64, path, _map: None }
                 }
             };
             // SAFETY: the pool is at least POOL_HEADER_LEN bytes and no writer exists yet.
-            let header =
-                unsafe { std::slice::from_raw_parts_mut(pool.base, POOL_HEADER_LEN as usize) };
+            let header = unsafe { std::slice::from_raw_parts_mut(pool.base, POOL_HEADER_LEN as usize) };
             if creating && header.iter().all(|&b| b == 0) {
                 header.copy_from_slice(&encode_pool_header(i as u32, pool.len, self.db_id));
                 if let Backing::Sim(dev) = &self.backing {
@@ -250,11 +239,7 @@ impl Region {
             }
             self.check_header(i, &pool)?;
             if i >= MAX_POOLS {
-                return Err(Error::corruption(
-                    pool.path,
-                    0,
-                    "more pools than a region may have",
-                ));
+                return Err(Error::corruption(pool.path, 0, "more pools than a region may have"));
             }
             let _ = self.pools[i].set(pool);
             i += 1;
@@ -283,16 +268,10 @@ impl Region {
         let size = u64::from_le_bytes([h[16], h[17], h[18], h[19], h[20], h[21], h[22], h[23]]);
         let db = u64::from_le_bytes([h[24], h[25], h[26], h[27], h[28], h[29], h[30], h[31]]);
         if index as usize != i || size != pool.len {
-            return bad(format!(
-                "pool header says index {index} size {size}, file is index {i} size {}",
-                pool.len
-            ));
+            return bad(format!("pool header says index {index} size {size}, file is index {i} size {}", pool.len));
         }
         if db != self.db_id {
-            return bad(format!(
-                "pool belongs to store {db:#x}, not {:#x}",
-                self.db_id
-            ));
+            return bad(format!("pool belongs to store {db:#x}, not {:#x}", self.db_id));
         }
         Ok(())
     }
@@ -302,21 +281,14 @@ impl Region {
         let _g = self.grow_lock.lock();
         let i = self.npools.load(Ordering::Acquire);
         if i >= MAX_POOLS {
-            return Err(Error::PmFull(format!(
-                "region already has {MAX_POOLS} pools"
-            )));
+            return Err(Error::PmFull(format!("region already has {MAX_POOLS} pools")));
         }
         let pool = match &self.backing {
             Backing::Dir(dir) => {
                 std::fs::create_dir_all(dir)?;
                 let path = pool_file(dir, i);
                 let tmp = dir.join(format!("pool-{i:06}.tmp"));
-                let file = OpenOptions::new()
-                    .read(true)
-                    .write(true)
-                    .create(true)
-                    .truncate(true)
-                    .open(&tmp)?;
+                let file = OpenOptions::new().read(true).write(true).create(true).truncate(true).open(&tmp)?;
                 file.set_len(self.pool_size)?;
                 let map = map_file(&file, self.pool_size)?;
                 let header = encode_pool_header(i as u32, self.pool_size, self.db_id);
@@ -327,12 +299,7 @@ impl Region {
                 std::fs::rename(&tmp, &path)?;
                 crate::fs::sync_dir_path(dir)?;
                 let base = map.ptr;
-                Pool {
-                    base,
-                    len: self.pool_size,
-                    path,
-                    _map: Some(map),
-                }
+                Pool { base, len: self.pool_size, path, _map: Some(map) }
             }
             Backing::Sim(dev) => {
                 let (idx, base) = dev.add_pool(self.pool_size as usize);
@@ -341,12 +308,7 @@ impl Region {
                 unsafe { std::ptr::copy_nonoverlapping(header.as_ptr(), base, 64) };
                 dev.flush(idx, 0, 64);
                 dev.fence();
-                Pool {
-                    base,
-                    len: self.pool_size,
-                    path: PathBuf::from(format!("<sim>/pool-{idx:06}")),
-                    _map: None,
-                }
+                Pool { base, len: self.pool_size, path: PathBuf::from(format!("<sim>/pool-{idx:06}")), _map: None }
             }
         };
         let _ = self.pools[i].set(pool);
@@ -366,8 +328,7 @@ impl Region {
 
     /// True when every pool is mapped with MAP_SYNC (a DAX file system).
     pub fn is_dax(&self) -> bool {
-        (0..self.pool_count())
-            .all(|i| matches!(self.pools[i].get(), Some(Pool { _map: Some(m), .. }) if m.dax))
+        (0..self.pool_count()).all(|i| matches!(self.pools[i].get(), Some(Pool { _map: Some(m), .. }) if m.dax))
     }
 
     /// The flush instruction in use.
@@ -385,10 +346,7 @@ impl Region {
         let i = (addr / self.pool_size) as usize;
         match self.pools.get(i).and_then(|p| p.get()) {
             Some(p) => (p.path.clone(), addr % self.pool_size),
-            None => (
-                PathBuf::from(format!("<pm>/pool-{i:06}")),
-                addr % self.pool_size,
-            ),
+            None => (PathBuf::from(format!("<pm>/pool-{i:06}")), addr % self.pool_size),
         }
     }
 
@@ -424,12 +382,8 @@ impl Region {
     /// Like [`Region::slice`], but a range outside the region is [`Error::Corruption`]
     /// (for offsets that came from persistent data).
     pub fn slice_checked(&self, addr: u64, len: usize, what: &str) -> Result<&[u8]> {
-        self.slice(addr, len).ok_or_else(|| {
-            self.corruption(
-                addr,
-                format!("{what}: range of {len} bytes is outside the PM region"),
-            )
-        })
+        self.slice(addr, len)
+            .ok_or_else(|| self.corruption(addr, format!("{what}: range of {len} bytes is outside the PM region")))
     }
 
     /// Store `bytes` at `addr` (not yet persistent).
@@ -438,15 +392,11 @@ impl Region {
     /// No other thread may read or write `[addr, addr+bytes.len())` concurrently.
     pub unsafe fn write(&self, addr: u64, bytes: &[u8]) -> Result<()> {
         let p = self.resolve(addr, bytes.len() as u64).ok_or_else(|| {
-            Error::InvalidArgument(format!(
-                "PM write of {} bytes at {addr:#x} outside region",
-                bytes.len()
-            ))
+            Error::InvalidArgument(format!("PM write of {} bytes at {addr:#x} outside region", bytes.len()))
         })?;
         // SAFETY: range checked by `resolve`; exclusivity guaranteed by the caller.
         unsafe { std::ptr::copy_nonoverlapping(bytes.as_ptr(), p, bytes.len()) };
-        self.bytes_stored
-            .fetch_add(bytes.len() as u64, Ordering::Relaxed);
+        self.bytes_stored.fetch_add(bytes.len() as u64, Ordering::Relaxed);
         Ok(())
     }
 
@@ -465,13 +415,9 @@ impl Region {
 
     fn atomic_ptr(&self, addr: u64) -> Result<&AtomicU64> {
         if !addr.is_multiple_of(8) {
-            return Err(Error::InvalidArgument(format!(
-                "atomic PM access at unaligned offset {addr:#x}"
-            )));
+            return Err(Error::InvalidArgument(format!("atomic PM access at unaligned offset {addr:#x}")));
         }
-        let p = self
-            .resolve(addr, 8)
-            .ok_or_else(|| self.corruption(addr, "atomic word outside the PM region"))?;
+        let p = self.resolve(addr, 8).ok_or_else(|| self.corruption(addr, "atomic word outside the PM region"))?;
         // SAFETY: `p` is 8-byte aligned (pools are page aligned, `addr % 8 == 0`), inside a
         // live mapping that outlives `&self`, and every concurrent access to this word goes
         // through an atomic (module contract).
@@ -531,13 +477,7 @@ impl Region {
         if let Some(p) = self.resolve(start, end - start) {
             // SAFETY: page-aligned range inside a live mapping. A failing msync is reported
             // by `sync_all` at the next commit-level sync; here it is best effort.
-            unsafe {
-                libc::msync(
-                    p as *mut libc::c_void,
-                    (end - start) as usize,
-                    libc::MS_SYNC,
-                )
-            };
+            unsafe { libc::msync(p as *mut libc::c_void, (end - start) as usize, libc::MS_SYNC) };
         }
     }
 
@@ -624,42 +564,20 @@ fn map_file(file: &std::fs::File, len: u64) -> Result<Mapping> {
     use std::os::fd::AsRawFd;
     const MAP_SHARED_VALIDATE: libc::c_int = 0x03;
     const MAP_SYNC: libc::c_int = 0x80000;
-    let len =
-        usize::try_from(len).map_err(|_| Error::InvalidArgument("pool too large to map".into()))?;
+    let len = usize::try_from(len).map_err(|_| Error::InvalidArgument("pool too large to map".into()))?;
     let prot = libc::PROT_READ | libc::PROT_WRITE;
     // SAFETY: mapping a file opened read-write by this process, length = file length; a
     // failure is reported as MAP_FAILED and handled. The store directory is locked, so no
     // other process truncates the file under the mapping.
-    let mut p = unsafe {
-        libc::mmap(
-            std::ptr::null_mut(),
-            len,
-            prot,
-            MAP_SHARED_VALIDATE | MAP_SYNC,
-            file.as_raw_fd(),
-            0,
-        )
-    };
+    let mut p =
+        unsafe { libc::mmap(std::ptr::null_mut(), len, prot, MAP_SHARED_VALIDATE | MAP_SYNC, file.as_raw_fd(), 0) };
     let dax = p != libc::MAP_FAILED;
     if !dax {
         // SAFETY: as above, without MAP_SYNC.
-        p = unsafe {
-            libc::mmap(
-                std::ptr::null_mut(),
-                len,
-                prot,
-                libc::MAP_SHARED,
-                file.as_raw_fd(),
-                0,
-            )
-        };
+        p = unsafe { libc::mmap(std::ptr::null_mut(), len, prot, libc::MAP_SHARED, file.as_raw_fd(), 0) };
     }
     if p == libc::MAP_FAILED {
         return Err(Error::Io(std::io::Error::last_os_error()));
     }
-    Ok(Mapping {
-        ptr: p as *mut u8,
-        len,
-        dax,
-    })
+    Ok(Mapping { ptr: p as *mut u8, len, dax })
 }

@@ -213,9 +213,7 @@ impl SimDevice {
             let mut off = 0;
             while off < image.len() {
                 let end = (off + line).min(image.len());
-                if image[off..end] != vol[off..end]
-                    && rng.random_bool(evict_fraction.clamp(0.0, 1.0))
-                {
+                if image[off..end] != vol[off..end] && rng.random_bool(evict_fraction.clamp(0.0, 1.0)) {
                     image[off..end].copy_from_slice(&vol[off..end]);
                 }
                 off = end;
@@ -240,11 +238,7 @@ impl SimDevice {
         s.pools
             .iter()
             .map(|p| {
-                p.volatile()
-                    .chunks(LINE as usize)
-                    .zip(p.durable.chunks(LINE as usize))
-                    .filter(|(a, b)| a != b)
-                    .count()
+                p.volatile().chunks(LINE as usize).zip(p.durable.chunks(LINE as usize)).filter(|(a, b)| a != b).count()
             })
             .sum()
     }

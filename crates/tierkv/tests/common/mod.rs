@@ -32,8 +32,8 @@ pub fn sim_options(preset: Preset, dev: &SimDevice, fs: &FaultFs) -> Options {
         .max_value_size(16 << 10)
         .pmekv(PmekvOptions {
             node_capacity: 8,
-            kv_log_size: 64 << 10,
-            key_log_size: 64 << 10,
+            kv_log_size: 256 << 10,
+            key_log_size: 256 << 10,
             writeback_interval_ms: 0,
         })
 }
@@ -84,12 +84,7 @@ impl std::fmt::Debug for Step {
             Step::InsertIfAbsent(k, v) => write!(f, "InsertIfAbsent({}, {})", short(k), short(v)),
             Step::UpdateIfPresent(k, v) => write!(f, "UpdateIfPresent({}, {})", short(k), short(v)),
             Step::Get(k) => write!(f, "Get({})", short(k)),
-            Step::Scan(a, b) => write!(
-                f,
-                "Scan({:?}, {:?})",
-                a.as_deref().map(short),
-                b.as_deref().map(short)
-            ),
+            Step::Scan(a, b) => write!(f, "Scan({:?}, {:?})", a.as_deref().map(short), b.as_deref().map(short)),
             Step::Seek(k) => write!(f, "Seek({})", short(k)),
             Step::Flush => write!(f, "Flush"),
             Step::Reopen => write!(f, "Reopen"),
@@ -103,11 +98,7 @@ impl Step {
     pub fn writes(&self) -> bool {
         matches!(
             self,
-            Step::Put(..)
-                | Step::Delete(_)
-                | Step::Batch(_)
-                | Step::InsertIfAbsent(..)
-                | Step::UpdateIfPresent(..)
+            Step::Put(..) | Step::Delete(_) | Step::Batch(_) | Step::InsertIfAbsent(..) | Step::UpdateIfPresent(..)
         )
     }
 }
@@ -145,14 +136,7 @@ pub fn workload(seed: u64, n: usize, space: u32, crashes: bool) -> Vec<Step> {
                 Step::Batch(
                     (0..n)
                         .map(|_| {
-                            (
-                                key(&mut rng, space),
-                                if rng.random_bool(0.75) {
-                                    Some(value(&mut rng, i))
-                                } else {
-                                    None
-                                },
-                            )
+                            (key(&mut rng, space), if rng.random_bool(0.75) { Some(value(&mut rng, i)) } else { None })
                         })
                         .collect(),
                 )
@@ -164,17 +148,12 @@ pub fn workload(seed: u64, n: usize, space: u32, crashes: bool) -> Vec<Step> {
                 let a = key(&mut rng, space);
                 let b = key(&mut rng, space);
                 let (lo, hi) = if a <= b { (a, b) } else { (b, a) };
-                Step::Scan(
-                    rng.random_bool(0.8).then_some(lo),
-                    rng.random_bool(0.8).then_some(hi),
-                )
+                Step::Scan(rng.random_bool(0.8).then_some(lo), rng.random_bool(0.8).then_some(hi))
             }
             85..=87 => Step::Seek(key(&mut rng, space)),
             88..=91 => Step::Flush,
             92..=95 if crashes => Step::Reopen,
-            96..=99 if crashes => {
-                Step::Crash(rng.random(), [0.0, 0.5, 1.0][rng.random_range(0..3)])
-            }
+            96..=99 if crashes => Step::Crash(rng.random(), [0.0, 0.5, 1.0][rng.random_range(0..3)]),
             _ => Step::Get(key(&mut rng, space)),
         })
         .collect()
@@ -244,28 +223,15 @@ pub fn db_apply(db: &Db, step: &Step) -> tierkv::Result<bool> {
 
 /// Everything in the store, by a full scan.
 pub fn dump(db: &Db) -> Model {
-    db.scan::<(Bound<&[u8]>, Bound<&[u8]>)>((Bound::Unbounded, Bound::Unbounded))
-        .unwrap()
-        .map(|r| r.unwrap())
-        .collect()
+    db.scan::<(Bound<&[u8]>, Bound<&[u8]>)>((Bound::Unbounded, Bound::Unbounded)).unwrap().map(|r| r.unwrap()).collect()
 }
 
 /// Assert the store holds exactly `m`, through scan, get and iter, and that check is clean.
 pub fn assert_matches(db: &Db, m: &Model, ctx: &str) {
     let got = dump(db);
     if &got != m {
-        let extra: Vec<_> = got
-            .keys()
-            .filter(|k| !m.contains_key(*k))
-            .map(|k| tierkv::escape(k))
-            .take(5)
-            .collect();
-        let missing: Vec<_> = m
-            .keys()
-            .filter(|k| !got.contains_key(*k))
-            .map(|k| tierkv::escape(k))
-            .take(5)
-            .collect();
+        let extra: Vec<_> = got.keys().filter(|k| !m.contains_key(*k)).map(|k| tierkv::escape(k)).take(5).collect();
+        let missing: Vec<_> = m.keys().filter(|k| !got.contains_key(*k)).map(|k| tierkv::escape(k)).take(5).collect();
         let differ: Vec<_> = m
             .iter()
             .filter(|(k, v)| got.get(*k).is_some_and(|g| g != *v))
@@ -275,12 +241,7 @@ pub fn assert_matches(db: &Db, m: &Model, ctx: &str) {
         panic!("{ctx}: store differs from model: extra {extra:?}, missing {missing:?}, different {differ:?}");
     }
     for (k, v) in m.iter().take(50) {
-        assert_eq!(
-            db.get(k).unwrap().as_ref(),
-            Some(v),
-            "{ctx}: get {}",
-            tierkv::escape(k)
-        );
+        assert_eq!(db.get(k).unwrap().as_ref(), Some(v), "{ctx}: get {}", tierkv::escape(k));
     }
     let problems = db.check().unwrap();
     assert!(problems.is_empty(), "{ctx}: check found {problems:?}");
@@ -288,13 +249,6 @@ pub fn assert_matches(db: &Db, m: &Model, ctx: &str) {
 
 /// A fresh real directory for tests that need real files.
 pub fn tempdir() -> tempfile::TempDir {
-    let base = if Path::new("/dev/shm").is_dir() {
-        "/dev/shm"
-    } else {
-        "/tmp"
-    };
-    tempfile::Builder::new()
-        .prefix("tierkv-test")
-        .tempdir_in(base)
-        .unwrap()
+    let base = if Path::new("/dev/shm").is_dir() { "/dev/shm" } else { "/tmp" };
+    tempfile::Builder::new().prefix("tierkv-test").tempdir_in(base).unwrap()
 }

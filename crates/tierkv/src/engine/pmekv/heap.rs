@@ -31,12 +31,7 @@ impl Heap {
 
     /// Add `[start, end)` as heap space, minus the allocated extents in `used` (sorted by
     /// address, inside the range). Returns the first overlapping extent, if any.
-    pub fn add_space(
-        &mut self,
-        start: u64,
-        end: u64,
-        used: &[(u64, u64)],
-    ) -> Result<(), (u64, u64)> {
+    pub fn add_space(&mut self, start: u64, end: u64, used: &[(u64, u64)]) -> Result<(), (u64, u64)> {
         self.total += end - start;
         let mut cur = start;
         for &(a, len) in used {
@@ -132,11 +127,7 @@ mod tests {
         h.free(192, 256);
         h.free(128, 64);
         assert_eq!(h.free_bytes(), 1024);
-        assert_eq!(
-            h.alloc(1024),
-            Some(0),
-            "everything coalesced into one extent"
-        );
+        assert_eq!(h.alloc(1024), Some(0), "everything coalesced into one extent");
         assert_eq!(h.alloc(64), None);
     }
 
@@ -145,10 +136,6 @@ mod tests {
         let mut h = Heap::new();
         assert_eq!(h.add_space(0, 1024, &[(0, 128), (64, 64)]), Err((64, 64)));
         let mut h = Heap::new();
-        assert_eq!(
-            h.add_space(0, 1024, &[(1000, 64)]),
-            Err((1000, 64)),
-            "extent past the end"
-        );
+        assert_eq!(h.add_space(0, 1024, &[(1000, 64)]), Err((1000, 64)), "extent past the end");
     }
 }

@@ -116,9 +116,7 @@ impl Superblock {
             return Err("superblock checksum mismatch".into());
         }
         if version != FORMAT_VERSION {
-            return Err(format!(
-                "unsupported pmekv format version {version} (this build reads {FORMAT_VERSION})"
-            ));
+            return Err(format!("unsupported pmekv format version {version} (this build reads {FORMAT_VERSION})"));
         }
         if kv.0 != LOGS_START
             || key.0 != kv.0 + kv.1
@@ -128,13 +126,7 @@ impl Superblock {
         {
             return Err("superblock geometry is inconsistent".into());
         }
-        Ok(Superblock {
-            version,
-            preset,
-            kv_log: kv,
-            key_log: key,
-            heap_start,
-        })
+        Ok(Superblock { version, preset, kv_log: kv, key_log: key, heap_start })
     }
 }
 
@@ -222,13 +214,9 @@ pub fn value_verify<'a>(rec: &'a [u8], key: &[u8], expect_len: u32) -> Result<&'
     let stored = c.u32().ok_or("short value record")?;
     let len = c.u32().ok_or("short value record")?;
     if len != expect_len {
-        return Err(format!(
-            "value record holds {len} bytes, index says {expect_len}"
-        ));
+        return Err(format!("value record holds {len} bytes, index says {expect_len}"));
     }
-    let value = c
-        .bytes(len as usize)
-        .ok_or("value record runs past its allocation")?;
+    let value = c.bytes(len as usize).ok_or("value record runs past its allocation")?;
     let klen = (key.len() as u32).to_le_bytes();
     if stored != crc::masked_parts(&[&klen, key, &len.to_le_bytes(), value]) {
         return Err("value checksum mismatch (damaged, or not this key's value)".into());
@@ -305,15 +293,7 @@ impl LogEntry {
         let op = Op::from_u8(c.u8()?)?;
         c.skip(3)?;
         let key = c.bytes(key_len)?.to_vec();
-        let entry = LogEntry {
-            seq,
-            op,
-            value_addr,
-            value_len,
-            batch_len,
-            batch_index,
-            key,
-        };
+        let entry = LogEntry { seq, op, value_addr, value_len, batch_len, batch_index, key };
         Some((entry, (flag & 0xff) as u8))
     }
 }
@@ -328,10 +308,7 @@ pub struct ValueRef {
 }
 
 /// Encode a KeyNode holding `entries` (sorted). Returns the bytes (64-byte multiple).
-pub fn keynode_encode<'a>(
-    entries: impl Iterator<Item = (&'a [u8], ValueRef)>,
-    count: usize,
-) -> Vec<u8> {
+pub fn keynode_encode<'a>(entries: impl Iterator<Item = (&'a [u8], ValueRef)>, count: usize) -> Vec<u8> {
     let mut b = Vec::with_capacity(16 + count * 32);
     b.extend_from_slice(KN_MAGIC);
     b.extend_from_slice(&[0u8; 4]);
@@ -363,9 +340,7 @@ pub fn keynode_decode(b: &[u8]) -> Result<NodeEntries, String> {
     let stored = c.u32().ok_or("short KeyNode")?;
     let count = c.u32().ok_or("short KeyNode")? as usize;
     let total = c.u32().ok_or("short KeyNode")? as usize;
-    let body = b
-        .get(8..total)
-        .ok_or("KeyNode length runs past its allocation")?;
+    let body = b.get(8..total).ok_or("KeyNode length runs past its allocation")?;
     if stored != crc::masked(body) {
         return Err("KeyNode checksum mismatch".into());
     }
@@ -409,9 +384,7 @@ pub fn dir_decode(b: &[u8], count: u64) -> Result<Vec<(u64, u32)>, String> {
     let stored = c.u32().ok_or("short directory")?;
     let n = c.u64().ok_or("short directory")?;
     if n != count {
-        return Err(format!(
-            "directory lists {n} KeyNodes, checkpoint says {count}"
-        ));
+        return Err(format!("directory lists {n} KeyNodes, checkpoint says {count}"));
     }
     let len = usize::try_from(n)
         .ok()

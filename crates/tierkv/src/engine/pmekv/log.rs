@@ -23,13 +23,7 @@ pub struct Ring {
 impl Ring {
     /// An empty ring over `[start, start+len)`.
     pub fn new(kind: LogKind, start: u64, len: u64) -> Self {
-        Ring {
-            kind,
-            start,
-            len,
-            head: 0,
-            tail: 0,
-        }
+        Ring { kind, start, len, head: 0, tail: 0 }
     }
 
     /// Ring length in bytes.
@@ -60,11 +54,7 @@ impl Ring {
             return None;
         }
         let phys = tail % len;
-        Some(if phys + size > len {
-            tail + (len - phys)
-        } else {
-            tail
-        })
+        Some(if phys + size > len { tail + (len - phys) } else { tail })
     }
 
     /// Reserve `size` bytes (a multiple of 64); returns the PM address, or `None` if full.

@@ -151,9 +151,7 @@ pub struct Pmekv {
 
 impl std::fmt::Debug for Pmekv {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Pmekv")
-            .field("region", &self.inner.region)
-            .finish()
+        f.debug_struct("Pmekv").field("region", &self.inner.region).finish()
     }
 }
 
@@ -179,10 +177,7 @@ impl Pmekv {
         } else {
             None
         };
-        Ok(Pmekv {
-            inner,
-            bg: Mutex::new(bg),
-        })
+        Ok(Pmekv { inner, bg: Mutex::new(bg) })
     }
 
     fn stop_background(&self) {
@@ -209,9 +204,7 @@ fn background_loop(inner: Arc<Inner>, interval: Duration) {
         if inner.poisoned.lock().is_some() {
             return;
         }
-        let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-            inner.checkpoint_background()
-        }));
+        let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| inner.checkpoint_background()));
         match r {
             Ok(Ok(())) => {}
             Ok(Err(e)) => inner.poison(format!("background KeyNode write-back failed: {e}")),
@@ -260,8 +253,7 @@ impl Inner {
             let i = self.region.grow()?;
             let start = self.region.addr(i, POOL_HEADER_LEN);
             let end = self.region.addr(i + 1, 0);
-            heap.add_space(start, end, &[])
-                .map_err(|_| Error::PmFull("new pool overlaps the heap".into()))?;
+            heap.add_space(start, end, &[]).map_err(|_| Error::PmFull("new pool overlaps the heap".into()))?;
         }
     }
 
@@ -280,14 +272,8 @@ impl Inner {
     }
 
     fn read_value(&self, key: &[u8], v: ValueRef) -> Result<Vec<u8>> {
-        let rec = self.region.slice_checked(
-            v.addr,
-            (layout::VALUE_HEADER + v.len as u64) as usize,
-            "value record",
-        )?;
-        layout::value_verify(rec, key, v.len)
-            .map(<[u8]>::to_vec)
-            .map_err(|d| self.region.corruption(v.addr, d))
+        let rec = self.region.slice_checked(v.addr, (layout::VALUE_HEADER + v.len as u64) as usize, "value record")?;
+        layout::value_verify(rec, key, v.len).map(<[u8]>::to_vec).map_err(|d| self.region.corruption(v.addr, d))
     }
 
     fn write_impl(&self, ops: &[BatchOp], cond: Cond) -> Result<bool> {
@@ -310,15 +296,8 @@ impl Inner {
                 match op {
                     BatchOp::Put { key, value } => {
                         let size = layout::value_alloc_size(value.len());
-                        match self.write_new(
-                            &mut heap,
-                            &[&layout::value_header(key, value), value],
-                            size,
-                        ) {
-                            Ok(addr) => vals.push(Some(ValueRef {
-                                addr,
-                                len: value.len() as u32,
-                            })),
+                        match self.write_new(&mut heap, &[&layout::value_header(key, value), value], size) {
+                            Ok(addr) => vals.push(Some(ValueRef { addr, len: value.len() as u32 })),
                             Err(e) => {
                                 r = Err(e);
                                 break;
@@ -369,15 +348,7 @@ impl Inner {
             };
             seen.insert(k, code != Op::Delete);
             let (value_addr, value_len) = v.map_or((0, 0), |v| (v.addr, v.len));
-            let e = LogEntry {
-                seq: 0,
-                op: code,
-                value_addr,
-                value_len,
-                batch_len: 0,
-                batch_index: 0,
-                key: k.to_vec(),
-            };
+            let e = LogEntry { seq: 0, op: code, value_addr, value_len, batch_len: 0, batch_index: 0, key: k.to_vec() };
             entries.push((e, *v));
         }
         if entries.is_empty() {
@@ -385,10 +356,7 @@ impl Inner {
             release(&vals);
             return Ok(true);
         }
-        let sizes: Vec<u64> = entries
-            .iter()
-            .map(|(e, _)| LogEntry::size(e.key.len()))
-            .collect();
+        let sizes: Vec<u64> = entries.iter().map(|(e, _)| LogEntry::size(e.key.len())).collect();
         if !st.key_log.fits(sizes.iter().copied()) {
             let r = self.checkpoint_exclusive(&mut st);
             if let Err(e) = r {
@@ -412,9 +380,7 @@ impl Inner {
             let Some(addr) = st.kv_log.reserve(size) else {
                 drop(st);
                 release(&vals);
-                return Err(Error::InvalidArgument(
-                    "batch does not fit in the key-value log".into(),
-                ));
+                return Err(Error::InvalidArgument("batch does not fit in the key-value log".into()));
             };
             let bytes = e.encode(LogKind::KeyValue);
             // SAFETY: log space between head and tail belongs to the writer holding the
@@ -440,8 +406,7 @@ impl Inner {
             self.poison_on_err(r)?;
         }
         st.kv_log.clear();
-        self.user_bytes
-            .fetch_add(ops.iter().map(op_user_bytes).sum(), Ordering::Relaxed);
+        self.user_bytes.fetch_add(ops.iter().map(op_user_bytes).sum(), Ordering::Relaxed);
 
         if st.key_log.used() > st.key_log.capacity() / 2 {
             if self.background {
@@ -454,11 +419,7 @@ impl Inner {
         Ok(true)
     }
 
-    fn apply_committed(
-        &self,
-        st: &mut State,
-        entries: &[(LogEntry, Option<ValueRef>)],
-    ) -> Result<()> {
+    fn apply_committed(&self, st: &mut State, entries: &[(LogEntry, Option<ValueRef>)]) -> Result<()> {
         for (e, v) in entries {
             apply(st, &e.key, e.op, *v);
         }
@@ -518,11 +479,7 @@ impl Inner {
                 match leaf.meta.kn {
                     Some(kn) if !leaf.meta.dirty => kn_set.push(kn),
                     _ => {
-                        let it = leaf
-                            .keys
-                            .iter()
-                            .map(|k| &**k)
-                            .zip(leaf.vals.iter().copied());
+                        let it = leaf.keys.iter().map(|k| &**k).zip(leaf.vals.iter().copied());
                         let bytes = layout::keynode_encode(it, leaf.keys.len());
                         let addr = self.write_new(&mut heap, &[&bytes], bytes.len() as u64)?;
                         fresh.push((addr, bytes.len() as u64));
@@ -562,12 +519,7 @@ impl Inner {
         // by the state lock (upgradable or exclusive); nothing reads them after open.
         unsafe { self.region.write(slot_addr, &ckpt.encode())? };
         self.region.persist(slot_addr, 64);
-        Ok(Some(Plan {
-            ckpt,
-            slot,
-            kn_set,
-            written,
-        }))
+        Ok(Some(Plan { ckpt, slot, kn_set, written }))
     }
 
     /// The checkpoint is durable: free what it no longer references, mark leaves clean,
@@ -619,11 +571,7 @@ impl Inner {
             if let Err(e) = self.read_value(k, *v) {
                 problems.push(format!("key {}: {e}", crate::escape(k)));
             }
-            used.push((
-                v.addr,
-                layout::value_alloc_size(v.len as usize),
-                format!("value of key {}", crate::escape(k)),
-            ));
+            used.push((v.addr, layout::value_alloc_size(v.len as usize), format!("value of key {}", crate::escape(k))));
         }
         // The checkpoint on PM must decode and agree with the DRAM state it claims to cover.
         match recovery::load_checkpoint(&self.region, &st.ckpt) {
@@ -641,11 +589,7 @@ impl Inner {
         for &(a, l) in &st.kn_set {
             used.push((a, l as u64, "KeyNode".into()));
         }
-        used.push((
-            st.ckpt.dir_addr,
-            st.ckpt.dir_bytes,
-            "KeyNode directory".into(),
-        ));
+        used.push((st.ckpt.dir_addr, st.ckpt.dir_bytes, "KeyNode directory".into()));
         for &(a, l) in &st.deferred {
             used.push((a, l, "deferred free".into()));
         }
@@ -653,10 +597,7 @@ impl Inner {
         for w in used.windows(2) {
             if let [a, b] = w {
                 if a.0 + a.1 > b.0 {
-                    problems.push(format!(
-                        "{} at {:#x} overlaps {} at {:#x}",
-                        a.2, a.0, b.2, b.0
-                    ));
+                    problems.push(format!("{} at {:#x} overlaps {} at {:#x}", a.2, a.0, b.2, b.0));
                 }
             }
         }
@@ -694,8 +635,7 @@ fn apply(st: &mut State, key: &[u8], op: Op, v: Option<ValueRef>) {
         _ => st.tree.remove(key).map(|(old, _)| old),
     };
     if let Some(old) = old {
-        st.deferred
-            .push((old.addr, layout::value_alloc_size(old.len as usize)));
+        st.deferred.push((old.addr, layout::value_alloc_size(old.len as usize)));
     }
 }
 
@@ -712,12 +652,7 @@ impl Engine for Pmekv {
         self.inner.write_impl(ops, cond)
     }
 
-    fn scan_chunk(
-        &self,
-        start: Bound<&[u8]>,
-        end: Bound<&[u8]>,
-        max: usize,
-    ) -> Result<Vec<(Vec<u8>, Vec<u8>)>> {
+    fn scan_chunk(&self, start: Bound<&[u8]>, end: Bound<&[u8]>, max: usize) -> Result<Vec<(Vec<u8>, Vec<u8>)>> {
         let st = self.inner.state.read();
         let mut out = Vec::new();
         for (k, v) in st.tree.range_from(start) {
@@ -754,10 +689,7 @@ impl Engine for Pmekv {
         let mut design = BTreeMap::new();
         design.insert("leaves".to_string(), st.tree.leaf_ids().len() as u64);
         design.insert("keynodes".to_string(), st.kn_set.len() as u64);
-        design.insert(
-            "checkpoints".to_string(),
-            self.inner.checkpoints.load(Ordering::Relaxed),
-        );
+        design.insert("checkpoints".to_string(), self.inner.checkpoints.load(Ordering::Relaxed));
         design.insert("checkpoint_seq".to_string(), st.ckpt.seq);
         design.insert("key_log_bytes_used".to_string(), st.key_log.used());
         design.insert("heap_bytes".to_string(), heap.total());

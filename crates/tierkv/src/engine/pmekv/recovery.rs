@@ -30,9 +30,7 @@ use std::sync::atomic::AtomicU64;
 use parking_lot::{Condvar, Mutex, RwLock};
 
 use super::heap::Heap;
-use super::layout::{
-    self, Checkpoint, LogEntry, LogKind, Op, Superblock, ValueRef, CKPT_SLOT_ADDR, SUPERBLOCK_ADDR,
-};
+use super::layout::{self, Checkpoint, LogEntry, LogKind, Op, Superblock, ValueRef, CKPT_SLOT_ADDR, SUPERBLOCK_ADDR};
 use super::log::Ring;
 use super::{apply, Inner, LeafInfo, State, Tree};
 use crate::engine::EngineCtx;
@@ -75,12 +73,7 @@ pub(super) fn open(ctx: &EngineCtx) -> Result<Inner> {
     if sb.heap_start + 4096 > region.pool_size() {
         return Err(region.corruption(SUPERBLOCK_ADDR, "superblock places the heap beyond pool 0"));
     }
-    recover(
-        region,
-        sb,
-        o.pmekv.node_capacity,
-        o.pmekv.writeback_interval_ms > 0,
-    )
+    recover(region, sb, o.pmekv.node_capacity, o.pmekv.writeback_interval_ms > 0)
 }
 
 /// Lay out a new store: superblock, zeroed logs, an empty checkpoint.
@@ -141,29 +134,17 @@ fn pick_checkpoint(region: &Region) -> Result<(Checkpoint, usize)> {
             }
         }
     }
-    best.ok_or_else(|| {
-        region.corruption(
-            CKPT_SLOT_ADDR[0],
-            "no valid checkpoint record in either slot",
-        )
-    })
+    best.ok_or_else(|| region.corruption(CKPT_SLOT_ADDR[0], "no valid checkpoint record in either slot"))
 }
 
 /// Decode the directory and KeyNodes of `ckpt`, verifying every checksum.
 pub(super) fn load_checkpoint(region: &Region, ckpt: &Checkpoint) -> Result<Leaves> {
-    let dir_len = usize::try_from(ckpt.dir_bytes)
-        .map_err(|_| region.corruption(ckpt.dir_addr, "directory size"))?;
-    if layout::dir_alloc_size(usize::try_from(ckpt.kn_count).unwrap_or(usize::MAX / 32))
-        != ckpt.dir_bytes
-    {
-        return Err(region.corruption(
-            ckpt.dir_addr,
-            "checkpoint's directory size does not match its KeyNode count",
-        ));
+    let dir_len = usize::try_from(ckpt.dir_bytes).map_err(|_| region.corruption(ckpt.dir_addr, "directory size"))?;
+    if layout::dir_alloc_size(usize::try_from(ckpt.kn_count).unwrap_or(usize::MAX / 32)) != ckpt.dir_bytes {
+        return Err(region.corruption(ckpt.dir_addr, "checkpoint's directory size does not match its KeyNode count"));
     }
     let raw = region.slice_checked(ckpt.dir_addr, dir_len, "KeyNode directory")?;
-    let kns =
-        layout::dir_decode(raw, ckpt.kn_count).map_err(|d| region.corruption(ckpt.dir_addr, d))?;
+    let kns = layout::dir_decode(raw, ckpt.kn_count).map_err(|d| region.corruption(ckpt.dir_addr, d))?;
     let mut leaves = Vec::with_capacity(kns.len());
     for (addr, bytes) in kns {
         let raw = region.slice_checked(addr, bytes as usize, "KeyNode")?;
@@ -188,35 +169,15 @@ fn recover(region: Region, sb: Superblock, capacity: usize, background: bool) ->
         used.push((kn.0, kn.1 as u64));
         kn_set.push(kn);
         key_count += entries.len() as u64;
-        tree_leaves.push((
-            entries,
-            LeafInfo {
-                kn: Some(kn),
-                dirty: false,
-            },
-        ));
+        tree_leaves.push((entries, LeafInfo { kn: Some(kn), dirty: false }));
     }
     if key_count != ckpt.key_count {
-        return Err(region.corruption(
-            ckpt.dir_addr,
-            format!(
-                "KeyNodes hold {key_count} keys, checkpoint says {}",
-                ckpt.key_count
-            ),
-        ));
+        return Err(region
+            .corruption(ckpt.dir_addr, format!("KeyNodes hold {key_count} keys, checkpoint says {}", ckpt.key_count)));
     }
-    let cap = tree_leaves
-        .iter()
-        .map(|l| l.0.len())
-        .max()
-        .unwrap_or(0)
-        .max(capacity);
-    let tree: Tree = Tree::from_leaves(cap, tree_leaves).ok_or_else(|| {
-        region.corruption(
-            ckpt.dir_addr,
-            "KeyNodes are not in strictly increasing key order",
-        )
-    })?;
+    let cap = tree_leaves.iter().map(|l| l.0.len()).max().unwrap_or(0).max(capacity);
+    let tree: Tree = Tree::from_leaves(cap, tree_leaves)
+        .ok_or_else(|| region.corruption(ckpt.dir_addr, "KeyNodes are not in strictly increasing key order"))?;
 
     // Log entries to replay.
     let key_log = Ring::new(LogKind::Key, sb.key_log.0, sb.key_log.1);
@@ -248,26 +209,18 @@ fn recover(region: Region, sb: Superblock, capacity: usize, background: bool) ->
         max_seq = max_seq.max(e.seq);
         if flag != 0 && e.seq > ckpt.seq && e.batch_index < e.batch_len {
             saw_live = true;
-            batches
-                .entry(e.seq - e.batch_index as u64)
-                .or_default()
-                .push(e);
+            batches.entry(e.seq - e.batch_index as u64).or_default().push(e);
         }
     }
     for (_, mut b) in batches {
         b.sort_by_key(|e| e.batch_index);
         b.dedup_by_key(|e| e.batch_index);
         let complete = b.first().is_some_and(|f| b.len() == f.batch_len as usize)
-            && b.iter()
-                .enumerate()
-                .all(|(i, e)| e.batch_index as usize == i && e.batch_len as usize == b.len());
+            && b.iter().enumerate().all(|(i, e)| e.batch_index as usize == i && e.batch_len as usize == b.len());
         let values_ok = b.iter().all(|e| {
             e.op == Op::Delete
                 || region
-                    .slice(
-                        e.value_addr,
-                        (layout::VALUE_HEADER + e.value_len as u64) as usize,
-                    )
+                    .slice(e.value_addr, (layout::VALUE_HEADER + e.value_len as u64) as usize)
                     .is_some_and(|rec| layout::value_verify(rec, &e.key, e.value_len).is_ok())
         });
         if complete && values_ok {
@@ -285,10 +238,7 @@ fn recover(region: Region, sb: Superblock, capacity: usize, background: bool) ->
         if e.seq != want {
             return Err(region.corruption(
                 sb.key_log.0,
-                format!(
-                    "log entry with sequence {want} is missing or damaged (found {} after it)",
-                    e.seq
-                ),
+                format!("log entry with sequence {want} is missing or damaged (found {} after it)", e.seq),
             ));
         }
     }
@@ -308,10 +258,7 @@ fn recover(region: Region, sb: Superblock, capacity: usize, background: bool) ->
     // checkpoint: a crash during it must find them intact.
     let mut log_values: HashSet<(u64, u64)> = HashSet::new();
     for e in &replay {
-        let v = (e.op != Op::Delete).then_some(ValueRef {
-            addr: e.value_addr,
-            len: e.value_len,
-        });
+        let v = (e.op != Op::Delete).then_some(ValueRef { addr: e.value_addr, len: e.value_len });
         if let Some(v) = v {
             log_values.insert((v.addr, layout::value_alloc_size(v.len as usize)));
         }
@@ -361,26 +308,20 @@ fn build_heap(region: &Region, sb: &Superblock, used: &[(u64, u64)]) -> Result<H
     let mut heap = Heap::new();
     let ps = region.pool_size();
     for i in 0..region.pool_count() {
-        let start = if i == 0 {
-            sb.heap_start
-        } else {
-            region.addr(i, POOL_HEADER_LEN)
-        };
+        let start = if i == 0 { sb.heap_start } else { region.addr(i, POOL_HEADER_LEN) };
         let end = region.addr(i + 1, 0);
         let lo = used.partition_point(|u| u.0 < region.addr(i, 0));
         let hi = used.partition_point(|u| u.0 < end);
         let in_pool = used.get(lo..hi).unwrap_or(&[]);
-        heap.add_space(start, end, in_pool)
-            .map_err(|(a, l)| region.corruption(a, format!("record of {l} bytes overlaps another or lies outside the heap (pool size {ps})")))?;
+        heap.add_space(start, end, in_pool).map_err(|(a, l)| {
+            region.corruption(
+                a,
+                format!("record of {l} bytes overlaps another or lies outside the heap (pool size {ps})"),
+            )
+        })?;
     }
-    if let Some(&(a, l)) = used
-        .iter()
-        .find(|u| u.0 >= region.addr(region.pool_count(), 0))
-    {
-        return Err(region.corruption(
-            a,
-            format!("record of {l} bytes lies beyond the last PM pool"),
-        ));
+    if let Some(&(a, l)) = used.iter().find(|u| u.0 >= region.addr(region.pool_count(), 0)) {
+        return Err(region.corruption(a, format!("record of {l} bytes lies beyond the last PM pool")));
     }
     Ok(heap)
 }
