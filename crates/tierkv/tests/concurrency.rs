@@ -47,7 +47,7 @@ fn writers_and_readers_agree_with_the_model() {
                         if let Some(v) = db.get(&k).unwrap() {
                             assert!(v.starts_with(&k), "value of another key returned");
                         }
-                        if reads % 50 == 0 {
+                        if reads.is_multiple_of(50) {
                             let mut last: Option<Vec<u8>> = None;
                             for item in db.scan::<std::ops::RangeFull>(..).unwrap() {
                                 let (k, v) = item.unwrap();

@@ -1,0 +1,103 @@
+//! The `tierkv` command line: its contract is its output format and exit codes.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+use std::io::Write;
+use std::path::Path;
+use std::process::{Command, Output, Stdio};
+
+fn tierkv(args: &[&str], stdin: Option<&[u8]>) -> Output {
+    let mut c = Command::new(env!("CARGO_BIN_EXE_tierkv"));
+    c.args(args).stdin(Stdio::piped()).stdout(Stdio::piped()).stderr(Stdio::piped());
+    let mut child = c.spawn().unwrap();
+    if let Some(input) = stdin {
+        child.stdin.take().unwrap().write_all(input).unwrap();
+    }
+    drop(child.stdin.take());
+    child.wait_with_output().unwrap()
+}
+
+fn code(o: &Output) -> i32 {
+    o.status.code().unwrap()
+}
+
+fn tmp() -> tempfile::TempDir {
+    let base = if Path::new("/dev/shm").is_dir() { "/dev/shm" } else { "/tmp" };
+    tempfile::Builder::new().prefix("tierkv-cli").tempdir_in(base).unwrap()
+}
+
+#[test]
+fn put_get_delete_scan_with_exit_codes() {
+    let t = tmp();
+    let d = t.path().join("db");
+    let d = d.to_str().unwrap();
+    assert_eq!(code(&tierkv(&["put", "--dir", d, "alpha", "one"], None)), 0);
+    assert_eq!(code(&tierkv(&["put", "--dir", d, "--preset", "pmekv", "k\\x01", "-"], Some(b"bin\x00\xffval"))), 0);
+    assert_eq!(code(&tierkv(&["put", "--dir", d, "zeta", "last"], None)), 0);
+    let g = tierkv(&["get", "--dir", d, "k\\x01"], None);
+    assert_eq!(code(&g), 0);
+    assert_eq!(g.stdout, b"bin\x00\xffval", "get prints the value raw");
+    let missing = tierkv(&["get", "--dir", d, "nope"], None);
+    assert_eq!(code(&missing), 1);
+    assert!(missing.stdout.is_empty());
+    let s = tierkv(&["scan", "--dir", d], None);
+    assert_eq!(code(&s), 0);
+    assert_eq!(String::from_utf8(s.stdout).unwrap(), "alpha\tone\nk\\x01\tbin\\x00\\xffval\nzeta\tlast\n");
+    let s = tierkv(&["scan", "--dir", d, "--start", "b", "--end", "zeta"], None);
+    assert_eq!(String::from_utf8(s.stdout).unwrap(), "k\\x01\tbin\\x00\\xffval\n", "start inclusive, end exclusive");
+    let s = tierkv(&["scan", "--dir", d, "--limit", "1"], None);
+    assert_eq!(String::from_utf8(s.stdout).unwrap(), "alpha\tone\n");
+    assert_eq!(code(&tierkv(&["delete", "--dir", d, "alpha"], None)), 0);
+    assert_eq!(code(&tierkv(&["get", "--dir", d, "alpha"], None)), 1);
+    let st = tierkv(&["stats", "--dir", d], None);
+    assert_eq!(code(&st), 0);
+    let json: serde_json::Value = serde_json::from_slice(&st.stdout).unwrap();
+    assert_eq!(json["preset"], "pmekv");
+    assert_eq!(json["keys"], 2);
+    let c = tierkv(&["check", "--dir", d], None);
+    assert_eq!(code(&c), 0, "{}", String::from_utf8_lossy(&c.stdout));
+}
+
+#[test]
+fn errors_exit_2_with_a_message() {
+    let t = tmp();
+    let d = t.path().join("db");
+    let d = d.to_str().unwrap();
+    let o = tierkv(&["get", "--dir", d, "k"], None);
+    assert_eq!(code(&o), 2, "missing store");
+    assert!(String::from_utf8_lossy(&o.stderr).contains("does not exist"));
+    let o = tierkv(&["put", "--dir", d, "--preset", "bogus", "k", "v"], None);
+    assert_eq!(code(&o), 2);
+    assert!(String::from_utf8_lossy(&o.stderr).contains("unknown preset"));
+    let o = tierkv(&["put", "--dir", d, "bad\\q", "v"], None);
+    assert_eq!(code(&o), 2, "malformed escape");
+    let big = "k".repeat(70_000);
+    let o = tierkv(&["put", "--dir", d, &big, "v"], None);
+    assert_eq!(code(&o), 2, "over-limit key");
+    assert!(String::from_utf8_lossy(&o.stderr).contains("exceeds the limit"));
+}
+
+#[test]
+fn check_reports_damage_with_exit_3() {
+    let t = tmp();
+    let d = t.path().join("db");
+    let ds = d.to_str().unwrap();
+    assert_eq!(code(&tierkv(&["put", "--dir", ds, "k", "UNIQUE-VALUE-BYTES"], None)), 0);
+    // Damage the value in the PM pool: the store opens, but check finds the bad checksum.
+    let pool = d.join("pm/pool-000000");
+    let mut img = std::fs::read(&pool).unwrap();
+    let at = img.windows(18).position(|w| w == b"UNIQUE-VALUE-BYTES").expect("value in the pool");
+    img[at] ^= 0x20;
+    std::fs::write(&pool, &img).unwrap();
+    let c = tierkv(&["check", "--dir", ds], None);
+    assert_eq!(code(&c), 3);
+    assert!(String::from_utf8_lossy(&c.stdout).contains("value checksum mismatch"));
+    let g = tierkv(&["get", "--dir", ds, "k"], None);
+    assert_eq!(code(&g), 2, "a damaged value is an error, never wrong data");
+    assert!(String::from_utf8_lossy(&g.stderr).contains("corruption"));
+    // Damage the superblock: the store does not open; check says so with exit 3.
+    img[70] ^= 0xff;
+    std::fs::write(&pool, &img).unwrap();
+    let c = tierkv(&["check", "--dir", ds], None);
+    assert_eq!(code(&c), 3);
+    assert!(String::from_utf8_lossy(&c.stdout).contains("superblock"));
+}

@@ -1,0 +1,150 @@
+//! Golden bytes: every persistent structure's encoding is pinned here, byte for byte, and
+//! the same bytes appear in docs/format/*.md. A change to an encoder fails this test; fix
+//! it by bumping the structure's format version and updating the doc, never by editing the
+//! expected bytes alone.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+use tierkv::engine::pmekv::layout::*;
+use tierkv::options_file::{OptionsRecord, RecordState};
+use tierkv::Preset;
+
+fn hex(b: &[u8]) -> String {
+    b.iter().map(|x| format!("{x:02x}")).collect()
+}
+
+fn zeros(n: usize) -> String {
+    "00".repeat(n)
+}
+
+#[test]
+fn pm_pool_header() {
+    let h = tierkv::pm::encode_pool_header(3, 1 << 20, 0x1122_3344_5566_7788);
+    let want = "544b56504f4f4c00".to_string() // magic "TKVPOOL\0"
+        + "01000000" // version 1
+        + "03000000" // pool index
+        + "0000100000000000" // pool size 1 MiB
+        + "8877665544332211" // store id
+        + "8812e358" // crc
+        + &zeros(28);
+    assert_eq!(hex(&h), want);
+}
+
+#[test]
+fn pmekv_superblock() {
+    let sb = Superblock::new(256 << 10, 512 << 10);
+    let b = sb.encode();
+    let want = "544b56504d454b56".to_string() // magic "TKVPMEKV"
+        + "01000000" // format version 1
+        + "05000000" // preset id 5 = pmekv
+        + "0010000000000000" // kv log offset 0x1000
+        + "0000040000000000" // kv log length 256 KiB
+        + "0010040000000000" // key log offset 0x41000
+        + "0000080000000000" // key log length 512 KiB
+        + "00100c0000000000" // heap start 0xc1000
+        + "539ced43" // crc
+        + "00000000";
+    assert_eq!(hex(&b), want);
+    assert_eq!(Superblock::decode(&b), Ok(sb));
+}
+
+#[test]
+fn pmekv_checkpoint_record() {
+    let c = Checkpoint { generation: 7, seq: 42, dir_addr: 0x11000, dir_bytes: 64, kn_count: 2, key_count: 5 };
+    let b = c.encode();
+    let want = "434b5054".to_string() // "CKPT"
+        + "0089ba6b" // crc of bytes 8..64
+        + "0700000000000000" // generation
+        + "2a00000000000000" // seq 42
+        + "0010010000000000" // directory address
+        + "4000000000000000" // directory bytes
+        + "0200000000000000" // KeyNodes
+        + "0500000000000000" // keys
+        + &zeros(8);
+    assert_eq!(hex(&b), want);
+    assert_eq!(Checkpoint::decode(&b), Some(c));
+}
+
+#[test]
+fn pmekv_value_record() {
+    let h = value_header(b"key", b"value");
+    assert_eq!(hex(&h), "57e8e98c".to_string() + "05000000");
+    let mut rec = h.to_vec();
+    rec.extend_from_slice(b"value");
+    assert_eq!(value_verify(&rec, b"key", 5), Ok(&b"value"[..]));
+    assert!(value_verify(&rec, b"kez", 5).is_err(), "the checksum binds the value to its key");
+    assert_eq!(value_alloc_size(5), 64);
+}
+
+#[test]
+fn pmekv_log_entries() {
+    let e = LogEntry {
+        seq: 9,
+        op: Op::Update,
+        value_addr: 0x12340,
+        value_len: 5,
+        batch_len: 2,
+        batch_index: 1,
+        key: b"key".to_vec(),
+    };
+    let tail = "03000000".to_string() // key length
+        + "0900000000000000" // seq
+        + "4023010000000000" // value address
+        + "05000000" // value length
+        + "02000000" // batch length
+        + "01000000" // index in batch
+        + "03000000" // op 3 = update, 3 bytes padding
+        + "6b6579" // "key"
+        + &zeros(13);
+    let kv = e.encode(LogKind::KeyValue);
+    assert_eq!(hex(&kv), "0300000000000000".to_string() + "e8c7ede2" + &tail);
+    let key = e.encode(LogKind::Key);
+    assert_eq!(hex(&key), "0300000000000000".to_string() + "2005f575" + &tail);
+    assert_eq!(LogEntry::decode(&kv, LogKind::KeyValue), Some((e.clone(), 3)));
+    assert_eq!(LogEntry::decode(&kv, LogKind::Key), None, "the tiers cannot be confused");
+    // Clearing the flag word (KVFlag/KFlag := 0) keeps the entry valid.
+    let mut cleared = kv.clone();
+    cleared[0] = 0;
+    assert_eq!(LogEntry::decode(&cleared, LogKind::KeyValue), Some((e, 0)));
+}
+
+#[test]
+fn pmekv_keynode_and_directory() {
+    let entries = [(&b"a"[..], ValueRef { addr: 0x20000, len: 3 }), (&b"bc"[..], ValueRef { addr: 0x20040, len: 0 })];
+    let kn = keynode_encode(entries.into_iter(), 2);
+    let want = "4b4e4f44".to_string() // "KNOD"
+        + "c563feb8" // crc of bytes 8..47
+        + "02000000" // count
+        + "2f000000" // length 47
+        + "0100" + "61" + "0000020000000000" + "03000000" // "a" -> 0x20000, 3 bytes
+        + "0200" + "6263" + "4000020000000000" + "00000000" // "bc" -> 0x20040, 0 bytes
+        + &zeros(17);
+    assert_eq!(hex(&kn), want);
+    let decoded = keynode_decode(&kn).unwrap();
+    assert_eq!(decoded.len(), 2);
+    assert_eq!(&*decoded[1].0, b"bc");
+
+    let dir = dir_encode(&[(0x30000, 64), (0x30040, 128)]);
+    let want = "4b444952".to_string() // "KDIR"
+        + "0c93fde0" // crc
+        + "0200000000000000" // count
+        + "0000030000000000" + "40000000" + "00000000"
+        + "4000030000000000" + "80000000" + "00000000"
+        + &zeros(16);
+    assert_eq!(hex(&dir), want);
+    assert_eq!(dir_decode(&dir, 2), Ok(vec![(0x30000, 64), (0x30040, 128)]));
+    assert!(dir_decode(&dir, 3).is_err());
+}
+
+#[test]
+fn options_record() {
+    let r = OptionsRecord { preset: Preset::Pmekv, db_id: 0x0102_0304_0506_0708, state: RecordState::Ready };
+    let b = r.encode();
+    let want = "544945524b564442".to_string() // "TIERKVDB"
+        + "01000000" // version
+        + "05000000" // preset id 5
+        + "0807060504030201" // store id
+        + "02000000" // state 2 = ready
+        + "55b7d89a"; // crc
+    assert_eq!(hex(&b), want);
+    assert_eq!(OptionsRecord::decode(&b), Ok(r));
+}
