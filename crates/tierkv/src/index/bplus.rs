@@ -28,6 +28,115 @@ pub type LeafEntries<V, M> = (Vec<(Box<[u8]>, V)>, M);
 /// Index of a node in the arena.
 pub type NodeId = u32;
 
+/// The keys of a node, sorted, each with an inline 8-byte big-endian prefix.
+///
+/// Searches compare prefixes first and read a key's heap bytes only when prefixes tie, so a
+/// probe usually costs no cache miss on the key itself (the full keys are behind pointers).
+/// Zero padding keeps prefix order consistent with byte order: `prefix(a) < prefix(b)`
+/// implies `a < b`. Derefs to the key slice for reading.
+#[derive(Debug, Default, Clone)]
+pub struct Keys {
+    keys: Vec<Box<[u8]>>,
+    pfx: Vec<u64>,
+}
+
+/// The 8-byte big-endian, zero-padded prefix of `k`.
+#[inline]
+fn prefix(k: &[u8]) -> u64 {
+    let mut b = [0u8; 8];
+    let n = k.len().min(8);
+    b[..n].copy_from_slice(&k[..n]);
+    u64::from_be_bytes(b)
+}
+
+impl std::ops::Deref for Keys {
+    type Target = [Box<[u8]>];
+    fn deref(&self) -> &[Box<[u8]>] {
+        &self.keys
+    }
+}
+
+impl Keys {
+    fn with_capacity(n: usize) -> Self {
+        Keys { keys: Vec::with_capacity(n), pfx: Vec::with_capacity(n) }
+    }
+
+    fn from_vec(keys: Vec<Box<[u8]>>) -> Self {
+        let pfx = keys.iter().map(|k| prefix(k)).collect();
+        Keys { keys, pfx }
+    }
+
+    fn push(&mut self, k: Box<[u8]>) {
+        self.pfx.push(prefix(&k));
+        self.keys.push(k);
+    }
+
+    fn insert(&mut self, i: usize, k: Box<[u8]>) {
+        self.pfx.insert(i, prefix(&k));
+        self.keys.insert(i, k);
+    }
+
+    fn remove(&mut self, i: usize) -> Box<[u8]> {
+        self.pfx.remove(i);
+        self.keys.remove(i)
+    }
+
+    fn pop(&mut self) -> Option<Box<[u8]>> {
+        self.pfx.pop();
+        self.keys.pop()
+    }
+
+    fn split_off(&mut self, at: usize) -> Keys {
+        Keys { keys: self.keys.split_off(at), pfx: self.pfx.split_off(at) }
+    }
+
+    fn append(&mut self, other: &mut Keys) {
+        self.keys.append(&mut other.keys);
+        self.pfx.append(&mut other.pfx);
+    }
+
+    #[inline]
+    fn cmp_at(&self, i: usize, key: &[u8], kp: u64) -> std::cmp::Ordering {
+        match self.pfx[i].cmp(&kp) {
+            std::cmp::Ordering::Equal => (*self.keys[i]).cmp(key),
+            o => o,
+        }
+    }
+
+    /// Number of keys `< key` (with `inclusive`, `<= key`).
+    #[inline]
+    fn rank(&self, key: &[u8], inclusive: bool) -> usize {
+        let kp = prefix(key);
+        let (mut lo, mut hi) = (0, self.keys.len());
+        while lo < hi {
+            let mid = (lo + hi) / 2;
+            let o = self.cmp_at(mid, key, kp);
+            if o == std::cmp::Ordering::Less || (inclusive && o == std::cmp::Ordering::Equal) {
+                lo = mid + 1;
+            } else {
+                hi = mid;
+            }
+        }
+        lo
+    }
+
+    /// True when every prefix matches its key.
+    fn prefixes_consistent(&self) -> bool {
+        self.keys.len() == self.pfx.len() && self.keys.iter().zip(&self.pfx).all(|(k, p)| prefix(k) == *p)
+    }
+
+    /// `Ok(i)` if `key` is at `i`, else `Err(i)` where it would be inserted.
+    #[inline]
+    fn find(&self, key: &[u8]) -> Result<usize, usize> {
+        let i = self.rank(key, false);
+        if i < self.keys.len() && *self.keys[i] == *key {
+            Ok(i)
+        } else {
+            Err(i)
+        }
+    }
+}
+
 /// Per-leaf state kept by the owner of the tree.
 pub trait LeafMeta: Default {
     /// The leaf's entries changed.
@@ -40,7 +149,7 @@ impl LeafMeta for () {}
 #[derive(Debug)]
 pub struct Leaf<V, M> {
     /// Keys, strictly increasing.
-    pub keys: Vec<Box<[u8]>>,
+    pub keys: Keys,
     /// Values, parallel to `keys`.
     pub vals: Vec<V>,
     /// Next leaf in key order.
@@ -53,7 +162,7 @@ pub struct Leaf<V, M> {
 
 #[derive(Debug)]
 enum Node<V, M> {
-    Inner { keys: Vec<Box<[u8]>>, children: Vec<NodeId> },
+    Inner { keys: Keys, children: Vec<NodeId> },
     Leaf(Leaf<V, M>),
     Free,
 }
@@ -81,7 +190,7 @@ pub struct BPlusTree<V, M = ()> {
 impl<V, M: LeafMeta> BPlusTree<V, M> {
     /// An empty tree whose nodes hold up to `capacity` (>= 4) entries.
     pub fn new(capacity: usize) -> Self {
-        let leaf = Leaf { keys: Vec::new(), vals: Vec::new(), next: None, prev: None, meta: M::default() };
+        let leaf = Leaf { keys: Keys::default(), vals: Vec::new(), next: None, prev: None, meta: M::default() };
         BPlusTree {
             nodes: vec![Node::Leaf(leaf)],
             free: Vec::new(),
@@ -108,7 +217,7 @@ impl<V, M: LeafMeta> BPlusTree<V, M> {
             if entries.is_empty() || entries.len() > t.capacity {
                 return None;
             }
-            let mut keys = Vec::with_capacity(entries.len());
+            let mut keys = Keys::with_capacity(entries.len());
             let mut vals = Vec::with_capacity(entries.len());
             for (k, v) in entries {
                 if last_key.as_ref().is_some_and(|l| **l >= *k) {
@@ -133,7 +242,7 @@ impl<V, M: LeafMeta> BPlusTree<V, M> {
             for chunk in level.chunks(t.capacity) {
                 let first = chunk.first().map(|c| c.0.clone()).unwrap_or_default();
                 let children: Vec<NodeId> = chunk.iter().map(|c| c.1).collect();
-                let keys: Vec<Box<[u8]>> = chunk.iter().skip(1).map(|c| c.0.clone()).collect();
+                let keys = Keys::from_vec(chunk.iter().skip(1).map(|c| c.0.clone()).collect());
                 let id = t.nodes.len() as NodeId;
                 t.nodes.push(Node::Inner { keys, children });
                 up.push((first, id));
@@ -229,7 +338,7 @@ impl<V, M: LeafMeta> BPlusTree<V, M> {
         loop {
             match &self.nodes[id as usize] {
                 Node::Inner { keys, children } => {
-                    let idx = keys.partition_point(|k| &**k <= key);
+                    let idx = keys.rank(key, true);
                     path.push((id, idx));
                     id = children[idx];
                 }
@@ -242,7 +351,7 @@ impl<V, M: LeafMeta> BPlusTree<V, M> {
     pub fn get(&self, key: &[u8]) -> Option<&V> {
         let mut path = Vec::new();
         let leaf = self.leaf(self.descend(key, &mut path))?;
-        leaf.keys.binary_search_by(|k| (**k).cmp(key)).ok().and_then(|i| leaf.vals.get(i))
+        leaf.keys.find(key).ok().and_then(|i| leaf.vals.get(i))
     }
 
     /// Insert or replace; returns the old value and the leaf now holding `key`.
@@ -251,7 +360,7 @@ impl<V, M: LeafMeta> BPlusTree<V, M> {
         let leaf_id = self.descend(key, &mut path);
         let cap = self.capacity;
         let leaf = self.leaf_mut(leaf_id);
-        let pos = match leaf.keys.binary_search_by(|k| (**k).cmp(key)) {
+        let pos = match leaf.keys.find(key) {
             Ok(i) => {
                 leaf.meta.touched();
                 let old = std::mem::replace(&mut leaf.vals[i], val);
@@ -299,7 +408,8 @@ impl<V, M: LeafMeta> BPlusTree<V, M> {
             let Some((parent, idx)) = path.pop() else {
                 // The root split: grow a level.
                 let old_root = self.root;
-                self.root = self.alloc(Node::Inner { keys: vec![sep], children: vec![old_root, right] });
+                self.root =
+                    self.alloc(Node::Inner { keys: Keys::from_vec(vec![sep]), children: vec![old_root, right] });
                 return;
             };
             let Node::Inner { keys, children } = &mut self.nodes[parent as usize] else {
@@ -325,7 +435,7 @@ impl<V, M: LeafMeta> BPlusTree<V, M> {
         let mut path = Vec::new();
         let leaf_id = self.descend(key, &mut path);
         let leaf = self.leaf_mut(leaf_id);
-        let i = leaf.keys.binary_search_by(|k| (**k).cmp(key)).ok()?;
+        let i = leaf.keys.find(key).ok()?;
         let k = leaf.keys.remove(i);
         let v = leaf.vals.remove(i);
         leaf.meta.touched();
@@ -374,7 +484,7 @@ impl<V, M: LeafMeta> BPlusTree<V, M> {
             if path.is_empty() {
                 // The root lost its last child: the tree is empty.
                 self.release(parent);
-                let leaf = Leaf { keys: Vec::new(), vals: Vec::new(), next: None, prev: None, meta: M::default() };
+                let leaf = Leaf { keys: Keys::default(), vals: Vec::new(), next: None, prev: None, meta: M::default() };
                 self.root = self.alloc(Node::Leaf(leaf));
                 return;
             }
@@ -410,12 +520,12 @@ impl<V, M: LeafMeta> BPlusTree<V, M> {
         if a + b > self.capacity / 2 {
             return;
         }
-        let (keys, vals, next) = {
+        let (mut keys, vals, next) = {
             let s = self.leaf_mut(sib);
             (std::mem::take(&mut s.keys), std::mem::take(&mut s.vals), s.next)
         };
         let l = self.leaf_mut(leaf_id);
-        l.keys.extend(keys);
+        l.keys.append(&mut keys);
         l.vals.extend(vals);
         l.next = next;
         l.meta.touched();
@@ -435,11 +545,7 @@ impl<V, M: LeafMeta> BPlusTree<V, M> {
         let mut path = Vec::new();
         let leaf_id = self.descend(key, &mut path);
         let leaf = self.leaf(leaf_id)?;
-        let idx = if exclusive {
-            leaf.keys.partition_point(|k| &**k <= key)
-        } else {
-            leaf.keys.partition_point(|k| &**k < key)
-        };
+        let idx = if exclusive { leaf.keys.rank(key, true) } else { leaf.keys.rank(key, false) };
         self.normalize(Pos { leaf: leaf_id, idx })
     }
 
@@ -499,10 +605,13 @@ impl<V, M: LeafMeta> BPlusTree<V, M> {
             if leaf.keys.len() != leaf.vals.len() {
                 return Err(format!("leaf {id}: {} keys, {} values", leaf.keys.len(), leaf.vals.len()));
             }
+            if !leaf.keys.prefixes_consistent() {
+                return Err(format!("leaf {id}: key prefixes out of step with keys"));
+            }
             if leaf.keys.is_empty() && id != self.root {
                 return Err(format!("non-root leaf {id} is empty"));
             }
-            for k in &leaf.keys {
+            for k in leaf.keys.iter() {
                 if last.is_some_and(|l| l >= &**k) {
                     return Err(format!("leaf {id}: keys out of order"));
                 }
@@ -533,6 +642,9 @@ impl<V, M: LeafMeta> BPlusTree<V, M> {
                 Ok(())
             }
             Node::Inner { keys, children } => {
+                if !keys.prefixes_consistent() {
+                    return Err(format!("inner {id}: key prefixes out of step with keys"));
+                }
                 if children.len() != keys.len() + 1 {
                     return Err(format!("inner {id}: {} keys, {} children", keys.len(), children.len()));
                 }

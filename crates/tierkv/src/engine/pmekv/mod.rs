@@ -260,15 +260,22 @@ impl Inner {
     /// Write `bytes` to a fresh allocation and flush it (no fence).
     fn write_new(&self, heap: &mut Heap, bytes: &[&[u8]], size: u64) -> Result<u64> {
         let addr = self.alloc(heap, size)?;
+        self.write_at(addr, bytes)?;
+        Ok(addr)
+    }
+
+    /// Write the concatenation of `bytes` at `addr`, a block allocated by the caller and not
+    /// yet published, and flush it (no fence).
+    fn write_at(&self, addr: u64, bytes: &[&[u8]]) -> Result<()> {
         let mut off = addr;
         for b in bytes {
-            // SAFETY: `addr..addr+size` was just allocated and is published to no other
-            // thread until this write is done.
+            // SAFETY: the block at `addr` was allocated by this thread and is published to
+            // no other thread (no index or log entry refers to it) until this write is done.
             unsafe { self.region.write(off, b)? };
             off += b.len() as u64;
         }
         self.region.flush(addr, off - addr);
-        Ok(addr)
+        Ok(())
     }
 
     fn read_value(&self, key: &[u8], v: ValueRef) -> Result<Vec<u8>> {
@@ -287,40 +294,40 @@ impl Inner {
                 "batch needs {need} bytes of log, more than half of the key-value log ({kv_cap}) or key log ({key_cap}); split it"
             )));
         }
-        // 1. Values, outside the lock.
-        let mut vals: Vec<Option<ValueRef>> = Vec::with_capacity(ops.len());
-        let written = {
-            let mut heap = self.heap.lock();
-            let mut r = Ok(());
-            for op in ops {
-                match op {
-                    BatchOp::Put { key, value } => {
-                        let size = layout::value_alloc_size(value.len());
-                        match self.write_new(&mut heap, &[&layout::value_header(key, value), value], size) {
-                            Ok(addr) => vals.push(Some(ValueRef { addr, len: value.len() as u32 })),
-                            Err(e) => {
-                                r = Err(e);
-                                break;
-                            }
-                        }
-                    }
-                    BatchOp::Delete { .. } => vals.push(None),
-                }
-            }
-            if r.is_err() {
-                for v in vals.iter().flatten() {
-                    heap.free(v.addr, layout::value_alloc_size(v.len as usize));
-                }
-            }
-            r
-        };
-        written?;
+        // 1. Values, outside the state lock: allocate under the heap mutex, then copy and
+        //    flush without any lock, so concurrent writers copy their values in parallel.
         let release = |vals: &[Option<ValueRef>]| {
             let mut heap = self.heap.lock();
             for v in vals.iter().flatten() {
                 heap.free(v.addr, layout::value_alloc_size(v.len as usize));
             }
         };
+        let mut vals: Vec<Option<ValueRef>> = Vec::with_capacity(ops.len());
+        {
+            let mut heap = self.heap.lock();
+            for op in ops {
+                let v = match op {
+                    BatchOp::Put { value, .. } => match self.alloc(&mut heap, layout::value_alloc_size(value.len())) {
+                        Ok(addr) => Some(ValueRef { addr, len: value.len() as u32 }),
+                        Err(e) => {
+                            drop(heap);
+                            release(&vals);
+                            return Err(e);
+                        }
+                    },
+                    BatchOp::Delete { .. } => None,
+                };
+                vals.push(v);
+            }
+        }
+        for (op, v) in ops.iter().zip(&vals) {
+            if let (BatchOp::Put { key, value }, Some(v)) = (op, v) {
+                if let Err(e) = self.write_at(v.addr, &[&layout::value_header(key, value), value]) {
+                    release(&vals);
+                    return Err(e);
+                }
+            }
+        }
 
         let mut st = self.state.write();
         if let (Some(first), Cond::Absent | Cond::Present) = (ops.first(), cond) {
