@@ -115,7 +115,8 @@ pub struct Options {
     pub pm_write_latency_ns: u64,
     /// Emulated PM write bandwidth cap in MB/s; 0 = unlimited. Default 0.
     pub pm_write_bandwidth_mbps: u64,
-    /// Size of each PM pool file. *Creation-only.* Default 256 MiB. The region grows by
+    /// Size of each PM pool file: a power of two from 1 MiB to 1 TiB (addresses split into
+    /// pool and offset with a shift). *Creation-only.* Default 256 MiB. The region grows by
     /// adding pools; a single value must fit in one pool.
     pub pm_pool_size: u64,
     /// Largest accepted key, at most [`MAX_KEY_SIZE`] (the default).
@@ -251,11 +252,8 @@ impl Options {
         if self.max_value_size > MAX_VALUE_SIZE {
             return bad(format!("max_value_size {} exceeds {MAX_VALUE_SIZE}", self.max_value_size));
         }
-        if self.pm_pool_size < (1 << 20) || self.pm_pool_size > (1 << 40) || !self.pm_pool_size.is_multiple_of(4096) {
-            return bad(format!(
-                "pm_pool_size {} must be a multiple of 4096 between 1 MiB and 1 TiB",
-                self.pm_pool_size
-            ));
+        if self.pm_pool_size < (1 << 20) || self.pm_pool_size > (1 << 40) || !self.pm_pool_size.is_power_of_two() {
+            return bad(format!("pm_pool_size {} must be a power of two between 1 MiB and 1 TiB", self.pm_pool_size));
         }
         let p = &self.pmekv;
         if !(4..=1024).contains(&p.node_capacity) {

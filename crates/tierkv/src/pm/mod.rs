@@ -22,6 +22,7 @@
 //! fence is followed by `msync` of the flushed pages, for power-loss durability on a file
 //! system without DAX.
 
+mod counters;
 pub mod flush;
 pub mod sim;
 
@@ -107,6 +108,8 @@ pub struct Region {
     pools: Box<[OnceLock<Pool>]>,
     npools: AtomicUsize,
     pool_size: u64,
+    /// log2(pool_size): pool sizes are powers of two, so address arithmetic is a shift.
+    pool_shift: u32,
     db_id: u64,
     backing: Backing,
     grow_lock: Mutex<()>,
@@ -115,9 +118,8 @@ pub struct Region {
     latency_ns: u64,
     bandwidth_bps: u64,
     throttle: Mutex<Instant>,
-    bytes_stored: AtomicU64,
-    lines_persisted: AtomicU64,
-    persist_calls: AtomicU64,
+    /// 0: bytes stored, 1: lines persisted, 2: persist calls (fences).
+    counters: counters::Counters,
 }
 
 impl std::fmt::Debug for Region {
@@ -150,6 +152,12 @@ pub fn encode_pool_header(index: u32, pool_size: u64, db_id: u64) -> [u8; 64] {
 impl Region {
     /// Open (or create) a region.
     pub fn open(cfg: RegionConfig) -> Result<Region> {
+        if !cfg.pool_size.is_power_of_two() || cfg.pool_size < 4096 {
+            return Err(Error::InvalidArgument(format!(
+                "PM pool size {} is not a power of two >= 4096",
+                cfg.pool_size
+            )));
+        }
         let instr = FlushInstr::detect();
         let mut pools: Vec<OnceLock<Pool>> = Vec::with_capacity(MAX_POOLS);
         pools.resize_with(MAX_POOLS, OnceLock::new);
@@ -157,6 +165,7 @@ impl Region {
             pools: pools.into_boxed_slice(),
             npools: AtomicUsize::new(0),
             pool_size: cfg.pool_size,
+            pool_shift: cfg.pool_size.trailing_zeros(),
             db_id: cfg.db_id,
             backing: cfg.backing.clone(),
             grow_lock: Mutex::new(()),
@@ -165,9 +174,7 @@ impl Region {
             latency_ns: cfg.write_latency_ns,
             bandwidth_bps: cfg.write_bandwidth_mbps.saturating_mul(1_000_000),
             throttle: Mutex::new(Instant::now()),
-            bytes_stored: AtomicU64::new(0),
-            lines_persisted: AtomicU64::new(0),
-            persist_calls: AtomicU64::new(0),
+            counters: counters::Counters::default(),
         };
         let existing = region.attach_existing(cfg.create)?;
         if existing == 0 {
@@ -195,7 +202,15 @@ impl Region {
                     let file = OpenOptions::new().read(true).write(true).open(&path)?;
                     let len = file.metadata()?.len();
                     if i == 0 {
+                        if !len.is_power_of_two() {
+                            return Err(Error::corruption(
+                                &path,
+                                0,
+                                format!("pool file is {len} bytes, not a power of two"),
+                            ));
+                        }
                         self.pool_size = len;
+                        self.pool_shift = len.trailing_zeros();
                     }
                     if len != self.pool_size || len < POOL_HEADER_LEN {
                         return Err(Error::corruption(
@@ -213,7 +228,15 @@ impl Region {
                         break;
                     };
                     if i == 0 {
+                        if !len.is_power_of_two() {
+                            return Err(Error::corruption(
+                                format!("<sim>/pool-{i:06}"),
+                                0,
+                                "pool size is not a power of two",
+                            ));
+                        }
                         self.pool_size = len as u64;
+                        self.pool_shift = len.trailing_zeros();
                     }
                     let path = PathBuf::from(format!("<sim>/pool-{i:06}"));
                     if len as u64 != self.pool_size || (len as u64) < POOL_HEADER_LEN {
@@ -359,8 +382,8 @@ impl Region {
     /// Pool and base pointer for `[addr, addr+len)`, if it lies inside one mapped pool.
     #[inline]
     fn resolve(&self, addr: u64, len: u64) -> Option<*mut u8> {
-        let i = (addr / self.pool_size) as usize;
-        let off = addr % self.pool_size;
+        let i = (addr >> self.pool_shift) as usize;
+        let off = addr & (self.pool_size - 1);
         let end = off.checked_add(len)?;
         let pool = self.pools.get(i)?.get()?;
         if end > pool.len {
@@ -396,7 +419,7 @@ impl Region {
         })?;
         // SAFETY: range checked by `resolve`; exclusivity guaranteed by the caller.
         unsafe { std::ptr::copy_nonoverlapping(bytes.as_ptr(), p, bytes.len()) };
-        self.bytes_stored.fetch_add(bytes.len() as u64, Ordering::Relaxed);
+        self.counters.add(0, bytes.len() as u64);
         Ok(())
     }
 
@@ -404,7 +427,7 @@ impl Region {
     pub fn store_u64_atomic(&self, addr: u64, v: u64) -> Result<()> {
         let p = self.atomic_ptr(addr)?;
         p.store(v, Ordering::Release);
-        self.bytes_stored.fetch_add(8, Ordering::Relaxed);
+        self.counters.add(0, 8);
         Ok(())
     }
 
@@ -432,11 +455,11 @@ impl Region {
         let first = addr & !(LINE - 1);
         let end = addr.saturating_add(len);
         let lines = (end - first).div_ceil(LINE);
-        self.lines_persisted.fetch_add(lines, Ordering::Relaxed);
+        self.counters.add(1, lines);
         match &self.backing {
             Backing::Sim(dev) => {
-                let i = (addr / self.pool_size) as usize;
-                dev.flush(i, addr % self.pool_size, len);
+                let i = (addr >> self.pool_shift) as usize;
+                dev.flush(i, addr & (self.pool_size - 1), len);
             }
             Backing::Dir(_) => {
                 let Some(base) = self.resolve(first, end - first) else {
@@ -457,7 +480,7 @@ impl Region {
 
     /// Order all earlier flushes and stores (SFENCE). A crash point in tracked mode.
     pub fn fence(&self) {
-        self.persist_calls.fetch_add(1, Ordering::Relaxed);
+        self.counters.add(2, 1);
         match &self.backing {
             Backing::Sim(dev) => dev.fence(),
             Backing::Dir(_) => flush::sfence(),
@@ -515,9 +538,9 @@ impl Region {
     /// Traffic counters.
     pub fn stats(&self) -> PmStats {
         PmStats {
-            bytes_stored: self.bytes_stored.load(Ordering::Relaxed),
-            lines_persisted: self.lines_persisted.load(Ordering::Relaxed),
-            persist_calls: self.persist_calls.load(Ordering::Relaxed),
+            bytes_stored: self.counters.get(0),
+            lines_persisted: self.counters.get(1),
+            persist_calls: self.counters.get(2),
             pools: self.pool_count() as u64,
             capacity: self.pool_count() as u64 * self.pool_size,
         }
