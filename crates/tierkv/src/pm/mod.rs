@@ -311,16 +311,26 @@ impl Region {
                 std::fs::create_dir_all(dir)?;
                 let path = pool_file(dir, i);
                 let tmp = dir.join(format!("pool-{i:06}.tmp"));
-                let file = OpenOptions::new().read(true).write(true).create(true).truncate(true).open(&tmp)?;
-                file.set_len(self.pool_size)?;
-                let map = map_file(&file, self.pool_size)?;
-                let header = encode_pool_header(i as u32, self.pool_size, self.db_id);
-                // SAFETY: fresh mapping of pool_size >= 64 bytes; nobody else sees it yet.
-                unsafe { std::ptr::copy_nonoverlapping(header.as_ptr(), map.ptr, 64) };
-                map.flush()?;
-                file.sync_all()?;
-                std::fs::rename(&tmp, &path)?;
-                crate::fs::sync_dir_path(dir)?;
+                let made = (|| -> Result<Mapping> {
+                    let file = OpenOptions::new().read(true).write(true).create(true).truncate(true).open(&tmp)?;
+                    reserve(&file, self.pool_size)?;
+                    let map = map_file(&file, self.pool_size)?;
+                    let header = encode_pool_header(i as u32, self.pool_size, self.db_id);
+                    // SAFETY: fresh mapping of pool_size >= 64 bytes; nobody else sees it yet.
+                    unsafe { std::ptr::copy_nonoverlapping(header.as_ptr(), map.ptr, 64) };
+                    map.flush()?;
+                    file.sync_all()?;
+                    std::fs::rename(&tmp, &path)?;
+                    crate::fs::sync_dir_path(dir)?;
+                    Ok(map)
+                })();
+                let map = match made {
+                    Ok(m) => m,
+                    Err(e) => {
+                        let _ = std::fs::remove_file(&tmp);
+                        return Err(e);
+                    }
+                };
                 let base = map.ptr;
                 Pool { base, len: self.pool_size, path, _map: Some(map) }
             }
@@ -551,6 +561,21 @@ fn spin_for(d: Duration) {
     let start = Instant::now();
     while start.elapsed() < d {
         std::hint::spin_loop();
+    }
+}
+
+/// Size `file` to `len` bytes with its blocks reserved (`posix_fallocate`), so a full file
+/// system is an `ENOSPC` error here rather than a SIGBUS on a later store into a sparse page
+/// of the mapping. File systems without fallocate fall back to a sparse `set_len`.
+fn reserve(file: &std::fs::File, len: u64) -> Result<()> {
+    use std::os::fd::AsRawFd;
+    let n = libc::off_t::try_from(len).map_err(|_| Error::InvalidArgument("pool too large".into()))?;
+    // SAFETY: plain system call on a file descriptor we own.
+    let rc = unsafe { libc::posix_fallocate(file.as_raw_fd(), 0, n) };
+    match rc {
+        0 => Ok(()),
+        libc::EOPNOTSUPP | libc::EINVAL => Ok(file.set_len(len)?),
+        e => Err(Error::Io(std::io::Error::from_raw_os_error(e))),
     }
 }
 
