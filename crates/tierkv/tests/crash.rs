@@ -128,6 +128,7 @@ fn crash_during_creation_every_preset() {
     for &preset in presets() {
         let total = run(preset, &[], None, true).fences;
         assert!(total > 0);
+        eprintln!("{preset}: {total} crash points during store creation");
         for n in 1..=total {
             let r = run(preset, &[], Some(n), true);
             assert_eq!(r.inflight, Some(0), "{preset}: fence {n} during open not reached");
