@@ -37,8 +37,48 @@ struct Target {
     pm_path: Option<PathBuf>,
 }
 
+#[derive(clap::Args, Debug)]
+struct BenchFlags {
+    /// Records, and operations per workload.
+    #[arg(long, default_value_t = 100_000)]
+    num: u64,
+    /// Value sizes in bytes, comma separated (one full run per size).
+    #[arg(long, value_delimiter = ',', default_value = "1024")]
+    value_size: Vec<usize>,
+    /// db_bench key size in bytes.
+    #[arg(long, default_value_t = 16)]
+    key_size: usize,
+    /// Entries per seekrandom range read.
+    #[arg(long, default_value_t = 100)]
+    scan_len: usize,
+    /// Engines, comma separated (default: every preset and `limit`).
+    #[arg(long)]
+    engines: Option<String>,
+    /// Workloads in order, comma separated: fillseq, fillrandom, overwrite, readrandom,
+    /// readseq, seekrandom, ycsb-load (or load), ycsb-a..ycsb-f (or a..f).
+    #[arg(long)]
+    workloads: Option<String>,
+    /// Seed of every random stream (the same key sequence for every engine).
+    #[arg(long, default_value_t = 301)]
+    seed: u64,
+    /// Directory for disk files (default: the system temp directory).
+    #[arg(long)]
+    dir: Option<PathBuf>,
+    /// Directory for PM pools (default: /dev/shm when present).
+    #[arg(long)]
+    pm_dir: Option<PathBuf>,
+    /// Write the results as JSON to this file.
+    #[arg(long)]
+    out: Option<PathBuf>,
+    /// The papers' sweep: value sizes 100, 1024, 4096, 16384 and every workload.
+    #[arg(long)]
+    full: bool,
+}
+
 #[derive(Subcommand, Debug)]
 enum Cmd {
+    /// Measure engines side by side (see `tierkv bench --help`).
+    Bench(BenchFlags),
     /// Set KEY to VALUE (`-` reads the value from stdin).
     Put {
         #[command(flatten)]
@@ -114,6 +154,30 @@ fn open(t: &Target, create: bool) -> Result<Db, Error> {
 fn run(cli: Cli) -> Result<Outcome, Error> {
     let mut out = std::io::stdout().lock();
     match cli.cmd {
+        Cmd::Bench(f) => {
+            let mut a = tierkv_bench::cli::BenchArgs {
+                num: f.num,
+                value_sizes: f.value_size,
+                key_size: f.key_size,
+                scan_len: f.scan_len,
+                seed: f.seed,
+                dir: f.dir,
+                pm_dir: f.pm_dir,
+                out: f.out,
+                ..Default::default()
+            };
+            if f.full {
+                a.value_sizes = vec![100, 1024, 4096, 16384];
+                a.workloads = tierkv_bench::run::Workload::ALL.to_vec();
+            }
+            if let Some(e) = f.engines {
+                a.engines = tierkv_bench::cli::parse_engines(&e).map_err(Error::InvalidArgument)?;
+            }
+            if let Some(w) = f.workloads {
+                a.workloads = tierkv_bench::cli::parse_workloads(&w).map_err(Error::InvalidArgument)?;
+            }
+            tierkv_bench::cli::run(&a).map_err(|e| Error::InvalidArgument(format!("bench: {e}")))?;
+        }
         Cmd::Put { t, key, value } => {
             let key = arg_bytes(&key)?;
             let value = if value == "-" {

@@ -1,6 +1,8 @@
 //! Range scans and iterators.
 //!
-//! Both read the engine in chunks of [`CHUNK`] entries: each chunk is a consistent copy
+//! Both read the engine in chunks — 16 entries first, doubling up to [`CHUNK`] — so a short
+//! scan reads little more than it returns and a long one amortises the locking. Each chunk is
+//! a consistent copy
 //! taken under the engine's read lock, and the next chunk starts strictly after the last
 //! key returned. So every key that exists for the whole scan is returned exactly once
 //! with its newest value at the time its chunk was read; a key deleted before the scan
@@ -14,8 +16,9 @@ use crate::db::owned;
 use crate::engine::Engine;
 use crate::error::Result;
 
-/// Entries fetched per engine call.
+/// Largest number of entries fetched per engine call.
 pub const CHUNK: usize = 256;
+const FIRST_CHUNK: usize = 16;
 
 type Entry = (Vec<u8>, Vec<u8>);
 
@@ -25,6 +28,7 @@ pub struct Scan {
     next_start: Option<Bound<Vec<u8>>>,
     end: Bound<Vec<u8>>,
     buf: VecDeque<Entry>,
+    chunk: usize,
 }
 
 impl std::fmt::Debug for Scan {
@@ -35,17 +39,19 @@ impl std::fmt::Debug for Scan {
 
 impl Scan {
     pub(crate) fn new(engine: Arc<dyn Engine>, start: Bound<Vec<u8>>, end: Bound<Vec<u8>>) -> Scan {
-        Scan { engine, next_start: Some(start), end, buf: VecDeque::new() }
+        Scan { engine, next_start: Some(start), end, buf: VecDeque::new(), chunk: FIRST_CHUNK }
     }
 
     fn refill(&mut self) -> Result<()> {
         let Some(start) = self.next_start.take() else {
             return Ok(());
         };
-        let chunk = self.engine.scan_chunk(owned(start.as_ref()), owned(self.end.as_ref()), CHUNK)?;
-        if chunk.len() == CHUNK {
+        let want = self.chunk;
+        let chunk = self.engine.scan_chunk(owned(start.as_ref()), owned(self.end.as_ref()), want)?;
+        if chunk.len() == want {
             self.next_start = chunk.last().map(|(k, _)| Bound::Excluded(k.clone()));
         }
+        self.chunk = (want * 2).min(CHUNK);
         self.buf.extend(chunk);
         Ok(())
     }
@@ -83,12 +89,14 @@ impl DbIterator {
     /// Position before the first key `>= key`.
     pub fn seek(&mut self, key: &[u8]) {
         self.scan.buf.clear();
+        self.scan.chunk = FIRST_CHUNK;
         self.scan.next_start = Some(Bound::Included(key.to_vec()));
     }
 
     /// Position before the first key.
     pub fn seek_to_first(&mut self) {
         self.scan.buf.clear();
+        self.scan.chunk = FIRST_CHUNK;
         self.scan.next_start = Some(Bound::Unbounded);
     }
 

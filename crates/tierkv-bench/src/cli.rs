@@ -1,0 +1,125 @@
+//! `tierkv bench`: parse flags, run every engine × value size × workload, report.
+
+use std::path::PathBuf;
+use std::time::Instant;
+
+use crate::engine::{self, EngineSpec};
+use crate::report::{self, Recovery, Report};
+use crate::run::{self, Loaded, Params, Workload};
+
+/// Parsed `tierkv bench` flags.
+#[derive(Debug, Clone)]
+pub struct BenchArgs {
+    /// `--num`: records and operations per workload.
+    pub num: u64,
+    /// `--value-size`: one run per size.
+    pub value_sizes: Vec<usize>,
+    /// `--key-size` (db_bench keys).
+    pub key_size: usize,
+    /// `--scan-len` for seekrandom.
+    pub scan_len: usize,
+    /// `--engines`.
+    pub engines: Vec<String>,
+    /// `--workloads`, in order.
+    pub workloads: Vec<Workload>,
+    /// `--seed`.
+    pub seed: u64,
+    /// `--dir`: where disk files go (a fresh subdirectory per engine and size).
+    pub dir: Option<PathBuf>,
+    /// `--pm-dir`: where PM pools go (default under /dev/shm when present).
+    pub pm_dir: Option<PathBuf>,
+    /// `--out`: JSON path.
+    pub out: Option<PathBuf>,
+}
+
+impl Default for BenchArgs {
+    fn default() -> Self {
+        BenchArgs {
+            num: 100_000,
+            value_sizes: vec![1024],
+            key_size: 16,
+            scan_len: 100,
+            engines: engine::known_engines(),
+            workloads: ["fillrandom", "readrandom", "seekrandom", "overwrite", "ycsb-load", "ycsb-a", "ycsb-c"]
+                .iter()
+                .filter_map(|w| Workload::parse(w))
+                .collect(),
+            seed: 301,
+            dir: None,
+            pm_dir: None,
+            out: None,
+        }
+    }
+}
+
+/// Parse `--workloads a,b,c`.
+pub fn parse_workloads(s: &str) -> Result<Vec<Workload>, String> {
+    s.split(',').map(|w| Workload::parse(w.trim()).ok_or_else(|| format!("unknown workload `{w}`"))).collect()
+}
+
+/// Parse `--engines a,b` against the known engines.
+pub fn parse_engines(s: &str) -> Result<Vec<String>, String> {
+    let known = engine::known_engines();
+    s.split(',')
+        .map(|e| {
+            let e = e.trim().to_string();
+            if known.contains(&e) {
+                Ok(e)
+            } else {
+                Err(format!("unknown engine `{e}` (known: {})", known.join(", ")))
+            }
+        })
+        .collect()
+}
+
+/// Run the benchmark; prints the table and writes JSON if asked. Returns the report.
+pub fn run(a: &BenchArgs) -> Result<Report, String> {
+    let shm = std::path::Path::new("/dev/shm");
+    let disk_base = a.dir.clone().unwrap_or_else(std::env::temp_dir);
+    let pm_base = a.pm_dir.clone().unwrap_or_else(|| if shm.is_dir() { shm.to_path_buf() } else { disk_base.clone() });
+    let mut outcomes = Vec::new();
+    let mut recovery = Vec::new();
+    for &value_size in &a.value_sizes {
+        let params = Params { num: a.num, value_size, key_size: a.key_size, scan_len: a.scan_len, seed: a.seed };
+        for name in &a.engines {
+            let disk =
+                tempfile::Builder::new().prefix("tierkv-bench-").tempdir_in(&disk_base).map_err(|e| e.to_string())?;
+            let pm =
+                tempfile::Builder::new().prefix("tierkv-bench-pm-").tempdir_in(&pm_base).map_err(|e| e.to_string())?;
+            let spec = EngineSpec { name: name.clone(), dir: disk.path().join("db"), pm_dir: pm.path().to_path_buf() };
+            let mut e = engine::open(&spec)?;
+            let mut loaded = Loaded::default();
+            for &w in &a.workloads {
+                eprintln!("{name:>10} {:>6} B  {}", value_size, w.name());
+                if let Some(o) = run::run(e.as_ref(), w, &params, &mut loaded)? {
+                    outcomes.push(o);
+                }
+            }
+            let t = Instant::now();
+            if e.reopen().is_ok() {
+                recovery.push(Recovery { engine: name.clone(), value_size, seconds: t.elapsed().as_secs_f64() });
+            }
+        }
+    }
+    // Group by value size, then workload order, then engine order.
+    outcomes.sort_by_key(|o| {
+        let wi = a.workloads.iter().position(|w| *w == o.workload).unwrap_or(usize::MAX);
+        let ei = a.engines.iter().position(|e| *e == o.engine).unwrap_or(usize::MAX);
+        (o.value_size, wi, ei)
+    });
+    let params = Params {
+        num: a.num,
+        value_size: a.value_sizes.first().copied().unwrap_or(0),
+        key_size: a.key_size,
+        scan_len: a.scan_len,
+        seed: a.seed,
+    };
+    let rep = Report { schema: 1, params, outcomes, recovery };
+    print!("{}", report::table(&rep));
+    if let Some(out) = &a.out {
+        let json = serde_json::to_string_pretty(&rep).map_err(|e| e.to_string())?;
+        std::fs::write(out, json).map_err(|e| format!("{}: {e}", out.display()))?;
+        eprintln!("wrote {}", out.display());
+    }
+    Ok(rep)
+}

@@ -1,0 +1,213 @@
+//! The engines a benchmark run measures, behind one trait: every tierkv preset, and the
+//! `limit` pseudo-engine. (Peers — LevelDB, RocksDB — join here as further implementations.)
+
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+
+use parking_lot::{Mutex, RwLock};
+use tierkv::pm::{Backing, Region, RegionConfig, LINE, POOL_HEADER_LEN};
+use tierkv::{Db, Options, Preset};
+
+/// Result of engine calls (errors are reported, not recovered).
+pub type Result<T> = std::result::Result<T, String>;
+
+/// Resource figures an engine reports after a workload.
+#[derive(Debug, Clone, Copy, Default, serde::Serialize)]
+pub struct Usage {
+    /// Bytes written back to PM.
+    pub pm_bytes_written: u64,
+    /// Bytes written to disk files.
+    pub disk_bytes_written: u64,
+    /// User bytes written (keys + values).
+    pub user_bytes_written: u64,
+    /// DRAM held by the index.
+    pub dram_index_bytes: u64,
+    /// PM reserved by the engine.
+    pub pm_space: u64,
+}
+
+/// One engine under test.
+pub trait BenchEngine: Send + Sync {
+    /// Display name.
+    fn name(&self) -> String;
+    /// Insert or overwrite.
+    fn put(&self, key: &[u8], value: &[u8]) -> Result<()>;
+    /// Read; returns the value length if found (the value itself is copied out, then dropped).
+    fn get(&self, key: &[u8]) -> Result<Option<usize>>;
+    /// Read up to `n` entries from `start` in key order; returns how many were read.
+    fn scan(&self, start: &[u8], n: usize) -> Result<usize>;
+    /// Resource usage since open.
+    fn usage(&self) -> Usage;
+    /// Clean close, then open again; the store must still hold its data.
+    fn reopen(&mut self) -> Result<()>;
+}
+
+/// How to build engines for one run.
+#[derive(Debug, Clone)]
+pub struct EngineSpec {
+    /// Engine name: a preset name, or `limit`.
+    pub name: String,
+    /// Disk directory for the store.
+    pub dir: PathBuf,
+    /// Directory for PM pool files.
+    pub pm_dir: PathBuf,
+}
+
+/// Names `--engines` accepts: every preset this build hosts, and `limit`.
+pub fn known_engines() -> Vec<String> {
+    let mut v: Vec<String> = Preset::ALL.iter().map(|p| p.name().to_string()).collect();
+    v.push("limit".into());
+    v
+}
+
+/// Build the engine `spec.name`.
+pub fn open(spec: &EngineSpec) -> Result<Box<dyn BenchEngine>> {
+    if spec.name == "limit" {
+        return Ok(Box::new(Limit::open(&spec.pm_dir)?));
+    }
+    let preset: Preset = spec.name.parse().map_err(|e: tierkv::Error| e.to_string())?;
+    Ok(Box::new(Tierkv::open(preset, &spec.dir, &spec.pm_dir)?))
+}
+
+/// A tierkv preset.
+#[derive(Debug)]
+pub struct Tierkv {
+    db: Option<Db>,
+    opts: Options,
+    dir: PathBuf,
+}
+
+impl Tierkv {
+    fn open(preset: Preset, dir: &Path, pm_dir: &Path) -> Result<Tierkv> {
+        let opts = Options::new().preset(preset).pm_path(pm_dir);
+        let db = Db::open(dir, opts.clone()).map_err(|e| e.to_string())?;
+        Ok(Tierkv { db: Some(db), opts, dir: dir.to_path_buf() })
+    }
+
+    fn db(&self) -> Result<&Db> {
+        self.db.as_ref().ok_or_else(|| "store is closed".to_string())
+    }
+}
+
+impl BenchEngine for Tierkv {
+    fn name(&self) -> String {
+        self.opts.preset.name().to_string()
+    }
+    fn put(&self, key: &[u8], value: &[u8]) -> Result<()> {
+        self.db()?.put(key, value).map_err(|e| e.to_string())
+    }
+    fn get(&self, key: &[u8]) -> Result<Option<usize>> {
+        Ok(self.db()?.get(key).map_err(|e| e.to_string())?.map(|v| v.len()))
+    }
+    fn scan(&self, start: &[u8], n: usize) -> Result<usize> {
+        let mut count = 0;
+        for item in self.db()?.scan(start..).map_err(|e| e.to_string())?.take(n) {
+            item.map_err(|e| e.to_string())?;
+            count += 1;
+        }
+        Ok(count)
+    }
+    fn usage(&self) -> Usage {
+        let Ok(db) = self.db() else { return Usage::default() };
+        let s = db.stats();
+        Usage {
+            pm_bytes_written: s.pm_bytes_written,
+            disk_bytes_written: s.disk_bytes_written,
+            user_bytes_written: s.user_bytes_written,
+            dram_index_bytes: s.dram_index_bytes,
+            pm_space: s.pm.capacity,
+        }
+    }
+    fn reopen(&mut self) -> Result<()> {
+        if let Some(db) = self.db.take() {
+            db.close().map_err(|e| e.to_string())?;
+        }
+        self.db = Some(Db::open(&self.dir, self.opts.clone()).map_err(|e| e.to_string())?);
+        Ok(())
+    }
+}
+
+/// The physical limit: the work no design can avoid. A write appends the value to a PM
+/// region and persists it (one write-back per line, one fence); a read is a DRAM hash-map
+/// lookup plus a copy of the value out of PM. No ordering, no crash consistency, no index
+/// persistence: every real engine does at least this much.
+pub struct Limit {
+    region: Region,
+    tail: Mutex<u64>,
+    index: RwLock<HashMap<Vec<u8>, (u64, u32)>>,
+    user_bytes: std::sync::atomic::AtomicU64,
+}
+
+impl std::fmt::Debug for Limit {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Limit").field("region", &self.region).field("keys", &self.index.read().len()).finish()
+    }
+}
+
+impl Limit {
+    fn open(pm_dir: &Path) -> Result<Limit> {
+        let region = Region::open(RegionConfig {
+            backing: Backing::Dir(pm_dir.join("limit")),
+            pool_size: 1 << 30,
+            db_id: 1,
+            sync: false,
+            write_latency_ns: 0,
+            write_bandwidth_mbps: 0,
+            create: true,
+        })
+        .map_err(|e| e.to_string())?;
+        Ok(Limit {
+            region,
+            tail: Mutex::new(POOL_HEADER_LEN),
+            index: RwLock::new(HashMap::new()),
+            user_bytes: Default::default(),
+        })
+    }
+}
+
+impl BenchEngine for Limit {
+    fn name(&self) -> String {
+        "limit".into()
+    }
+    fn put(&self, key: &[u8], value: &[u8]) -> Result<()> {
+        let len = value.len() as u64;
+        let addr = {
+            let mut tail = self.tail.lock();
+            let pool = self.region.pool_size();
+            let mut at = *tail;
+            if at % pool + len > pool {
+                let next = self.region.grow().map_err(|e| e.to_string())?;
+                at = self.region.addr(next, POOL_HEADER_LEN);
+            }
+            *tail = (at + len).div_ceil(LINE) * LINE;
+            at
+        };
+        // SAFETY: `addr..addr+len` was reserved above for this call alone.
+        unsafe { self.region.write(addr, value).map_err(|e| e.to_string())? };
+        self.region.persist(addr, len);
+        self.index.write().insert(key.to_vec(), (addr, len as u32));
+        self.user_bytes.fetch_add((key.len() + value.len()) as u64, std::sync::atomic::Ordering::Relaxed);
+        Ok(())
+    }
+    fn get(&self, key: &[u8]) -> Result<Option<usize>> {
+        let Some((addr, len)) = self.index.read().get(key).copied() else { return Ok(None) };
+        let v = self.region.slice(addr, len as usize).ok_or("limit: value outside region")?.to_vec();
+        Ok(Some(v.len()))
+    }
+    fn scan(&self, _start: &[u8], _n: usize) -> Result<usize> {
+        Err("limit has no ordered index".into())
+    }
+    fn usage(&self) -> Usage {
+        let s = self.region.stats();
+        Usage {
+            pm_bytes_written: s.lines_persisted * LINE,
+            disk_bytes_written: 0,
+            user_bytes_written: self.user_bytes.load(std::sync::atomic::Ordering::Relaxed),
+            dram_index_bytes: 0,
+            pm_space: s.capacity,
+        }
+    }
+    fn reopen(&mut self) -> Result<()> {
+        Err("limit keeps its index in DRAM only; it has no recovery".into())
+    }
+}

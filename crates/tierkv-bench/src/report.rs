@@ -1,0 +1,100 @@
+//! Output of a run: an aligned table on stdout and JSON.
+//!
+//! Every throughput is also shown as a fraction of the `limit` pseudo-engine's throughput
+//! on the same workload and value size, when `limit` took part and supports the workload.
+//! (Normalisation to LevelDB, as the papers do, joins when the peers do.)
+
+use std::fmt::Write;
+
+use crate::run::{Outcome, Params};
+
+/// Everything a run produced.
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct Report {
+    /// Schema version of this JSON (bump on incompatible changes).
+    pub schema: u32,
+    /// Parameters (value size varies per outcome).
+    pub params: Params,
+    /// One entry per engine × workload × value size.
+    pub outcomes: Vec<Outcome>,
+    /// Recovery time (clean close + reopen after the run) per engine and value size.
+    pub recovery: Vec<Recovery>,
+}
+
+/// Time to close cleanly and reopen a loaded store.
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct Recovery {
+    /// Engine.
+    pub engine: String,
+    /// Value size.
+    pub value_size: usize,
+    /// Seconds for close + open.
+    pub seconds: f64,
+}
+
+fn fmt_ns(ns: f64) -> String {
+    if ns >= 1e6 {
+        format!("{:.1}ms", ns / 1e6)
+    } else if ns >= 1e3 {
+        format!("{:.1}us", ns / 1e3)
+    } else {
+        format!("{ns:.0}ns")
+    }
+}
+
+/// The aligned table.
+pub fn table(r: &Report) -> String {
+    let mut out = String::new();
+    let _ = writeln!(
+        out,
+        "{:<12} {:>7} {:<10} {:>12} {:>8} {:>9} {:>9} {:>9} {:>9} {:>7} {:>7}",
+        "workload", "value", "engine", "ops/s", "x limit", "mean", "p50", "p99", "p99.9", "WA pm", "WA disk"
+    );
+    let mut last: Option<(&str, usize)> = None;
+    for o in &r.outcomes {
+        let group = (o.workload_name(), o.value_size);
+        if last.is_some_and(|l| l != group) {
+            out.push('\n');
+        }
+        last = Some(group);
+        let limit = r
+            .outcomes
+            .iter()
+            .find(|x| x.engine == "limit" && x.workload == o.workload && x.value_size == o.value_size)
+            .map(|x| x.ops_per_sec);
+        let rel = match limit {
+            Some(l) if l > 0.0 => format!("{:.2}", o.ops_per_sec / l),
+            _ => "-".into(),
+        };
+        let wa = |x: f64| if o.usage.user_bytes_written > 0 { format!("{x:.2}") } else { "-".into() };
+        let _ = writeln!(
+            out,
+            "{:<12} {:>7} {:<10} {:>12.0} {:>8} {:>9} {:>9} {:>9} {:>9} {:>7} {:>7}",
+            o.workload_name(),
+            o.value_size,
+            o.engine,
+            o.ops_per_sec,
+            rel,
+            fmt_ns(o.latency.mean_ns),
+            fmt_ns(o.latency.p50_ns as f64),
+            fmt_ns(o.latency.p99_ns as f64),
+            fmt_ns(o.latency.p999_ns as f64),
+            wa(o.write_amp_pm),
+            wa(o.write_amp_disk),
+        );
+    }
+    if !r.recovery.is_empty() {
+        let _ = writeln!(out, "\nrecovery (clean close + reopen after the run):");
+        for rec in &r.recovery {
+            let _ = writeln!(out, "  {:<10} value {:>6}: {:.3} s", rec.engine, rec.value_size, rec.seconds);
+        }
+    }
+    out
+}
+
+impl Outcome {
+    /// The workload's command-line name.
+    pub fn workload_name(&self) -> &'static str {
+        self.workload.name()
+    }
+}

@@ -1,0 +1,334 @@
+//! Running workloads against an engine and measuring them.
+
+use std::time::Instant;
+
+use hdrhistogram::Histogram;
+use rand::rngs::SmallRng;
+use rand::{Rng, SeedableRng};
+
+use crate::engine::{BenchEngine, Result, Usage};
+use crate::workload::{db_bench_key, scan_len, ycsb_key, Latest, ScrambledZipfian};
+
+/// The workloads, named as in db_bench and YCSB.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum Workload {
+    /// `num` puts of sequential keys.
+    Fillseq,
+    /// `num` puts of uniformly random keys.
+    Fillrandom,
+    /// `num` puts of uniformly random keys over existing data.
+    Overwrite,
+    /// `num` gets of uniformly random keys.
+    Readrandom,
+    /// One pass over the whole store in key order.
+    Readseq,
+    /// `num / 10` range reads of `scan_len` entries from random keys.
+    Seekrandom,
+    /// YCSB load: `num` inserts of hashed `user…` keys.
+    YcsbLoad,
+    /// YCSB A: 50% read, 50% update, zipfian.
+    YcsbA,
+    /// YCSB B: 95% read, 5% update, zipfian.
+    YcsbB,
+    /// YCSB C: 100% read, zipfian.
+    YcsbC,
+    /// YCSB D: 95% read, 5% insert, latest.
+    YcsbD,
+    /// YCSB E: 95% scan (uniform 1..=100 entries), 5% insert, zipfian.
+    YcsbE,
+    /// YCSB F: 50% read, 50% read-modify-write, zipfian.
+    YcsbF,
+}
+
+impl Workload {
+    /// Every workload, in a sensible run order.
+    pub const ALL: &'static [Workload] = &[
+        Workload::Fillseq,
+        Workload::Fillrandom,
+        Workload::Overwrite,
+        Workload::Readrandom,
+        Workload::Readseq,
+        Workload::Seekrandom,
+        Workload::YcsbLoad,
+        Workload::YcsbA,
+        Workload::YcsbB,
+        Workload::YcsbC,
+        Workload::YcsbD,
+        Workload::YcsbE,
+        Workload::YcsbF,
+    ];
+
+    /// Command-line name.
+    pub fn name(self) -> &'static str {
+        match self {
+            Workload::Fillseq => "fillseq",
+            Workload::Fillrandom => "fillrandom",
+            Workload::Overwrite => "overwrite",
+            Workload::Readrandom => "readrandom",
+            Workload::Readseq => "readseq",
+            Workload::Seekrandom => "seekrandom",
+            Workload::YcsbLoad => "ycsb-load",
+            Workload::YcsbA => "ycsb-a",
+            Workload::YcsbB => "ycsb-b",
+            Workload::YcsbC => "ycsb-c",
+            Workload::YcsbD => "ycsb-d",
+            Workload::YcsbE => "ycsb-e",
+            Workload::YcsbF => "ycsb-f",
+        }
+    }
+
+    /// Parse a command-line name (`load` and `a`..`f` are accepted for YCSB).
+    pub fn parse(s: &str) -> Option<Workload> {
+        let s = match s {
+            "load" => "ycsb-load",
+            "a" | "b" | "c" | "d" | "e" | "f" => {
+                return Workload::ALL.iter().copied().find(|w| w.name() == format!("ycsb-{s}"))
+            }
+            other => other,
+        };
+        Workload::ALL.iter().copied().find(|w| w.name() == s)
+    }
+
+    fn needs_scan(self) -> bool {
+        matches!(self, Workload::Readseq | Workload::Seekrandom | Workload::YcsbE)
+    }
+}
+
+/// Parameters shared by every workload of a run.
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct Params {
+    /// Records (and operations per workload).
+    pub num: u64,
+    /// Value size in bytes.
+    pub value_size: usize,
+    /// db_bench key size in bytes.
+    pub key_size: usize,
+    /// Entries per `seekrandom` range read.
+    pub scan_len: usize,
+    /// Seed of every random stream (the same for every engine).
+    pub seed: u64,
+}
+
+/// Latency summary in nanoseconds.
+#[derive(Debug, Clone, Copy, Default, serde::Serialize)]
+pub struct Latency {
+    /// Mean.
+    pub mean_ns: f64,
+    /// Median.
+    pub p50_ns: u64,
+    /// 99th percentile.
+    pub p99_ns: u64,
+    /// 99.9th percentile.
+    pub p999_ns: u64,
+    /// Maximum.
+    pub max_ns: u64,
+}
+
+/// The measurement of one workload on one engine.
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct Outcome {
+    /// Engine name.
+    pub engine: String,
+    /// Workload.
+    pub workload: Workload,
+    /// Value size.
+    pub value_size: usize,
+    /// Operations performed (a scan counts once).
+    pub ops: u64,
+    /// Wall time of the whole workload.
+    pub seconds: f64,
+    /// Operations per second.
+    pub ops_per_sec: f64,
+    /// Per-operation latency.
+    pub latency: Latency,
+    /// Reads that found their key.
+    pub found: u64,
+    /// Resource usage during this workload (deltas), and space/DRAM after it.
+    pub usage: Usage,
+    /// PM bytes written / user bytes written during the workload.
+    pub write_amp_pm: f64,
+    /// Disk bytes written / user bytes written during the workload.
+    pub write_amp_disk: f64,
+}
+
+/// What the store holds so far (for reads and YCSB), carried between workloads.
+#[derive(Debug, Default, Clone)]
+pub struct Loaded {
+    /// db_bench key range loaded.
+    pub db_bench: u64,
+    /// YCSB records inserted (key numbers `0..ycsb`).
+    pub ycsb: u64,
+}
+
+struct Meter {
+    hist: Histogram<u64>,
+    start: Instant,
+}
+
+impl Meter {
+    fn new() -> Result<Meter> {
+        let hist = Histogram::new_with_bounds(1, 60_000_000_000, 3).map_err(|e| e.to_string())?;
+        Ok(Meter { hist, start: Instant::now() })
+    }
+    #[inline]
+    fn time<T>(&mut self, f: impl FnOnce() -> T) -> T {
+        let t = Instant::now();
+        let r = f();
+        let ns = t.elapsed().as_nanos().min(u64::MAX as u128) as u64;
+        let _ = self.hist.record(ns.max(1));
+        r
+    }
+}
+
+fn value(rng: &mut SmallRng, size: usize) -> Vec<u8> {
+    let mut v = vec![0u8; size];
+    rng.fill(&mut v[..]);
+    v
+}
+
+/// Run `w` on `e`. `loaded` is updated with what the workload inserted.
+pub fn run(e: &dyn BenchEngine, w: Workload, p: &Params, loaded: &mut Loaded) -> Result<Option<Outcome>> {
+    if w.needs_scan() && e.name() == "limit" {
+        return Ok(None);
+    }
+    let mut rng = SmallRng::seed_from_u64(p.seed ^ (w as u64).wrapping_mul(0x9e37_79b9_7f4a_7c15));
+    let buf = value(&mut rng, p.value_size);
+    let before = e.usage();
+    let mut m = Meter::new()?;
+    let mut ops = 0u64;
+    let mut found = 0u64;
+    let n = p.num;
+    let key_db = |i: u64| db_bench_key(i, p.key_size);
+    match w {
+        Workload::Fillseq | Workload::Fillrandom | Workload::Overwrite => {
+            for i in 0..n {
+                let k = if w == Workload::Fillseq { key_db(i) } else { key_db(rng.random_range(0..n)) };
+                m.time(|| e.put(&k, &buf))?;
+                ops += 1;
+            }
+            loaded.db_bench = loaded.db_bench.max(n);
+        }
+        Workload::Readrandom => {
+            for _ in 0..n {
+                let k = key_db(rng.random_range(0..n));
+                found += u64::from(m.time(|| e.get(&k))?.is_some());
+                ops += 1;
+            }
+        }
+        Workload::Readseq => {
+            found = m.time(|| e.scan(b"", usize::MAX))? as u64;
+            ops = found.max(1);
+        }
+        Workload::Seekrandom => {
+            for _ in 0..(n / 10).max(1) {
+                let k = key_db(rng.random_range(0..n));
+                found += m.time(|| e.scan(&k, p.scan_len))? as u64;
+                ops += 1;
+            }
+        }
+        Workload::YcsbLoad => {
+            for i in 0..n {
+                let k = ycsb_key(i);
+                m.time(|| e.put(&k, &buf))?;
+                ops += 1;
+            }
+            loaded.ycsb = loaded.ycsb.max(n);
+        }
+        _ => {
+            if loaded.ycsb == 0 {
+                return Err(format!("{} needs ycsb-load first", w.name()));
+            }
+            let mut count = loaded.ycsb;
+            let mut zipf = ScrambledZipfian::new(count);
+            let mut latest = Latest::new(count);
+            for _ in 0..n {
+                let r: f64 = rng.random();
+                let pick = |rng: &mut SmallRng, z: &ScrambledZipfian| ycsb_key(z.next(rng));
+                match w {
+                    Workload::YcsbA | Workload::YcsbB | Workload::YcsbC => {
+                        let read = match w {
+                            Workload::YcsbA => 0.5,
+                            Workload::YcsbB => 0.95,
+                            _ => 1.0,
+                        };
+                        let k = pick(&mut rng, &zipf);
+                        if r < read {
+                            found += u64::from(m.time(|| e.get(&k))?.is_some());
+                        } else {
+                            m.time(|| e.put(&k, &buf))?;
+                        }
+                    }
+                    Workload::YcsbD => {
+                        if r < 0.95 {
+                            let k = ycsb_key(latest.next(&mut rng));
+                            found += u64::from(m.time(|| e.get(&k))?.is_some());
+                        } else {
+                            let k = ycsb_key(count);
+                            m.time(|| e.put(&k, &buf))?;
+                            count += 1;
+                            latest.grow_to(count);
+                        }
+                    }
+                    Workload::YcsbE => {
+                        if r < 0.95 {
+                            let k = pick(&mut rng, &zipf);
+                            let len = scan_len(&mut rng, 100) as usize;
+                            found += m.time(|| e.scan(&k, len))? as u64;
+                        } else {
+                            let k = ycsb_key(count);
+                            m.time(|| e.put(&k, &buf))?;
+                            count += 1;
+                            zipf = ScrambledZipfian::new(count);
+                        }
+                    }
+                    _ => {
+                        // F: read-modify-write is one timed operation (read, then write back).
+                        let k = pick(&mut rng, &zipf);
+                        if r < 0.5 {
+                            found += u64::from(m.time(|| e.get(&k))?.is_some());
+                        } else {
+                            m.time(|| -> Result<()> {
+                                e.get(&k)?;
+                                e.put(&k, &buf)
+                            })?;
+                        }
+                    }
+                }
+                ops += 1;
+            }
+            loaded.ycsb = count;
+        }
+    }
+    let seconds = m.start.elapsed().as_secs_f64();
+    let after = e.usage();
+    let usage = Usage {
+        pm_bytes_written: after.pm_bytes_written.saturating_sub(before.pm_bytes_written),
+        disk_bytes_written: after.disk_bytes_written.saturating_sub(before.disk_bytes_written),
+        user_bytes_written: after.user_bytes_written.saturating_sub(before.user_bytes_written),
+        dram_index_bytes: after.dram_index_bytes,
+        pm_space: after.pm_space,
+    };
+    let user = usage.user_bytes_written as f64;
+    let ratio = |x: u64| if user > 0.0 { x as f64 / user } else { 0.0 };
+    let h = &m.hist;
+    Ok(Some(Outcome {
+        engine: e.name(),
+        workload: w,
+        value_size: p.value_size,
+        ops,
+        seconds,
+        ops_per_sec: if seconds > 0.0 { ops as f64 / seconds } else { 0.0 },
+        latency: Latency {
+            mean_ns: h.mean(),
+            p50_ns: h.value_at_quantile(0.5),
+            p99_ns: h.value_at_quantile(0.99),
+            p999_ns: h.value_at_quantile(0.999),
+            max_ns: h.max(),
+        },
+        found,
+        write_amp_pm: ratio(usage.pm_bytes_written),
+        write_amp_disk: ratio(usage.disk_bytes_written),
+        usage,
+    }))
+}

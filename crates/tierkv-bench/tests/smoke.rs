@@ -1,0 +1,82 @@
+//! Every engine runs every workload on a tiny dataset, and the JSON report has the schema
+//! downstream tools read. No wall-clock thresholds.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+use tierkv_bench::cli::{parse_engines, parse_workloads, run, BenchArgs};
+use tierkv_bench::engine::known_engines;
+use tierkv_bench::run::Workload;
+
+#[test]
+fn every_engine_every_workload_tiny() {
+    let t = tempfile::tempdir().unwrap();
+    let out = t.path().join("r.json");
+    let a = BenchArgs {
+        num: 400,
+        value_sizes: vec![100, 1024],
+        workloads: Workload::ALL.to_vec(),
+        dir: Some(t.path().to_path_buf()),
+        pm_dir: Some(t.path().to_path_buf()),
+        out: Some(out.clone()),
+        ..Default::default()
+    };
+    let rep = run(&a).unwrap();
+    for e in known_engines() {
+        for &vs in &[100usize, 1024] {
+            let mine: Vec<_> = rep.outcomes.iter().filter(|o| o.engine == e && o.value_size == vs).collect();
+            // `limit` has no ordered index: it skips the scan workloads.
+            let want = if e == "limit" { Workload::ALL.len() - 3 } else { Workload::ALL.len() };
+            assert_eq!(mine.len(), want, "{e} {vs}");
+            for o in &mine {
+                assert!(o.ops > 0 && o.ops_per_sec > 0.0, "{e} {:?}", o.workload);
+                assert!(o.latency.p50_ns <= o.latency.p99_ns && o.latency.p99_ns <= o.latency.p999_ns);
+                match o.workload {
+                    // fillseq loaded every db_bench key, so every random read finds its key.
+                    Workload::Readrandom => assert_eq!(o.found, o.ops, "{e}: readrandom misses"),
+                    Workload::Readseq => assert_eq!(o.found, 400, "{e}: the db_bench keys (YCSB loads later)"),
+                    Workload::YcsbC => assert_eq!(o.found, o.ops, "{e}: ycsb-c reads loaded keys"),
+                    Workload::Fillseq | Workload::YcsbLoad => {
+                        let keys: u64 = if o.workload == Workload::Fillseq {
+                            400 * 16
+                        } else {
+                            (0..400).map(|i| tierkv_bench::workload::ycsb_key(i).len() as u64).sum()
+                        };
+                        assert_eq!(o.usage.user_bytes_written, keys + 400 * vs as u64, "{e} {:?}", o.workload);
+                        // Every value byte reaches PM (limit persists only values; presets
+                        // also persist keys and log records).
+                        assert!(o.usage.pm_bytes_written >= 400 * vs as u64, "{e}: values reach PM")
+                    }
+                    _ => {}
+                }
+            }
+        }
+    }
+    let json: serde_json::Value = serde_json::from_slice(&std::fs::read(&out).unwrap()).unwrap();
+    assert_eq!(json["schema"], 1);
+    assert_eq!(json["params"]["num"], 400);
+    let first = &json["outcomes"][0];
+    for field in
+        ["engine", "workload", "value_size", "ops", "seconds", "ops_per_sec", "found", "write_amp_pm", "write_amp_disk"]
+    {
+        assert!(!first[field].is_null(), "JSON outcome lacks `{field}`");
+    }
+    for field in ["mean_ns", "p50_ns", "p99_ns", "p999_ns", "max_ns"] {
+        assert!(first["latency"][field].is_number(), "JSON latency lacks `{field}`");
+    }
+    for field in ["pm_bytes_written", "disk_bytes_written", "user_bytes_written", "dram_index_bytes", "pm_space"] {
+        assert!(first["usage"][field].is_number(), "JSON usage lacks `{field}`");
+    }
+    assert_eq!(first["workload"], "fillseq", "workloads are named as on the command line");
+    assert!(json["outcomes"].as_array().is_some_and(|o| o.iter().any(|x| x["workload"] == "ycsb-load")));
+    assert!(json["recovery"].as_array().is_some_and(|r| !r.is_empty()));
+}
+
+#[test]
+fn flag_parsing() {
+    assert_eq!(
+        parse_workloads("load,a,ycsb-f,readseq").unwrap(),
+        vec![Workload::YcsbLoad, Workload::YcsbA, Workload::YcsbF, Workload::Readseq]
+    );
+    assert!(parse_workloads("fillrandom,nope").is_err());
+    assert!(parse_engines("pmekv,limit").is_ok());
+    assert!(parse_engines("leveldb2").is_err());
+}
