@@ -30,6 +30,8 @@ pub struct BenchArgs {
     pub pm_dir: Option<PathBuf>,
     /// `--out`: JSON path.
     pub out: Option<PathBuf>,
+    /// `--threads`: client threads (readers for readwhilewriting).
+    pub threads: usize,
 }
 
 impl Default for BenchArgs {
@@ -48,6 +50,7 @@ impl Default for BenchArgs {
             dir: None,
             pm_dir: None,
             out: None,
+            threads: 1,
         }
     }
 }
@@ -80,7 +83,14 @@ pub fn run(a: &BenchArgs) -> Result<Report, String> {
     let mut outcomes = Vec::new();
     let mut recovery = Vec::new();
     for &value_size in &a.value_sizes {
-        let params = Params { num: a.num, value_size, key_size: a.key_size, scan_len: a.scan_len, seed: a.seed };
+        let params = Params {
+            num: a.num,
+            value_size,
+            key_size: a.key_size,
+            scan_len: a.scan_len,
+            seed: a.seed,
+            threads: a.threads,
+        };
         for name in &a.engines {
             let disk =
                 tempfile::Builder::new().prefix("tierkv-bench-").tempdir_in(&disk_base).map_err(|e| e.to_string())?;
@@ -113,6 +123,7 @@ pub fn run(a: &BenchArgs) -> Result<Report, String> {
         key_size: a.key_size,
         scan_len: a.scan_len,
         seed: a.seed,
+        threads: a.threads,
     };
     let rep = Report { schema: 1, params, outcomes, recovery };
     print!("{}", report::table(&rep));

@@ -47,8 +47,8 @@ pub fn table(r: &Report) -> String {
     let mut out = String::new();
     let _ = writeln!(
         out,
-        "{:<12} {:>7} {:<10} {:>12} {:>8} {:>9} {:>9} {:>9} {:>9} {:>7} {:>7}",
-        "workload", "value", "engine", "ops/s", "x limit", "mean", "p50", "p99", "p99.9", "WA pm", "WA disk"
+        "{:<16} {:>7} {:<10} {:>3} {:>12} {:>8} {:>9} {:>9} {:>9} {:>9} {:>7} {:>7}",
+        "workload", "value", "engine", "thr", "ops/s", "x limit", "mean", "p50", "p99", "p99.9", "WA pm", "WA disk"
     );
     let mut last: Option<(&str, usize)> = None;
     for o in &r.outcomes {
@@ -69,10 +69,11 @@ pub fn table(r: &Report) -> String {
         let wa = |x: f64| if o.usage.user_bytes_written > 0 { format!("{x:.2}") } else { "-".into() };
         let _ = writeln!(
             out,
-            "{:<12} {:>7} {:<10} {:>12.0} {:>8} {:>9} {:>9} {:>9} {:>9} {:>7} {:>7}",
+            "{:<16} {:>7} {:<10} {:>3} {:>12.0} {:>8} {:>9} {:>9} {:>9} {:>9} {:>7} {:>7}",
             o.workload_name(),
             o.value_size,
             o.engine,
+            o.threads,
             o.ops_per_sec,
             rel,
             fmt_ns(o.latency.mean_ns),
@@ -81,6 +82,13 @@ pub fn table(r: &Report) -> String {
             fmt_ns(o.latency.p999_ns as f64),
             wa(o.write_amp_pm),
             wa(o.write_amp_disk),
+        );
+    }
+    for o in r.outcomes.iter().filter(|o| o.background_writes > 0) {
+        let _ = writeln!(
+            out,
+            "\n{} {} B: the background writer did {} writes during the reads",
+            o.engine, o.value_size, o.background_writes
         );
     }
     if !r.recovery.is_empty() {

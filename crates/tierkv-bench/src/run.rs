@@ -1,5 +1,6 @@
 //! Running workloads against an engine and measuring them.
 
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::Instant;
 
 use hdrhistogram::Histogram;
@@ -39,6 +40,9 @@ pub enum Workload {
     YcsbE,
     /// YCSB F: 50% read, 50% read-modify-write, zipfian.
     YcsbF,
+    /// `--threads` readers doing readrandom while one writer overwrites random keys as fast
+    /// as it can (db_bench); read latency is reported.
+    Readwhilewriting,
 }
 
 impl Workload {
@@ -57,6 +61,7 @@ impl Workload {
         Workload::YcsbD,
         Workload::YcsbE,
         Workload::YcsbF,
+        Workload::Readwhilewriting,
     ];
 
     /// Command-line name.
@@ -75,6 +80,7 @@ impl Workload {
             Workload::YcsbD => "ycsb-d",
             Workload::YcsbE => "ycsb-e",
             Workload::YcsbF => "ycsb-f",
+            Workload::Readwhilewriting => "readwhilewriting",
         }
     }
 
@@ -88,6 +94,13 @@ impl Workload {
             other => other,
         };
         Workload::ALL.iter().copied().find(|w| w.name() == s)
+    }
+
+    fn is_ycsb_run(self) -> bool {
+        matches!(
+            self,
+            Workload::YcsbA | Workload::YcsbB | Workload::YcsbC | Workload::YcsbD | Workload::YcsbE | Workload::YcsbF
+        )
     }
 
     fn needs_scan(self) -> bool {
@@ -108,6 +121,8 @@ pub struct Params {
     pub scan_len: usize,
     /// Seed of every random stream (the same for every engine).
     pub seed: u64,
+    /// Client threads (readers for `readwhilewriting`).
+    pub threads: usize,
 }
 
 /// Latency summary in nanoseconds.
@@ -146,6 +161,10 @@ pub struct Outcome {
     pub found: u64,
     /// Resource usage during this workload (deltas), and space/DRAM after it.
     pub usage: Usage,
+    /// Client threads.
+    pub threads: usize,
+    /// Writes done by the background writer (`readwhilewriting` only).
+    pub background_writes: u64,
     /// PM bytes written / user bytes written during the workload.
     pub write_amp_pm: f64,
     /// Disk bytes written / user bytes written during the workload.
@@ -163,13 +182,12 @@ pub struct Loaded {
 
 struct Meter {
     hist: Histogram<u64>,
-    start: Instant,
 }
 
 impl Meter {
     fn new() -> Result<Meter> {
         let hist = Histogram::new_with_bounds(1, 60_000_000_000, 3).map_err(|e| e.to_string())?;
-        Ok(Meter { hist, start: Instant::now() })
+        Ok(Meter { hist })
     }
     #[inline]
     fn time<T>(&mut self, f: impl FnOnce() -> T) -> T {
@@ -187,62 +205,152 @@ fn value(rng: &mut SmallRng, size: usize) -> Vec<u8> {
     v
 }
 
-/// Run `w` on `e`. `loaded` is updated with what the workload inserted.
+/// Run `w` on `e` with `p.threads` client threads. `loaded` is updated with what the
+/// workload inserted.
 pub fn run(e: &dyn BenchEngine, w: Workload, p: &Params, loaded: &mut Loaded) -> Result<Option<Outcome>> {
     if w.needs_scan() && e.name() == "limit" {
         return Ok(None);
     }
-    let mut rng = SmallRng::seed_from_u64(p.seed ^ (w as u64).wrapping_mul(0x9e37_79b9_7f4a_7c15));
-    let buf = value(&mut rng, p.value_size);
+    if w.is_ycsb_run() && loaded.ycsb == 0 {
+        return Err(format!("{} needs ycsb-load first", w.name()));
+    }
+    let threads = if w == Workload::Readseq { 1 } else { p.threads.max(1) };
     let before = e.usage();
+    let inserted = AtomicU64::new(loaded.ycsb);
+    let stop = AtomicBool::new(false);
+    let start = Instant::now();
+    let (results, background) = std::thread::scope(|s| {
+        let writer = (w == Workload::Readwhilewriting).then(|| {
+            let stop = &stop;
+            s.spawn(move || -> Result<u64> {
+                let mut rng = SmallRng::seed_from_u64(p.seed ^ 0x5752_4954_4552);
+                let buf = value(&mut rng, p.value_size);
+                let mut n = 0u64;
+                while !stop.load(Ordering::Relaxed) {
+                    e.put(&db_bench_key(rng.random_range(0..p.num), p.key_size), &buf)?;
+                    n += 1;
+                }
+                Ok(n)
+            })
+        });
+        let handles: Vec<_> = (0..threads)
+            .map(|t| {
+                let ops = p.num / threads as u64 + u64::from((t as u64) < p.num % threads as u64);
+                let inserted = &inserted;
+                s.spawn(move || worker(e, w, p, t, ops, inserted))
+            })
+            .collect();
+        let results: Vec<Result<Worked>> =
+            handles.into_iter().map(|h| h.join().unwrap_or_else(|_| Err("worker thread panicked".into()))).collect();
+        stop.store(true, Ordering::Relaxed);
+        let background = writer.map(|h| h.join().unwrap_or_else(|_| Err("writer thread panicked".into())));
+        (results, background)
+    });
+    let seconds = start.elapsed().as_secs_f64();
+    let background_writes = background.transpose()?.unwrap_or(0);
+    let mut hist = Histogram::<u64>::new_with_bounds(1, 60_000_000_000, 3).map_err(|e| e.to_string())?;
+    let (mut ops, mut found) = (0u64, 0u64);
+    for r in results {
+        let r = r?;
+        ops += r.ops;
+        found += r.found;
+        hist.add(&r.hist).map_err(|e| e.to_string())?;
+    }
+    match w {
+        Workload::Fillseq | Workload::Fillrandom | Workload::Overwrite => loaded.db_bench = loaded.db_bench.max(p.num),
+        Workload::YcsbLoad => loaded.ycsb = loaded.ycsb.max(p.num),
+        _ => loaded.ycsb = inserted.load(Ordering::Relaxed),
+    }
+    let after = e.usage();
+    let usage = Usage {
+        pm_bytes_written: after.pm_bytes_written.saturating_sub(before.pm_bytes_written),
+        disk_bytes_written: after.disk_bytes_written.saturating_sub(before.disk_bytes_written),
+        user_bytes_written: after.user_bytes_written.saturating_sub(before.user_bytes_written),
+        dram_index_bytes: after.dram_index_bytes,
+        pm_space: after.pm_space,
+    };
+    let user = usage.user_bytes_written as f64;
+    let ratio = |x: u64| if user > 0.0 { x as f64 / user } else { 0.0 };
+    Ok(Some(Outcome {
+        engine: e.name(),
+        workload: w,
+        value_size: p.value_size,
+        ops,
+        seconds,
+        ops_per_sec: if seconds > 0.0 { ops as f64 / seconds } else { 0.0 },
+        latency: Latency {
+            mean_ns: hist.mean(),
+            p50_ns: hist.value_at_quantile(0.5),
+            p99_ns: hist.value_at_quantile(0.99),
+            p999_ns: hist.value_at_quantile(0.999),
+            max_ns: hist.max(),
+        },
+        found,
+        threads,
+        background_writes,
+        write_amp_pm: ratio(usage.pm_bytes_written),
+        write_amp_disk: ratio(usage.disk_bytes_written),
+        usage,
+    }))
+}
+
+struct Worked {
+    ops: u64,
+    found: u64,
+    hist: Histogram<u64>,
+}
+
+/// One client thread's share (`ops` operations) of workload `w`.
+fn worker(e: &dyn BenchEngine, w: Workload, p: &Params, t: usize, ops: u64, inserted: &AtomicU64) -> Result<Worked> {
+    let seed = p.seed ^ (w as u64).wrapping_mul(0x9e37_79b9_7f4a_7c15) ^ (t as u64).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+    let mut rng = SmallRng::seed_from_u64(seed);
+    let buf = value(&mut rng, p.value_size);
     let mut m = Meter::new()?;
-    let mut ops = 0u64;
+    let mut done = 0u64;
     let mut found = 0u64;
     let n = p.num;
     let key_db = |i: u64| db_bench_key(i, p.key_size);
+    // Sequential workloads give each thread its own contiguous slice of the key range.
+    let first =
+        (0..t).map(|i| n / p.threads.max(1) as u64 + u64::from((i as u64) < n % p.threads.max(1) as u64)).sum::<u64>();
     match w {
         Workload::Fillseq | Workload::Fillrandom | Workload::Overwrite => {
-            for i in 0..n {
-                let k = if w == Workload::Fillseq { key_db(i) } else { key_db(rng.random_range(0..n)) };
+            for i in 0..ops {
+                let k = if w == Workload::Fillseq { key_db(first + i) } else { key_db(rng.random_range(0..n)) };
                 m.time(|| e.put(&k, &buf))?;
-                ops += 1;
+                done += 1;
             }
-            loaded.db_bench = loaded.db_bench.max(n);
         }
-        Workload::Readrandom => {
-            for _ in 0..n {
+        Workload::Readrandom | Workload::Readwhilewriting => {
+            for _ in 0..ops {
                 let k = key_db(rng.random_range(0..n));
                 found += u64::from(m.time(|| e.get(&k))?.is_some());
-                ops += 1;
+                done += 1;
             }
         }
         Workload::Readseq => {
             found = m.time(|| e.scan(b"", usize::MAX))? as u64;
-            ops = found.max(1);
+            done = found.max(1);
         }
         Workload::Seekrandom => {
-            for _ in 0..(n / 10).max(1) {
+            for _ in 0..(ops / 10).max(1) {
                 let k = key_db(rng.random_range(0..n));
                 found += m.time(|| e.scan(&k, p.scan_len))? as u64;
-                ops += 1;
+                done += 1;
             }
         }
         Workload::YcsbLoad => {
-            for i in 0..n {
-                let k = ycsb_key(i);
+            for i in 0..ops {
+                let k = ycsb_key(first + i);
                 m.time(|| e.put(&k, &buf))?;
-                ops += 1;
+                done += 1;
             }
-            loaded.ycsb = loaded.ycsb.max(n);
         }
         _ => {
-            if loaded.ycsb == 0 {
-                return Err(format!("{} needs ycsb-load first", w.name()));
-            }
-            let mut count = loaded.ycsb;
+            let mut count = inserted.load(Ordering::Relaxed);
             let mut zipf = ScrambledZipfian::new(count);
             let mut latest = Latest::new(count);
-            for _ in 0..n {
+            for _ in 0..ops {
                 let r: f64 = rng.random();
                 let pick = |rng: &mut SmallRng, z: &ScrambledZipfian| ycsb_key(z.next(rng));
                 match w {
@@ -264,9 +372,9 @@ pub fn run(e: &dyn BenchEngine, w: Workload, p: &Params, loaded: &mut Loaded) ->
                             let k = ycsb_key(latest.next(&mut rng));
                             found += u64::from(m.time(|| e.get(&k))?.is_some());
                         } else {
-                            let k = ycsb_key(count);
+                            let k = ycsb_key(inserted.fetch_add(1, Ordering::Relaxed));
                             m.time(|| e.put(&k, &buf))?;
-                            count += 1;
+                            count = inserted.load(Ordering::Relaxed);
                             latest.grow_to(count);
                         }
                     }
@@ -276,9 +384,9 @@ pub fn run(e: &dyn BenchEngine, w: Workload, p: &Params, loaded: &mut Loaded) ->
                             let len = scan_len(&mut rng, 100) as usize;
                             found += m.time(|| e.scan(&k, len))? as u64;
                         } else {
-                            let k = ycsb_key(count);
+                            let k = ycsb_key(inserted.fetch_add(1, Ordering::Relaxed));
                             m.time(|| e.put(&k, &buf))?;
-                            count += 1;
+                            count = inserted.load(Ordering::Relaxed);
                             zipf = ScrambledZipfian::new(count);
                         }
                     }
@@ -295,40 +403,9 @@ pub fn run(e: &dyn BenchEngine, w: Workload, p: &Params, loaded: &mut Loaded) ->
                         }
                     }
                 }
-                ops += 1;
+                done += 1;
             }
-            loaded.ycsb = count;
         }
     }
-    let seconds = m.start.elapsed().as_secs_f64();
-    let after = e.usage();
-    let usage = Usage {
-        pm_bytes_written: after.pm_bytes_written.saturating_sub(before.pm_bytes_written),
-        disk_bytes_written: after.disk_bytes_written.saturating_sub(before.disk_bytes_written),
-        user_bytes_written: after.user_bytes_written.saturating_sub(before.user_bytes_written),
-        dram_index_bytes: after.dram_index_bytes,
-        pm_space: after.pm_space,
-    };
-    let user = usage.user_bytes_written as f64;
-    let ratio = |x: u64| if user > 0.0 { x as f64 / user } else { 0.0 };
-    let h = &m.hist;
-    Ok(Some(Outcome {
-        engine: e.name(),
-        workload: w,
-        value_size: p.value_size,
-        ops,
-        seconds,
-        ops_per_sec: if seconds > 0.0 { ops as f64 / seconds } else { 0.0 },
-        latency: Latency {
-            mean_ns: h.mean(),
-            p50_ns: h.value_at_quantile(0.5),
-            p99_ns: h.value_at_quantile(0.99),
-            p999_ns: h.value_at_quantile(0.999),
-            max_ns: h.max(),
-        },
-        found,
-        write_amp_pm: ratio(usage.pm_bytes_written),
-        write_amp_disk: ratio(usage.disk_bytes_written),
-        usage,
-    }))
+    Ok(Worked { ops: done, found, hist: m.hist })
 }

@@ -70,6 +70,9 @@ struct BenchFlags {
     /// Write the results as JSON to this file.
     #[arg(long)]
     out: Option<PathBuf>,
+    /// Client threads (the readers of readwhilewriting, which adds one writer).
+    #[arg(long, default_value_t = 1)]
+    threads: usize,
     /// The papers' sweep: value sizes 100, 1024, 4096, 16384 and every workload.
     #[arg(long)]
     full: bool,
@@ -164,6 +167,7 @@ fn run(cli: Cli) -> Result<Outcome, Error> {
                 dir: f.dir,
                 pm_dir: f.pm_dir,
                 out: f.out,
+                threads: f.threads.max(1),
                 ..Default::default()
             };
             if f.full {
