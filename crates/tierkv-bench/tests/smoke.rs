@@ -80,3 +80,30 @@ fn flag_parsing() {
     assert!(parse_engines("pmekv,limit").is_ok());
     assert!(parse_engines("leveldb2").is_err());
 }
+
+#[test]
+fn two_threads_and_readwhilewriting() {
+    let t = tempfile::tempdir().unwrap();
+    let a = BenchArgs {
+        num: 1000,
+        threads: 2,
+        workloads: parse_workloads("fillseq,readrandom,readwhilewriting,load,d,e").unwrap(),
+        dir: Some(t.path().to_path_buf()),
+        pm_dir: Some(t.path().to_path_buf()),
+        ..Default::default()
+    };
+    let rep = run(&a).unwrap();
+    for o in &rep.outcomes {
+        assert_eq!(o.threads, 2);
+        match o.workload {
+            // The two fillseq threads split the key range: every key exists.
+            Workload::Readrandom => assert_eq!(o.found, 1000, "{}", o.engine),
+            // The writer only overwrites existing keys, so readers always find theirs.
+            Workload::Readwhilewriting => {
+                assert_eq!((o.ops, o.found), (1000, 1000), "{}", o.engine);
+                assert!(o.background_writes > 0, "{}: the writer ran", o.engine);
+            }
+            _ => assert!(o.ops > 0),
+        }
+    }
+}
