@@ -100,8 +100,16 @@ pub fn run(a: &BenchArgs) -> Result<Report, String> {
             let mut e = engine::open(&spec)?;
             let mut loaded = Loaded::default();
             for &w in &a.workloads {
-                eprintln!("{name:>10} {:>6} B  {}", value_size, w.name());
-                if let Some(o) = run::run(e.as_ref(), w, &params, &mut loaded)? {
+                let bar = indicatif::ProgressBar::new(a.num);
+                bar.set_style(
+                    indicatif::ProgressStyle::with_template("{prefix:>28} [{bar:40}] {human_pos}/{human_len} eta {eta}")
+                        .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar())
+                        .progress_chars("=> "),
+                );
+                bar.set_prefix(format!("{name} {value_size} B {}", w.name()));
+                let o = run::run_with_progress(e.as_ref(), w, &params, &mut loaded, &bar);
+                bar.finish_and_clear();
+                if let Some(o) = o? {
                     outcomes.push(o);
                 }
             }

@@ -180,14 +180,19 @@ pub struct Loaded {
     pub ycsb: u64,
 }
 
-struct Meter {
+/// Operations between progress-bar updates.
+pub const PROGRESS_STEP: u64 = 1024;
+
+struct Meter<'a> {
     hist: Histogram<u64>,
+    bar: &'a indicatif::ProgressBar,
+    pending: u64,
 }
 
-impl Meter {
-    fn new() -> Result<Meter> {
+impl<'a> Meter<'a> {
+    fn new(bar: &'a indicatif::ProgressBar) -> Result<Meter<'a>> {
         let hist = Histogram::new_with_bounds(1, 60_000_000_000, 3).map_err(|e| e.to_string())?;
-        Ok(Meter { hist })
+        Ok(Meter { hist, bar, pending: 0 })
     }
     #[inline]
     fn time<T>(&mut self, f: impl FnOnce() -> T) -> T {
@@ -195,6 +200,11 @@ impl Meter {
         let r = f();
         let ns = t.elapsed().as_nanos().min(u64::MAX as u128) as u64;
         let _ = self.hist.record(ns.max(1));
+        self.pending += 1;
+        if self.pending == PROGRESS_STEP {
+            self.bar.inc(self.pending);
+            self.pending = 0;
+        }
         r
     }
 }
@@ -208,6 +218,17 @@ fn value(rng: &mut SmallRng, size: usize) -> Vec<u8> {
 /// Run `w` on `e` with `p.threads` client threads. `loaded` is updated with what the
 /// workload inserted.
 pub fn run(e: &dyn BenchEngine, w: Workload, p: &Params, loaded: &mut Loaded) -> Result<Option<Outcome>> {
+    run_with_progress(e, w, p, loaded, &indicatif::ProgressBar::hidden())
+}
+
+/// [`run`], advancing `bar` as operations complete (in steps of [`PROGRESS_STEP`]).
+pub fn run_with_progress(
+    e: &dyn BenchEngine,
+    w: Workload,
+    p: &Params,
+    loaded: &mut Loaded,
+    bar: &indicatif::ProgressBar,
+) -> Result<Option<Outcome>> {
     if w.needs_scan() && e.name() == "limit" {
         return Ok(None);
     }
@@ -237,7 +258,7 @@ pub fn run(e: &dyn BenchEngine, w: Workload, p: &Params, loaded: &mut Loaded) ->
             .map(|t| {
                 let ops = p.num / threads as u64 + u64::from((t as u64) < p.num % threads as u64);
                 let inserted = &inserted;
-                s.spawn(move || worker(e, w, p, t, ops, inserted))
+                s.spawn(move || worker(e, w, p, t, ops, inserted, bar))
             })
             .collect();
         let results: Vec<Result<Worked>> =
@@ -301,11 +322,19 @@ struct Worked {
 }
 
 /// One client thread's share (`ops` operations) of workload `w`.
-fn worker(e: &dyn BenchEngine, w: Workload, p: &Params, t: usize, ops: u64, inserted: &AtomicU64) -> Result<Worked> {
+fn worker(
+    e: &dyn BenchEngine,
+    w: Workload,
+    p: &Params,
+    t: usize,
+    ops: u64,
+    inserted: &AtomicU64,
+    bar: &indicatif::ProgressBar,
+) -> Result<Worked> {
     let seed = p.seed ^ (w as u64).wrapping_mul(0x9e37_79b9_7f4a_7c15) ^ (t as u64).wrapping_mul(0xbf58_476d_1ce4_e5b9);
     let mut rng = SmallRng::seed_from_u64(seed);
     let buf = value(&mut rng, p.value_size);
-    let mut m = Meter::new()?;
+    let mut m = Meter::new(bar)?;
     let mut done = 0u64;
     let mut found = 0u64;
     let n = p.num;
