@@ -3,7 +3,8 @@
 # JSON to bench-results/. Extra arguments go to `tierkv bench` (see `tierkv bench --help`).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-cargo build --release --locked -p tierkv-cli
+./scripts/deps.sh
+cargo build --release --locked -p tierkv-cli --features peers
 mkdir -p bench-results
 ./target/release/tierkv bench --out bench-results/results.json "$@" | tee bench-results/table.txt
 echo "results: bench-results/table.txt, bench-results/results.json"

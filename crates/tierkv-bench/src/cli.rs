@@ -32,6 +32,8 @@ pub struct BenchArgs {
     pub out: Option<PathBuf>,
     /// `--threads`: client threads (readers for readwhilewriting).
     pub threads: usize,
+    /// `--durable`: peers fsync every write; tierkv msyncs PM.
+    pub durable: bool,
 }
 
 impl Default for BenchArgs {
@@ -51,6 +53,7 @@ impl Default for BenchArgs {
             pm_dir: None,
             out: None,
             threads: 1,
+            durable: false,
         }
     }
 }
@@ -96,15 +99,22 @@ pub fn run(a: &BenchArgs) -> Result<Report, String> {
                 tempfile::Builder::new().prefix("tierkv-bench-").tempdir_in(&disk_base).map_err(|e| e.to_string())?;
             let pm =
                 tempfile::Builder::new().prefix("tierkv-bench-pm-").tempdir_in(&pm_base).map_err(|e| e.to_string())?;
-            let spec = EngineSpec { name: name.clone(), dir: disk.path().join("db"), pm_dir: pm.path().to_path_buf() };
+            let spec = EngineSpec {
+                name: name.clone(),
+                dir: disk.path().join("db"),
+                pm_dir: pm.path().to_path_buf(),
+                durable: a.durable,
+            };
             let mut e = engine::open(&spec)?;
             let mut loaded = Loaded::default();
             for &w in &a.workloads {
                 let bar = indicatif::ProgressBar::new(a.num);
                 bar.set_style(
-                    indicatif::ProgressStyle::with_template("{prefix:>28} [{bar:40}] {human_pos}/{human_len} eta {eta}")
-                        .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar())
-                        .progress_chars("=> "),
+                    indicatif::ProgressStyle::with_template(
+                        "{prefix:>28} [{bar:40}] {human_pos}/{human_len} eta {eta}",
+                    )
+                    .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar())
+                    .progress_chars("=> "),
                 );
                 bar.set_prefix(format!("{name} {value_size} B {}", w.name()));
                 let o = run::run_with_progress(e.as_ref(), w, &params, &mut loaded, &bar);

@@ -40,6 +40,10 @@ pub trait BenchEngine: Send + Sync {
     fn usage(&self) -> Usage;
     /// Clean close, then open again; the store must still hold its data.
     fn reopen(&mut self) -> Result<()>;
+    /// Bytes of disk space the store occupies.
+    fn space(&self) -> u64 {
+        0
+    }
 }
 
 /// How to build engines for one run.
@@ -51,22 +55,34 @@ pub struct EngineSpec {
     pub dir: PathBuf,
     /// Directory for PM pool files.
     pub pm_dir: PathBuf,
+    /// Power-loss durability: peers fsync every write, tierkv msyncs PM (`pm_sync`).
+    pub durable: bool,
 }
 
-/// Names `--engines` accepts: every preset this build hosts, and `limit`.
+/// Names `--engines` accepts: every preset this build hosts, `limit`, and the peers (when
+/// built with the `peers` feature).
 pub fn known_engines() -> Vec<String> {
     let mut v: Vec<String> = Preset::ALL.iter().map(|p| p.name().to_string()).collect();
     v.push("limit".into());
+    if cfg!(feature = "peers") {
+        v.push("leveldb".into());
+        v.push("rocksdb".into());
+    }
     v
 }
 
 /// Build the engine `spec.name`.
 pub fn open(spec: &EngineSpec) -> Result<Box<dyn BenchEngine>> {
-    if spec.name == "limit" {
-        return Ok(Box::new(Limit::open(&spec.pm_dir)?));
+    match spec.name.as_str() {
+        "limit" => return Ok(Box::new(Limit::open(&spec.pm_dir)?)),
+        #[cfg(feature = "peers")]
+        "leveldb" => return Ok(Box::new(crate::peers::LevelDb::open(&spec.dir, spec.durable)?)),
+        #[cfg(feature = "peers")]
+        "rocksdb" => return Ok(Box::new(crate::peers::RocksDb::open(&spec.dir, spec.durable)?)),
+        _ => {}
     }
     let preset: Preset = spec.name.parse().map_err(|e: tierkv::Error| e.to_string())?;
-    Ok(Box::new(Tierkv::open(preset, &spec.dir, &spec.pm_dir)?))
+    Ok(Box::new(Tierkv::open(preset, &spec.dir, &spec.pm_dir, spec.durable)?))
 }
 
 /// A tierkv preset.
@@ -78,8 +94,8 @@ pub struct Tierkv {
 }
 
 impl Tierkv {
-    fn open(preset: Preset, dir: &Path, pm_dir: &Path) -> Result<Tierkv> {
-        let opts = Options::new().preset(preset).pm_path(pm_dir);
+    fn open(preset: Preset, dir: &Path, pm_dir: &Path, durable: bool) -> Result<Tierkv> {
+        let opts = Options::new().preset(preset).pm_path(pm_dir).pm_sync(durable);
         let db = Db::open(dir, opts.clone()).map_err(|e| e.to_string())?;
         Ok(Tierkv { db: Some(db), opts, dir: dir.to_path_buf() })
     }
@@ -124,6 +140,13 @@ impl BenchEngine for Tierkv {
         }
         self.db = Some(Db::open(&self.dir, self.opts.clone()).map_err(|e| e.to_string())?);
         Ok(())
+    }
+    fn space(&self) -> u64 {
+        let Ok(db) = self.db() else { return 0 };
+        let s = db.stats();
+        let heap = |k: &str| s.design.get(k).copied().unwrap_or(0);
+        // PM in use (heap minus free space); tierkv's disk files are tiny for pmekv.
+        heap("heap_bytes").saturating_sub(heap("heap_free_bytes"))
     }
 }
 

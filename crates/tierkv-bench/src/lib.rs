@@ -1,11 +1,28 @@
 //! tierkv's benchmark harness (issue: benchmark harness). This crate holds everything that
 //! may link peer engines, so the core `tierkv` crate never does.
 //!
-//! Present so far: the workload generators ([`workload`]), reproducing LevelDB's db_bench
-//! key streams and YCSB's request distributions.
+//! - [`workload`]: db_bench key streams and YCSB's request distributions;
+//! - [`engine`]: the engines behind one trait — every tierkv preset, the `limit` floor, and
+//!   (feature `peers`, used by the main job) LevelDB and RocksDB in `peers`;
+//! - [`run`]: workloads, client threads, latency histograms; [`report`]: table and JSON;
+//!   [`cli`]: `tierkv bench`.
+//!
+//! Fairness (what is and is not like-for-like):
+//! - durability: by default the peers do not sync their WAL (as in the papers) and tierkv
+//!   persists to PM with flush+fence but no msync — both survive a process crash, neither a
+//!   power loss on non-DAX media. `--durable` makes the peers fsync every write and tierkv
+//!   msync its PM (`pm_sync`): both then survive power loss;
+//! - media: tierkv's PM pools live in `--pm-dir` (default /dev/shm, i.e. DRAM standing in for
+//!   PM, as the papers' emulation does), the peers' files in `--dir` (default the temp
+//!   directory). Put `--dir` on tmpfs too to compare the designs without the SSD;
+//! - caching: the peers run with their default caches (LevelDB 8 MiB block cache, RocksDB's
+//!   default) and the OS page cache; tierkv reads PM directly;
+//! - the same seeded key and request streams are used for every engine.
 
 pub mod cli;
 pub mod engine;
+#[cfg(feature = "peers")]
+pub mod peers;
 pub mod report;
 pub mod run;
 pub mod workload;

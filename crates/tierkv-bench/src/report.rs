@@ -1,8 +1,8 @@
 //! Output of a run: an aligned table on stdout and JSON.
 //!
-//! Every throughput is also shown as a fraction of the `limit` pseudo-engine's throughput
-//! on the same workload and value size, when `limit` took part and supports the workload.
-//! (Normalisation to LevelDB, as the papers do, joins when the peers do.)
+//! Every throughput is also shown relative to LevelDB's on the same workload and value size
+//! (the papers' normalisation) and as a fraction of the `limit` pseudo-engine's, when those
+//! engines took part and support the workload.
 
 use std::fmt::Write;
 
@@ -47,8 +47,20 @@ pub fn table(r: &Report) -> String {
     let mut out = String::new();
     let _ = writeln!(
         out,
-        "{:<16} {:>7} {:<10} {:>3} {:>12} {:>8} {:>9} {:>9} {:>9} {:>9} {:>7} {:>7}",
-        "workload", "value", "engine", "thr", "ops/s", "x limit", "mean", "p50", "p99", "p99.9", "WA pm", "WA disk"
+        "{:<16} {:>7} {:<10} {:>3} {:>12} {:>9} {:>8} {:>9} {:>9} {:>9} {:>9} {:>7} {:>7}",
+        "workload",
+        "value",
+        "engine",
+        "thr",
+        "ops/s",
+        "x leveldb",
+        "x limit",
+        "mean",
+        "p50",
+        "p99",
+        "p99.9",
+        "WA pm",
+        "WA disk"
     );
     let mut last: Option<(&str, usize)> = None;
     for o in &r.outcomes {
@@ -57,25 +69,28 @@ pub fn table(r: &Report) -> String {
             out.push('\n');
         }
         last = Some(group);
-        let limit = r
-            .outcomes
-            .iter()
-            .find(|x| x.engine == "limit" && x.workload == o.workload && x.value_size == o.value_size)
-            .map(|x| x.ops_per_sec);
-        let rel = match limit {
-            Some(l) if l > 0.0 => format!("{:.2}", o.ops_per_sec / l),
-            _ => "-".into(),
+        let relative = |engine: &str| {
+            let base = r
+                .outcomes
+                .iter()
+                .find(|x| x.engine == engine && x.workload == o.workload && x.value_size == o.value_size)
+                .map(|x| x.ops_per_sec);
+            match base {
+                Some(b) if b > 0.0 => format!("{:.2}", o.ops_per_sec / b),
+                _ => "-".into(),
+            }
         };
         let wa = |x: f64| if o.usage.user_bytes_written > 0 { format!("{x:.2}") } else { "-".into() };
         let _ = writeln!(
             out,
-            "{:<16} {:>7} {:<10} {:>3} {:>12.0} {:>8} {:>9} {:>9} {:>9} {:>9} {:>7} {:>7}",
+            "{:<16} {:>7} {:<10} {:>3} {:>12.0} {:>9} {:>8} {:>9} {:>9} {:>9} {:>9} {:>7} {:>7}",
             o.workload_name(),
             o.value_size,
             o.engine,
             o.threads,
             o.ops_per_sec,
-            rel,
+            relative("leveldb"),
+            relative("limit"),
             fmt_ns(o.latency.mean_ns),
             fmt_ns(o.latency.p50_ns as f64),
             fmt_ns(o.latency.p99_ns as f64),

@@ -165,6 +165,9 @@ pub struct Outcome {
     pub threads: usize,
     /// Writes done by the background writer (`readwhilewriting` only).
     pub background_writes: u64,
+    /// Space the store occupies after the workload (disk files for the peers, PM in use for
+    /// tierkv; `limit`: 0).
+    pub space_bytes: u64,
     /// PM bytes written / user bytes written during the workload.
     pub write_amp_pm: f64,
     /// Disk bytes written / user bytes written during the workload.
@@ -309,6 +312,7 @@ pub fn run_with_progress(
         found,
         threads,
         background_writes,
+        space_bytes: e.space(),
         write_amp_pm: ratio(usage.pm_bytes_written),
         write_amp_disk: ratio(usage.disk_bytes_written),
         usage,

@@ -73,6 +73,9 @@ struct BenchFlags {
     /// Client threads (the readers of readwhilewriting, which adds one writer).
     #[arg(long, default_value_t = 1)]
     threads: usize,
+    /// Power-loss durability for everyone: peers fsync every write, tierkv msyncs PM.
+    #[arg(long)]
+    durable: bool,
     /// The papers' sweep: value sizes 100, 1024, 4096, 16384 and every workload.
     #[arg(long)]
     full: bool,
@@ -168,6 +171,7 @@ fn run(cli: Cli) -> Result<Outcome, Error> {
                 pm_dir: f.pm_dir,
                 out: f.out,
                 threads: f.threads.max(1),
+                durable: f.durable,
                 ..Default::default()
             };
             if f.full {
