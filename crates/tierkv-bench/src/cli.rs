@@ -39,7 +39,7 @@ pub struct BenchArgs {
 impl Default for BenchArgs {
     fn default() -> Self {
         BenchArgs {
-            num: 100_000,
+            num: 500_000,
             value_sizes: vec![1024],
             key_size: 16,
             scan_len: 100,

@@ -197,8 +197,10 @@ impl BenchEngine for LevelDb {
             let mut count = 0;
             while count < n && ldb::leveldb_iter_valid(it) != 0 {
                 let (mut kl, mut vl) = (0usize, 0usize);
-                let k = ldb::leveldb_iter_key(it, &mut kl);
-                let v = ldb::leveldb_iter_value(it, &mut vl);
+                // The binding declares the length out-parameters `*const`, but LevelDB writes
+                // them: pass pointers derived from mutable locals.
+                let k = ldb::leveldb_iter_key(it, std::ptr::addr_of_mut!(kl).cast_const());
+                let v = ldb::leveldb_iter_value(it, std::ptr::addr_of_mut!(vl).cast_const());
                 let _copy = (
                     std::slice::from_raw_parts(k as *const u8, kl).to_vec(),
                     std::slice::from_raw_parts(v as *const u8, vl).to_vec(),

@@ -40,7 +40,7 @@ struct Target {
 #[derive(clap::Args, Debug)]
 struct BenchFlags {
     /// Records, and operations per workload.
-    #[arg(long, default_value_t = 100_000)]
+    #[arg(long, default_value_t = 500_000)]
     num: u64,
     /// Value sizes in bytes, comma separated (one full run per size).
     #[arg(long, value_delimiter = ',', default_value = "1024")]
