@@ -149,6 +149,16 @@ pub fn run(a: &BenchArgs) -> Result<Report, String> {
         let json = serde_json::to_string_pretty(&rep).map_err(|e| e.to_string())?;
         std::fs::write(out, json).map_err(|e| format!("{}: {e}", out.display()))?;
         eprintln!("wrote {}", out.display());
+        let dir = out.parent().filter(|p| !p.as_os_str().is_empty()).unwrap_or(std::path::Path::new("."));
+        match crate::plot::write_all(&rep, dir) {
+            Ok(files) => {
+                for f in files {
+                    eprintln!("wrote {}", f.display());
+                }
+            }
+            // Plots are a convenience: a missing font must not lose the measurements.
+            Err(err) => eprintln!("warning: no plots: {err}"),
+        }
     }
     Ok(rep)
 }

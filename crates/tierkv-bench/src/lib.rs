@@ -5,6 +5,7 @@
 //! - [`engine`]: the engines behind one trait — every tierkv preset, the `limit` floor, and
 //!   (feature `peers`, used by the main job) LevelDB and RocksDB in `peers`;
 //! - [`run`]: workloads, client threads, latency histograms; [`report`]: table and JSON;
+//!   [`plot`]: SVG/PNG charts;
 //!   [`cli`]: `tierkv bench`.
 //!
 //! Fairness (what is and is not like-for-like):
@@ -23,6 +24,7 @@ pub mod cli;
 pub mod engine;
 #[cfg(feature = "peers")]
 pub mod peers;
+pub mod plot;
 pub mod report;
 pub mod run;
 pub mod workload;

@@ -157,6 +157,8 @@ pub struct Outcome {
     pub ops_per_sec: f64,
     /// Per-operation latency.
     pub latency: Latency,
+    /// Latency CDF: (quantile, ns) at 1%..99% in 1% steps, 99.5%, 99.9%, 99.99%, 100%.
+    pub cdf: Vec<(f64, u64)>,
     /// Reads that found their key.
     pub found: u64,
     /// Resource usage during this workload (deltas), and space/DRAM after it.
@@ -309,6 +311,11 @@ pub fn run_with_progress(
             p999_ns: hist.value_at_quantile(0.999),
             max_ns: hist.max(),
         },
+        cdf: (1..100)
+            .map(|q| q as f64 / 100.0)
+            .chain([0.995, 0.999, 0.9999, 1.0])
+            .map(|q| (q, hist.value_at_quantile(q)))
+            .collect(),
         found,
         threads,
         background_writes,

@@ -70,6 +70,19 @@ fn every_engine_every_workload_tiny() {
     assert_eq!(first["workload"], "fillseq", "workloads are named as on the command line");
     assert!(json["outcomes"].as_array().is_some_and(|o| o.iter().any(|x| x["workload"] == "ycsb-load")));
     assert!(json["recovery"].as_array().is_some_and(|r| !r.is_empty()));
+    assert!(first["cdf"].as_array().is_some_and(|c| c.len() == 103), "CDF points");
+    // Plots next to the JSON (they need a TrueType font; without one the run only warns).
+    if std::path::Path::new("/usr/share/fonts/truetype/dejavu/DejaVuSans.ttf").exists() {
+        for f in [
+            "throughput-100.svg",
+            "throughput-1024.png",
+            "latency-cdf-readwhilewriting-100.svg",
+            "latency-cdf-readwhilewriting-1024.png",
+        ] {
+            let len = std::fs::metadata(t.path().join(f)).map(|m| m.len()).unwrap_or(0);
+            assert!(len > 1000, "plot {f} missing or empty ({len} bytes)");
+        }
+    }
 }
 
 #[test]
