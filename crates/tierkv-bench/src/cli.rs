@@ -125,7 +125,20 @@ pub fn run(a: &BenchArgs) -> Result<Report, String> {
             }
             let t = Instant::now();
             if e.reopen().is_ok() {
-                recovery.push(Recovery { engine: name.clone(), value_size, seconds: t.elapsed().as_secs_f64() });
+                let seconds = t.elapsed().as_secs_f64();
+                // Dirty the store a little so the crash leaves log records to replay.
+                let mut rng_key = 0u64;
+                let after_crash_seconds = (|| {
+                    for _ in 0..1000 {
+                        rng_key = rng_key.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+                        let k = crate::workload::db_bench_key(rng_key % a.num.max(1), a.key_size);
+                        e.put(&k, &vec![7u8; value_size]).ok()?;
+                    }
+                    let t = Instant::now();
+                    e.crash_reopen().ok()?;
+                    Some(t.elapsed().as_secs_f64())
+                })();
+                recovery.push(Recovery { engine: name.clone(), value_size, seconds, after_crash_seconds });
             }
         }
     }

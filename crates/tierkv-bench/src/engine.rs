@@ -44,6 +44,12 @@ pub trait BenchEngine: Send + Sync {
     fn space(&self) -> u64 {
         0
     }
+    /// Drop the store as a killed process would (no clean shutdown), then open it again.
+    /// Engines that cannot simulate that in-process return an error and are reported as
+    /// not measured.
+    fn crash_reopen(&mut self) -> Result<()> {
+        Err(format!("{} cannot simulate a crash in-process", self.name()))
+    }
 }
 
 /// How to build engines for one run.
@@ -137,6 +143,13 @@ impl BenchEngine for Tierkv {
     fn reopen(&mut self) -> Result<()> {
         if let Some(db) = self.db.take() {
             db.close().map_err(|e| e.to_string())?;
+        }
+        self.db = Some(Db::open(&self.dir, self.opts.clone()).map_err(|e| e.to_string())?);
+        Ok(())
+    }
+    fn crash_reopen(&mut self) -> Result<()> {
+        if let Some(db) = self.db.take() {
+            db.simulate_process_crash();
         }
         self.db = Some(Db::open(&self.dir, self.opts.clone()).map_err(|e| e.to_string())?);
         Ok(())
