@@ -85,15 +85,16 @@ pub fn run(a: &BenchArgs) -> Result<Report, String> {
     let pm_base = a.pm_dir.clone().unwrap_or_else(|| if shm.is_dir() { shm.to_path_buf() } else { disk_base.clone() });
     let mut outcomes = Vec::new();
     let mut recovery = Vec::new();
+    let base = Params {
+        num: a.num,
+        value_size: a.value_sizes.first().copied().unwrap_or(0),
+        key_size: a.key_size,
+        scan_len: a.scan_len,
+        seed: a.seed,
+        threads: a.threads,
+    };
     for &value_size in &a.value_sizes {
-        let params = Params {
-            num: a.num,
-            value_size,
-            key_size: a.key_size,
-            scan_len: a.scan_len,
-            seed: a.seed,
-            threads: a.threads,
-        };
+        let params = Params { value_size, ..base.clone() };
         for name in &a.engines {
             let disk =
                 tempfile::Builder::new().prefix("tierkv-bench-").tempdir_in(&disk_base).map_err(|e| e.to_string())?;
@@ -148,15 +149,7 @@ pub fn run(a: &BenchArgs) -> Result<Report, String> {
         let ei = a.engines.iter().position(|e| *e == o.engine).unwrap_or(usize::MAX);
         (o.value_size, wi, ei)
     });
-    let params = Params {
-        num: a.num,
-        value_size: a.value_sizes.first().copied().unwrap_or(0),
-        key_size: a.key_size,
-        scan_len: a.scan_len,
-        seed: a.seed,
-        threads: a.threads,
-    };
-    let rep = Report { schema: 1, params, outcomes, recovery };
+    let rep = Report { schema: 1, params: base, outcomes, recovery };
     print!("{}", report::table(&rep));
     if let Some(out) = &a.out {
         let json = serde_json::to_string_pretty(&rep).map_err(|e| e.to_string())?;

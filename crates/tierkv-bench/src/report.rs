@@ -67,7 +67,7 @@ pub fn table(r: &Report) -> String {
     );
     let mut last: Option<(&str, usize)> = None;
     for o in &r.outcomes {
-        let group = (o.workload_name(), o.value_size);
+        let group = (o.workload.name(), o.value_size);
         if last.is_some_and(|l| l != group) {
             out.push('\n');
         }
@@ -87,7 +87,7 @@ pub fn table(r: &Report) -> String {
         let _ = writeln!(
             out,
             "{:<16} {:>7} {:<10} {:>3} {:>12.0} {:>9} {:>8} {:>9} {:>9} {:>9} {:>9} {:>7} {:>7}",
-            o.workload_name(),
+            o.workload.name(),
             o.value_size,
             o.engine,
             o.threads,
@@ -117,11 +117,4 @@ pub fn table(r: &Report) -> String {
         }
     }
     out
-}
-
-impl Outcome {
-    /// The workload's command-line name.
-    pub fn workload_name(&self) -> &'static str {
-        self.workload.name()
-    }
 }

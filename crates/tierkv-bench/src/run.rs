@@ -259,11 +259,14 @@ pub fn run_with_progress(
                 Ok(n)
             })
         });
+        // Thread t does `ops` operations; sequential workloads give it keys first..first+ops.
+        let share = |t: u64| p.num / threads as u64 + u64::from(t < p.num % threads as u64);
         let handles: Vec<_> = (0..threads)
             .map(|t| {
-                let ops = p.num / threads as u64 + u64::from((t as u64) < p.num % threads as u64);
+                let first = (0..t as u64).map(share).sum::<u64>();
+                let ops = share(t as u64);
                 let inserted = &inserted;
-                s.spawn(move || worker(e, w, p, t, ops, inserted, bar))
+                s.spawn(move || worker(e, w, p, t, first..first + ops, inserted, bar))
             })
             .collect();
         let results: Vec<Result<Worked>> =
@@ -338,7 +341,7 @@ fn worker(
     w: Workload,
     p: &Params,
     t: usize,
-    ops: u64,
+    range: std::ops::Range<u64>,
     inserted: &AtomicU64,
     bar: &indicatif::ProgressBar,
 ) -> Result<Worked> {
@@ -350,9 +353,7 @@ fn worker(
     let mut found = 0u64;
     let n = p.num;
     let key_db = |i: u64| db_bench_key(i, p.key_size);
-    // Sequential workloads give each thread its own contiguous slice of the key range.
-    let first =
-        (0..t).map(|i| n / p.threads.max(1) as u64 + u64::from((i as u64) < n % p.threads.max(1) as u64)).sum::<u64>();
+    let (first, ops) = (range.start, range.end - range.start);
     match w {
         Workload::Fillseq | Workload::Fillrandom | Workload::Overwrite => {
             for i in 0..ops {

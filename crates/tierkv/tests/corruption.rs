@@ -240,6 +240,28 @@ fn damaged_live_log_entry_is_corruption_not_silent_loss() {
 }
 
 #[test]
+fn check_reports_a_damaged_live_log_entry() {
+    let dev = SimDevice::new();
+    let fs = FaultFs::new();
+    let db = Db::open(dir(), sim_options(PRESET, &dev, &fs)).unwrap();
+    for i in 0..20u32 {
+        db.put(format!("k{i:02}"), b"v").unwrap();
+    }
+    assert_eq!(db.check().unwrap(), Vec::<String>::new());
+    let entries = log_entries(&dev, LogKind::Key);
+    assert_eq!(entries.len(), 20, "no checkpoint yet: one live key-log entry per put");
+    let (seq, addr) = entries[10];
+    let at = addr as usize + 20;
+    let b = image(&dev)[at];
+    assert!(dev.poke(0, at, &[b ^ 0xff]));
+    let problems = db.check().unwrap();
+    assert!(
+        problems.iter().any(|p| p.contains("key log") && p.contains(&format!("Some({seq})"))),
+        "check must name the damaged entry {seq}: {problems:?}"
+    );
+}
+
+#[test]
 fn foreign_or_garbage_pool_files_are_corruption() {
     let t = tempdir();
     let a = t.path().join("a");

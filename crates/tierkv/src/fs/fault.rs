@@ -107,11 +107,6 @@ impl FaultFs {
         self.state.lock().frozen = true;
     }
 
-    /// Operations executed so far.
-    pub fn ops(&self) -> u64 {
-        self.state.lock().ops
-    }
-
     /// The file system a crash would leave now: durable names only, each file cut back to
     /// its synced bytes. The result shares nothing with `self`.
     pub fn crash(&self) -> FaultFs {

@@ -359,11 +359,6 @@ impl Region {
         self.pool_size
     }
 
-    /// True when every pool is mapped with MAP_SYNC (a DAX file system).
-    pub fn is_dax(&self) -> bool {
-        (0..self.pool_count()).all(|i| matches!(self.pools[i].get(), Some(Pool { _map: Some(m), .. }) if m.dax))
-    }
-
     /// The flush instruction in use.
     pub fn flush_instr(&self) -> FlushInstr {
         self.instr
@@ -584,7 +579,6 @@ fn reserve(file: &std::fs::File, len: u64) -> Result<()> {
 struct Mapping {
     ptr: *mut u8,
     len: usize,
-    dax: bool,
 }
 
 impl Mapping {
@@ -627,5 +621,5 @@ fn map_file(file: &std::fs::File, len: u64) -> Result<Mapping> {
     if p == libc::MAP_FAILED {
         return Err(Error::Io(std::io::Error::last_os_error()));
     }
-    Ok(Mapping { ptr: p as *mut u8, len, dax })
+    Ok(Mapping { ptr: p as *mut u8, len })
 }

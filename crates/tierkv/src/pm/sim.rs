@@ -161,8 +161,9 @@ impl SimDevice {
         self.state.lock().pools.get(i).map(|p| p.durable.clone())
     }
 
-    /// Overwrite bytes of pool `pool` in both images (corruption tests). Use only while no
-    /// store has the device open. Returns false if the range is outside the pool.
+    /// Overwrite bytes of pool `pool` in both images (corruption tests). A store may have the
+    /// device open, but no thread may be using it during the call. Returns false if the range
+    /// is outside the pool.
     pub fn poke(&self, pool: usize, off: usize, bytes: &[u8]) -> bool {
         let mut s = self.state.lock();
         let Some(p) = s.pools.get_mut(pool) else {
@@ -171,8 +172,9 @@ impl SimDevice {
         let Some(end) = off.checked_add(bytes.len()).filter(|&e| e <= p.len) else {
             return false;
         };
-        // SAFETY: `off..end` is inside the pool's allocation (checked above); no region uses
-        // the device (caller contract), so nothing else accesses these bytes.
+        // SAFETY: `off..end` is inside the pool's allocation (checked above); no thread uses a
+        // store on this device during the call (caller contract), so nothing else accesses
+        // these bytes concurrently.
         unsafe { std::ptr::copy_nonoverlapping(bytes.as_ptr(), p.ptr.add(off), bytes.len()) };
         p.durable[off..end].copy_from_slice(bytes);
         true
@@ -230,17 +232,6 @@ impl SimDevice {
                 on_freeze: None,
             })),
         }
-    }
-
-    /// Lines that differ between the volatile and durable image (written, not persisted).
-    pub fn dirty_lines(&self) -> usize {
-        let s = self.state.lock();
-        s.pools
-            .iter()
-            .map(|p| {
-                p.volatile().chunks(LINE as usize).zip(p.durable.chunks(LINE as usize)).filter(|(a, b)| a != b).count()
-            })
-            .sum()
     }
 
     // ---- used by the region ----

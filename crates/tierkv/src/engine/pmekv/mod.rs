@@ -613,16 +613,25 @@ impl Inner {
                 problems.push(format!("{what} at {a:#x} lies in free heap space"));
             }
         }
-        // Live log entries must decode (they were written by this process or replayed).
-        for (ring, name) in [(&st.key_log, "key log")] {
-            for (e, flag, addr) in ring.scan(&self.region) {
-                if flag != 0 && e.seq > st.ckpt.seq && e.seq >= st.next_seq {
-                    problems.push(format!(
-                        "{name} entry at {addr:#x} has sequence {} beyond the store's {}",
-                        e.seq, st.next_seq
-                    ));
-                }
-            }
+        // What recovery relies on: every operation since the checkpoint has an intact key-log
+        // entry, i.e. the live entries' sequence numbers are exactly ckpt.seq+1 .. next_seq.
+        let mut live: Vec<u64> = st
+            .key_log
+            .scan(&self.region)
+            .into_iter()
+            .filter(|(e, flag, _)| *flag != 0 && e.seq > st.ckpt.seq)
+            .map(|(e, _, _)| e.seq)
+            .collect();
+        live.sort_unstable();
+        live.dedup();
+        if !live.iter().copied().eq(st.ckpt.seq + 1..st.next_seq) {
+            let missing = (st.ckpt.seq + 1..st.next_seq).find(|s| live.binary_search(s).is_err());
+            problems.push(format!(
+                "key log: live entries for sequence numbers {}..{} expected, {} found (first missing or damaged: {missing:?})",
+                st.ckpt.seq + 1,
+                st.next_seq,
+                live.len()
+            ));
         }
         Ok(problems)
     }
