@@ -34,16 +34,18 @@ pub mod format;
 pub mod fs;
 pub mod index;
 pub mod iter;
+pub mod manifest;
 pub mod options;
 pub mod options_file;
 pub mod pm;
+pub mod sstable;
 pub mod stats;
 
 pub use batch::{BatchOp, WriteBatch};
 pub use db::Db;
 pub use error::{Error, Result};
 pub use iter::{DbIterator, Scan};
-pub use options::{Options, PmekvOptions, Preset};
+pub use options::{Options, PmekvOptions, Preset, SlmdbOptions};
 pub use stats::Stats;
 
 /// Render bytes for humans: printable ASCII as is, everything else (and `\`) as `\xNN`.

@@ -27,16 +27,20 @@ pub enum Preset {
     /// KeyNodes persisted in PM, two-tier log. See [`crate::engine::pmekv`].
     #[default]
     Pmekv,
+    /// SLM-DB (FAST '19): PM skiplist MemTable without a WAL, persistent B+-tree in PM over
+    /// one level of SSTables on disk, selective compaction. See [`crate::engine::slmdb`].
+    Slmdb,
 }
 
 impl Preset {
     /// Every preset this build hosts.
-    pub const ALL: &'static [Preset] = &[Preset::Pmekv];
+    pub const ALL: &'static [Preset] = &[Preset::Pmekv, Preset::Slmdb];
 
     /// The preset's command-line / on-disk name.
     pub fn name(self) -> &'static str {
         match self {
             Preset::Pmekv => "pmekv",
+            Preset::Slmdb => "slmdb",
         }
     }
 
@@ -44,6 +48,7 @@ impl Preset {
     pub(crate) fn id(self) -> u32 {
         match self {
             Preset::Pmekv => 5,
+            Preset::Slmdb => 1,
         }
     }
 
@@ -94,6 +99,72 @@ impl Default for PmekvOptions {
     }
 }
 
+/// Options of the `slmdb` preset. Defaults are the paper's (§6.1) where it gives one.
+#[derive(Debug, Clone)]
+pub struct SlmdbOptions {
+    /// Size of a MemTable arena in PM. Default 64 MiB (the paper's). At least 64 KiB.
+    /// A single write larger than this gets an arena of its own size.
+    pub memtable_size: u64,
+    /// SSTable data block size. Default 4 KiB (LevelDB's, which SLM-DB keeps).
+    pub block_size: usize,
+    /// Bloom filter bits per key written into SSTables. Default 0: SLM-DB finds keys with
+    /// its B+-tree and never consults a filter, so it writes none.
+    pub bloom_bits_per_key: u32,
+    /// Target size of an SSTable written by compaction. Default 2 MiB (LevelDB 1.20's
+    /// `max_file_size`, which SLM-DB inherits). Flushes write one file per MemTable.
+    pub output_file_size: u64,
+    /// Live-key ratio below which a file becomes a compaction candidate. Default 0.7.
+    pub live_key_threshold: f64,
+    /// Leaf-node scan: keys scanned per compaction = this many SSTables' worth (average
+    /// keys per file). Default 2.
+    pub leaf_scan_files: u64,
+    /// Leaf-node scan: more distinct files than this among the scanned keys makes them all
+    /// candidates. Default 10.
+    pub leaf_node_threshold: usize,
+    /// Range-query sequentiality: keys per sub-range. Default 30.
+    pub seq_subrange_keys: usize,
+    /// Range-query sequentiality: more distinct files than this in a sub-range makes them
+    /// candidates. Default 8.
+    pub seq_degree_threshold: usize,
+    /// Enable the live-key-ratio selection scheme. Default true.
+    pub enable_live_ratio: bool,
+    /// Enable the leaf-node-scan selection scheme. Default true.
+    pub enable_leaf_scan: bool,
+    /// Enable the sequentiality-degree-per-range-query selection scheme. Default true.
+    pub enable_seq_degree: bool,
+    /// Most files merged by one compaction. The paper bounds it without a figure; default 10.
+    pub max_merge_files: usize,
+    /// Candidates added by range queries beyond which a compaction is scheduled without
+    /// waiting for the next flush. Default 10.
+    pub candidate_trigger: usize,
+    /// Run flush and compaction on background threads (the paper's design). Default true.
+    /// `false` runs them in the writing thread when a MemTable fills, and at `flush()` /
+    /// `compact()` (deterministic; crash tests use it).
+    pub background: bool,
+}
+
+impl Default for SlmdbOptions {
+    fn default() -> Self {
+        Self {
+            memtable_size: 64 << 20,
+            block_size: 4096,
+            bloom_bits_per_key: 0,
+            output_file_size: 2 << 20,
+            live_key_threshold: 0.7,
+            leaf_scan_files: 2,
+            leaf_node_threshold: 10,
+            seq_subrange_keys: 30,
+            seq_degree_threshold: 8,
+            enable_live_ratio: true,
+            enable_leaf_scan: true,
+            enable_seq_degree: true,
+            max_merge_files: 10,
+            candidate_trigger: 10,
+            background: true,
+        }
+    }
+}
+
 /// How to open a store. Build with [`Options::new`] and the chained setters.
 #[derive(Clone)]
 pub struct Options {
@@ -125,6 +196,8 @@ pub struct Options {
     pub max_value_size: usize,
     /// Options of the `pmekv` preset.
     pub pmekv: PmekvOptions,
+    /// Options of the `slmdb` preset.
+    pub slmdb: SlmdbOptions,
     /// File-system seam (tests inject [`crate::fs::FaultFs`]). Default: the real file system.
     pub fs: Option<Arc<dyn Fs>>,
     /// Simulated PM device (tests). When set, PM lives in the crash simulator instead of
@@ -146,6 +219,7 @@ impl fmt::Debug for Options {
             .field("max_key_size", &self.max_key_size)
             .field("max_value_size", &self.max_value_size)
             .field("pmekv", &self.pmekv)
+            .field("slmdb", &self.slmdb)
             .field("fs", &self.fs.as_ref().map(|_| "custom"))
             .field("pm_device", &self.pm_device.as_ref().map(|_| "simulated"))
             .finish()
@@ -166,6 +240,7 @@ impl Default for Options {
             max_key_size: MAX_KEY_SIZE,
             max_value_size: MAX_VALUE_SIZE,
             pmekv: PmekvOptions::default(),
+            slmdb: SlmdbOptions::default(),
             fs: None,
             pm_device: None,
         }
@@ -232,6 +307,11 @@ impl Options {
         self.pmekv = v;
         self
     }
+    /// Set [`Options::slmdb`].
+    pub fn slmdb(mut self, v: SlmdbOptions) -> Self {
+        self.slmdb = v;
+        self
+    }
     /// Set [`Options::fs`].
     pub fn fs(mut self, fs: Arc<dyn Fs>) -> Self {
         self.fs = Some(fs);
@@ -265,6 +345,28 @@ impl Options {
             if v < 256 << 10 || !v.is_multiple_of(64) {
                 return bad(format!("pmekv.{name} {v} must be a multiple of 64 and at least 256 KiB"));
             }
+        }
+        let s = &self.slmdb;
+        if s.memtable_size < (64 << 10) || !s.memtable_size.is_multiple_of(64) {
+            return bad(format!(
+                "slmdb.memtable_size {} must be a multiple of 64 and at least 64 KiB",
+                s.memtable_size
+            ));
+        }
+        if self.preset == Preset::Slmdb && s.memtable_size > self.pm_pool_size - 4096 {
+            return bad(format!(
+                "slmdb.memtable_size {} does not fit in a PM pool of {} bytes (raise pm_pool_size)",
+                s.memtable_size, self.pm_pool_size
+            ));
+        }
+        if !(256..=(1 << 20)).contains(&s.block_size) {
+            return bad(format!("slmdb.block_size {} not in 256..=1 MiB", s.block_size));
+        }
+        if !(0.0..=1.0).contains(&s.live_key_threshold) {
+            return bad(format!("slmdb.live_key_threshold {} not in 0..=1", s.live_key_threshold));
+        }
+        if s.max_merge_files < 1 || s.seq_subrange_keys < 1 || s.output_file_size < 4096 {
+            return bad("slmdb: max_merge_files and seq_subrange_keys must be >= 1, output_file_size >= 4096".into());
         }
         Ok(())
     }

@@ -6,6 +6,7 @@
 //! behind this trait.
 
 pub mod pmekv;
+pub mod slmdb;
 
 use std::ops::Bound;
 use std::path::PathBuf;
@@ -69,5 +70,6 @@ pub trait Engine: Send + Sync {
 pub fn open(preset: Preset, ctx: EngineCtx) -> Result<Arc<dyn Engine>> {
     match preset {
         Preset::Pmekv => Ok(Arc::new(pmekv::Pmekv::open(ctx)?)),
+        Preset::Slmdb => Ok(Arc::new(slmdb::Slmdb::open(ctx)?)),
     }
 }

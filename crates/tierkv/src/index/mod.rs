@@ -1,3 +1,4 @@
 //! In-memory and persistent index structures shared by the presets.
 
 pub mod bplus;
+pub mod pbtree;

@@ -24,6 +24,7 @@
 
 mod counters;
 pub mod flush;
+pub mod heap;
 pub mod sim;
 
 use std::fs::OpenOptions;

@@ -10,7 +10,7 @@ use rand::rngs::SmallRng;
 use rand::{Rng, SeedableRng};
 use tierkv::fs::FaultFs;
 use tierkv::pm::sim::SimDevice;
-use tierkv::{Db, Options, PmekvOptions, Preset, WriteBatch};
+use tierkv::{Db, Options, PmekvOptions, Preset, SlmdbOptions, WriteBatch};
 
 /// Every preset; a new preset joins every generic test by being in `Preset::ALL`.
 pub fn presets() -> &'static [Preset] {
@@ -36,6 +36,19 @@ pub fn sim_options(preset: Preset, dev: &SimDevice, fs: &FaultFs) -> Options {
             key_log_size: 256 << 10,
             writeback_interval_ms: 0,
         })
+        .slmdb(slmdb_small())
+}
+
+/// SLM-DB scaled down so that small tests flush, compact and split tree nodes: 64 KiB
+/// MemTables, 256-byte blocks, 4 KiB compaction outputs, everything in the calling thread.
+pub fn slmdb_small() -> SlmdbOptions {
+    SlmdbOptions {
+        memtable_size: 64 << 10,
+        block_size: 256,
+        output_file_size: 4096,
+        background: false,
+        ..SlmdbOptions::default()
+    }
 }
 
 /// The reference model.

@@ -70,7 +70,6 @@
 //! The paper gives no sizes; defaults are in [`crate::options::PmekvOptions`]. Values are
 //! limited to one PM pool (`pm_pool_size` minus 72 bytes) besides the global 64 MiB limit.
 
-pub mod heap;
 pub mod layout;
 pub mod log;
 mod recovery;
@@ -88,9 +87,9 @@ use crate::batch::BatchOp;
 use crate::engine::{Cond, Engine, EngineCtx};
 use crate::error::{Error, Result};
 use crate::index::bplus::{BPlusTree, LeafMeta, NodeId};
+use crate::pm::heap::Heap;
 use crate::pm::{Region, POOL_HEADER_LEN};
 use crate::stats::Stats;
-use heap::Heap;
 use layout::{Checkpoint, LogEntry, LogKind, Op, Superblock, ValueRef};
 use log::Ring;
 

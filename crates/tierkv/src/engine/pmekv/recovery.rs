@@ -29,12 +29,12 @@ use std::sync::atomic::AtomicU64;
 
 use parking_lot::{Condvar, Mutex, RwLock};
 
-use super::heap::Heap;
 use super::layout::{self, Checkpoint, LogEntry, LogKind, Op, Superblock, ValueRef, CKPT_SLOT_ADDR, SUPERBLOCK_ADDR};
 use super::log::Ring;
 use super::{apply, Inner, LeafInfo, State, Tree};
 use crate::engine::EngineCtx;
 use crate::error::{Error, Result};
+use crate::pm::heap::Heap;
 use crate::pm::{Backing, Region, RegionConfig, POOL_HEADER_LEN};
 
 type Leaves = Vec<(Vec<(Box<[u8]>, ValueRef)>, (u64, u32))>;

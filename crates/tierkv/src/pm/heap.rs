@@ -1,4 +1,4 @@
-//! The PM value heap: a best-fit allocator of 64-byte-aligned extents with coalescing.
+//! A best-fit allocator of 64-byte-aligned PM extents with coalescing (shared by the presets).
 //!
 //! Its state lives only in DRAM. At open it is rebuilt from what the recovered index
 //! references (values, KeyNodes, the directory): every other byte of the heap is free. So
@@ -107,6 +107,28 @@ impl Heap {
             return fa + fl > addr;
         }
         false
+    }
+}
+
+/// Allocate `size` bytes (rounded up to whole lines) from `heap`, adding a pool to `region`
+/// (and its space to the heap) when no free extent is large enough.
+pub fn alloc_or_grow(heap: &mut Heap, region: &super::Region, size: u64) -> crate::Result<u64> {
+    let size = size.div_ceil(LINE) * LINE;
+    let usable = region.pool_size() - super::POOL_HEADER_LEN;
+    if size > usable {
+        return Err(crate::Error::InvalidArgument(format!(
+            "PM object of {size} bytes does not fit in a PM pool of {} bytes (raise pm_pool_size)",
+            region.pool_size()
+        )));
+    }
+    loop {
+        if let Some(a) = heap.alloc(size) {
+            return Ok(a);
+        }
+        let i = region.grow()?;
+        let start = region.addr(i, super::POOL_HEADER_LEN);
+        let end = region.addr(i + 1, 0);
+        heap.add_space(start, end, &[]).map_err(|_| crate::Error::PmFull("new pool overlaps the heap".into()))?;
     }
 }
 

@@ -1,0 +1,361 @@
+//! SLM-DB's persistent MemTable: a skiplist whose bottom level lives in PM (Algorithm 1),
+//! with the upper levels volatile.
+//!
+//! # Layout (docs/format/slmdb.md, "MemTable arena")
+//! A memtable owns one *arena*, a contiguous PM extent: a 64-byte header
+//! (`magic | generation | size | head | crc`) and nodes appended after it. A node is
+//! `next u64 | seq u64 | batch_n u32 | batch_i u32 | klen u32 | vlen u32 | kind u8 | 0 ×3 |
+//! crc u32 | key | value`, 8-byte aligned; the crc covers everything after `next`.
+//!
+//! The bottom level is a singly linked list from `head`, ordered by key ascending and, for
+//! one key, by sequence number descending (newest first). An insert follows Algorithm 1:
+//! the node is written with its `next` set to its predecessor's `next` and persisted, then
+//! the predecessor's 8-byte `next` is stored and persisted. An update is an insert of a
+//! newer node in front of the old one: values are never modified in place.
+//!
+//! # Upper levels
+//! The volatile upper levels are a DRAM ordered map from each key to its newest and oldest
+//! node (the oldest node of the previous key is the predecessor an insert needs). A
+//! `BTreeMap` plays the part of the skiplist's upper levels: both are volatile search
+//! structures over the persistent bottom level, rebuilt from it at open.
+//!
+//! # Batches
+//! All nodes of a [`crate::WriteBatch`] carry the batch's first sequence number implicitly
+//! (`seq - batch_i`) and its size `batch_n`; they are linked one by one. At open, a batch
+//! with fewer than `batch_n` reachable nodes was in flight at the crash (never
+//! acknowledged): its nodes are unlinked, so a batch is all or nothing.
+
+use std::collections::{BTreeMap, HashMap};
+use std::ops::Bound;
+use std::sync::atomic::{AtomicU64, Ordering};
+
+use parking_lot::RwLock;
+
+use crate::error::{Error, Result};
+use crate::format::{crc, Cursor};
+use crate::pm::Region;
+
+/// Arena header magic.
+pub const ARENA_MAGIC: u64 = 0x4e45_5241_4d4d_4c53; // "SLMMAREN"
+/// Node header bytes (before key and value).
+pub const NODE_HEADER: u64 = 40;
+/// Kind byte of a put.
+pub const KIND_PUT: u8 = 0;
+/// Kind byte of a delete.
+pub const KIND_DEL: u8 = 1;
+
+/// Bytes a node of this key and value takes in an arena.
+pub fn node_size(klen: usize, vlen: usize) -> u64 {
+    (NODE_HEADER + klen as u64 + vlen as u64).div_ceil(8) * 8
+}
+
+/// Encode a node (with `next` = `next`).
+pub fn encode_node(next: u64, seq: u64, batch_n: u32, batch_i: u32, kind: u8, key: &[u8], value: &[u8]) -> Vec<u8> {
+    let mut b = Vec::with_capacity(node_size(key.len(), value.len()) as usize);
+    b.extend_from_slice(&next.to_le_bytes());
+    b.extend_from_slice(&seq.to_le_bytes());
+    b.extend_from_slice(&batch_n.to_le_bytes());
+    b.extend_from_slice(&batch_i.to_le_bytes());
+    b.extend_from_slice(&(key.len() as u32).to_le_bytes());
+    b.extend_from_slice(&(value.len() as u32).to_le_bytes());
+    b.extend_from_slice(&[kind, 0, 0, 0]);
+    b.extend_from_slice(&[0; 4]);
+    b.extend_from_slice(key);
+    b.extend_from_slice(value);
+    let c = crc::masked_parts(&[b.get(8..36).unwrap_or(&[]), key, value]);
+    if let Some(s) = b.get_mut(36..40) {
+        s.copy_from_slice(&c.to_le_bytes());
+    }
+    b.resize(node_size(key.len(), value.len()) as usize, 0);
+    b
+}
+
+/// Encode an arena header (64 bytes).
+pub fn encode_arena_header(gen: u64, size: u64) -> [u8; 64] {
+    let mut h = [0u8; 64];
+    h[0..8].copy_from_slice(&ARENA_MAGIC.to_le_bytes());
+    h[8..16].copy_from_slice(&gen.to_le_bytes());
+    h[16..24].copy_from_slice(&size.to_le_bytes());
+    let c = crc::masked(&h[0..24]);
+    h[32..36].copy_from_slice(&c.to_le_bytes());
+    h
+}
+
+/// A decoded node.
+#[derive(Debug, Clone, Copy)]
+pub struct Node<'a> {
+    /// Next node address (0 = end).
+    pub next: u64,
+    /// Sequence number.
+    pub seq: u64,
+    /// Ops in the node's batch.
+    pub batch_n: u32,
+    /// The node's index in its batch.
+    pub batch_i: u32,
+    /// Put or delete.
+    pub kind: u8,
+    /// Key.
+    pub key: &'a [u8],
+    /// Value (empty for a delete).
+    pub value: &'a [u8],
+}
+
+/// Read and verify the node at `addr`.
+pub fn read_node(r: &Region, addr: u64) -> Result<Node<'_>> {
+    let h = r.slice_checked(addr, NODE_HEADER as usize, "memtable node")?;
+    let mut c = Cursor::new(h);
+    let bad = |d: &str| r.corruption(addr, d.to_string());
+    let (next, seq) = (c.u64().ok_or_else(|| bad("short node"))?, c.u64().ok_or_else(|| bad("short node"))?);
+    let batch_n = c.u32().ok_or_else(|| bad("short node"))?;
+    let batch_i = c.u32().ok_or_else(|| bad("short node"))?;
+    let klen = c.u32().ok_or_else(|| bad("short node"))? as usize;
+    let vlen = c.u32().ok_or_else(|| bad("short node"))? as usize;
+    let kind = c.u8().ok_or_else(|| bad("short node"))?;
+    c.skip(3);
+    let stored = c.u32().ok_or_else(|| bad("short node"))?;
+    if klen > 65_535 || vlen > (1 << 30) {
+        return Err(bad("memtable node lengths out of range"));
+    }
+    let all = r.slice_checked(addr, NODE_HEADER as usize + klen + vlen, "memtable node")?;
+    let key = all.get(NODE_HEADER as usize..NODE_HEADER as usize + klen).unwrap_or(&[]);
+    let value = all.get(NODE_HEADER as usize + klen..).unwrap_or(&[]);
+    if crc::masked_parts(&[h.get(8..36).unwrap_or(&[]), key, value]) != stored || kind > KIND_DEL {
+        return Err(bad("memtable node checksum mismatch"));
+    }
+    Ok(Node { next, seq, batch_n, batch_i, kind, key, value })
+}
+
+#[derive(Debug, Clone, Copy)]
+struct Slot {
+    newest: u64,
+    oldest: u64,
+}
+
+/// A persistent memtable. See the module docs.
+#[derive(Debug)]
+pub struct Memtable {
+    /// Arena address.
+    pub addr: u64,
+    /// Arena size.
+    pub size: u64,
+    /// Generation (memtables are numbered in creation order).
+    pub gen: u64,
+    index: RwLock<BTreeMap<Vec<u8>, Slot>>,
+    used: AtomicU64,
+    /// Bytes of user data (keys and values) inserted.
+    pub user_bytes: AtomicU64,
+}
+
+/// A MemTable entry: key and value, `None` for a delete.
+pub type MemEntry = (Vec<u8>, Option<Vec<u8>>);
+
+/// One write to apply.
+#[derive(Debug, Clone, Copy)]
+pub struct Op<'a> {
+    /// Put or delete.
+    pub kind: u8,
+    /// Key.
+    pub key: &'a [u8],
+    /// Value.
+    pub value: &'a [u8],
+}
+
+impl Memtable {
+    /// Lay out an empty memtable in the arena `[addr, addr+size)`.
+    pub fn create(r: &Region, addr: u64, size: u64, gen: u64) -> Result<Memtable> {
+        let h = encode_arena_header(gen, size);
+        // SAFETY: the arena was just allocated for this memtable; nothing else refers to it.
+        unsafe { r.write(addr, &h)? };
+        r.persist(addr, 64);
+        Ok(Memtable {
+            addr,
+            size,
+            gen,
+            index: RwLock::new(BTreeMap::new()),
+            used: AtomicU64::new(64),
+            user_bytes: AtomicU64::new(0),
+        })
+    }
+
+    /// Recover the memtable in the arena at `addr`: verify every reachable node, unlink the
+    /// nodes of an incomplete batch, rebuild the upper levels. Returns it with the highest
+    /// sequence number it holds.
+    pub fn recover(r: &Region, addr: u64) -> Result<(Memtable, u64)> {
+        let h = r.slice_checked(addr, 64, "memtable arena header")?;
+        let mut c = Cursor::new(h);
+        let (magic, gen, size) = (c.u64(), c.u64(), c.u64());
+        let stored = u32::from_le_bytes(h.get(32..36).and_then(|s| s.try_into().ok()).unwrap_or([0; 4]));
+        if magic != Some(ARENA_MAGIC) || crc::masked(h.get(0..24).unwrap_or(&[])) != stored {
+            return Err(r.corruption(addr, "bad memtable arena header"));
+        }
+        let (gen, size) = (gen.unwrap_or(0), size.unwrap_or(0));
+        if r.slice(addr, size as usize).is_none() || size < 64 {
+            return Err(r.corruption(addr, "memtable arena size outside the PM region"));
+        }
+        let head = addr + 24;
+        // Walk the bottom level.
+        let mut nodes: Vec<(u64, u64)> = Vec::new(); // (pred next-word, node)
+        let mut batches: HashMap<u64, (u32, u32)> = HashMap::new(); // base -> (n, seen)
+        let mut pred = head;
+        let mut cur = r.load_u64_atomic(head)?;
+        let mut prev: Option<(Vec<u8>, u64)> = None;
+        while cur != 0 {
+            if cur < addr + 64 || cur >= addr + size {
+                return Err(r.corruption(pred, "memtable link points outside its arena"));
+            }
+            let n = read_node(r, cur)?;
+            if let Some((pk, ps)) = &prev {
+                if (pk.as_slice(), std::cmp::Reverse(*ps)) >= (n.key, std::cmp::Reverse(n.seq)) {
+                    return Err(r.corruption(cur, "memtable nodes out of order"));
+                }
+            }
+            prev = Some((n.key.to_vec(), n.seq));
+            let base = n.seq.wrapping_sub(n.batch_i as u64);
+            let e = batches.entry(base).or_insert((n.batch_n, 0));
+            e.1 += 1;
+            nodes.push((pred, cur));
+            pred = cur;
+            cur = n.next;
+            if nodes.len() as u64 > size / NODE_HEADER {
+                return Err(r.corruption(addr, "memtable list does not end"));
+            }
+        }
+        // Unlink incomplete batches (back to front, so each predecessor is still linked).
+        let incomplete: Vec<u64> = batches.iter().filter(|(_, (n, seen))| seen < n).map(|(base, _)| *base).collect();
+        let mut keep = vec![true; nodes.len()];
+        if !incomplete.is_empty() {
+            for i in (0..nodes.len()).rev() {
+                let node = nodes[i].1;
+                let n = read_node(r, node)?;
+                if incomplete.contains(&n.seq.wrapping_sub(n.batch_i as u64)) {
+                    // The live predecessor: the nearest kept node before i, or head.
+                    let p = (0..i).rev().find(|&j| keep[j]).map_or(head, |j| nodes[j].1);
+                    let p = if p == head { head } else { p };
+                    r.store_u64_atomic(p, n.next)?;
+                    r.persist(p, 8);
+                    keep[i] = false;
+                }
+            }
+        }
+        let m = Memtable {
+            addr,
+            size,
+            gen,
+            index: RwLock::new(BTreeMap::new()),
+            used: AtomicU64::new(64),
+            user_bytes: AtomicU64::new(0),
+        };
+        let mut max_seq = 0;
+        let mut used = 64;
+        {
+            let mut idx = m.index.write();
+            for (i, &(_, node)) in nodes.iter().enumerate() {
+                let n = read_node(r, node)?;
+                used = used.max(node - addr + node_size(n.key.len(), n.value.len()));
+                if !keep[i] {
+                    continue;
+                }
+                max_seq = max_seq.max(n.seq);
+                match idx.get_mut(n.key) {
+                    Some(s) => s.oldest = node,
+                    None => {
+                        idx.insert(n.key.to_vec(), Slot { newest: node, oldest: node });
+                    }
+                }
+            }
+        }
+        m.used.store(used, Ordering::Relaxed);
+        Ok((m, max_seq))
+    }
+
+    /// Bytes of the arena in use.
+    pub fn used(&self) -> u64 {
+        self.used.load(Ordering::Relaxed)
+    }
+
+    /// True if nodes of `bytes` more bytes fit.
+    pub fn fits(&self, bytes: u64) -> bool {
+        self.used() + bytes <= self.size
+    }
+
+    /// Distinct keys.
+    pub fn keys(&self) -> usize {
+        self.index.read().len()
+    }
+
+    /// Insert `ops` as one batch with sequence numbers `seq..`. The caller checked that
+    /// they fit and serialises writers of this memtable.
+    pub fn apply(&self, r: &Region, seq: u64, ops: &[Op<'_>]) -> Result<()> {
+        let mut idx = self.index.write();
+        let n = ops.len() as u32;
+        for (i, op) in ops.iter().enumerate() {
+            let size = node_size(op.key.len(), op.value.len());
+            let node = self.addr + self.used();
+            if node + size > self.addr + self.size {
+                return Err(Error::InvalidArgument("memtable arena overflow".into()));
+            }
+            let pred = idx.range::<[u8], _>((Bound::Unbounded, Bound::Excluded(op.key))).next_back();
+            let pred_word = pred.map_or(self.addr + 24, |(_, s)| s.oldest);
+            let next = r.load_u64_atomic(pred_word)?;
+            let bytes = encode_node(next, seq + i as u64, n, i as u32, op.kind, op.key, op.value);
+            // SAFETY: `[node, node+size)` is unused arena space past every published node;
+            // only this writer (holding the index lock exclusively) writes the arena.
+            unsafe { r.write(node, &bytes)? };
+            r.persist(node, size);
+            r.store_u64_atomic(pred_word, node)?;
+            r.persist(pred_word, 8);
+            self.used.store(node + size - self.addr, Ordering::Relaxed);
+            self.user_bytes.fetch_add((op.key.len() + op.value.len()) as u64, Ordering::Relaxed);
+            match idx.get_mut(op.key) {
+                Some(s) => s.newest = node,
+                None => {
+                    idx.insert(op.key.to_vec(), Slot { newest: node, oldest: node });
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// The newest entry of `key`: `Some(None)` for a delete, `Some(Some(v))` for a put.
+    pub fn get(&self, r: &Region, key: &[u8]) -> Result<Option<Option<Vec<u8>>>> {
+        let idx = self.index.read();
+        let Some(s) = idx.get(key) else { return Ok(None) };
+        let n = read_node(r, s.newest)?;
+        Ok(Some((n.kind == KIND_PUT).then(|| n.value.to_vec())))
+    }
+
+    /// Up to `max` newest entries (deletes as `None`) with keys in the bounds, in order.
+    pub fn range(&self, r: &Region, start: Bound<&[u8]>, end: Bound<&[u8]>, max: usize) -> Result<Vec<MemEntry>> {
+        let idx = self.index.read();
+        let mut out = Vec::new();
+        for (k, s) in idx.range::<[u8], _>((start, end)).take(max) {
+            let n = read_node(r, s.newest)?;
+            out.push((k.clone(), (n.kind == KIND_PUT).then(|| n.value.to_vec())));
+        }
+        Ok(out)
+    }
+
+    /// Every key's newest entry in order (for a flush): `(key, kind, value)`.
+    pub fn entries<'r>(&self, r: &'r Region) -> Result<Vec<(Vec<u8>, Node<'r>)>> {
+        let idx = self.index.read();
+        idx.iter().map(|(k, s)| Ok((k.clone(), read_node(r, s.newest)?))).collect()
+    }
+
+    /// Verify every node of the bottom level; returns problems.
+    pub fn check(&self, r: &Region) -> Vec<String> {
+        let mut problems = Vec::new();
+        let mut cur = r.load_u64_atomic(self.addr + 24).unwrap_or(0);
+        let mut count = 0usize;
+        while cur != 0 && problems.is_empty() {
+            match read_node(r, cur) {
+                Ok(n) => cur = n.next,
+                Err(e) => problems.push(e.to_string()),
+            }
+            count += 1;
+            if count as u64 > self.size / NODE_HEADER {
+                problems.push("memtable list does not end".into());
+            }
+        }
+        problems
+    }
+}

@@ -1,0 +1,846 @@
+//! The `slmdb` preset: SLM-DB (Kaiyrakhmet et al., FAST '19, `papers/slmdb.txt`).
+//!
+//! # What runs here
+//! - **Persistent MemTable** (§3.1, Algorithm 1) — [`memtable`]: MemTable and Immutable
+//!   MemTable are skiplists whose bottom level lives in PM, linked with persisted 8-byte
+//!   pointer stores; no WAL; the volatile upper levels are rebuilt at open.
+//! - **Persistent B+-tree** (§3.2) — [`crate::index::pbtree`], FAST & FAIR style, mapping
+//!   full byte-string keys to location objects {file, block offset, block size}. The paper
+//!   converts string keys to integers; we store the keys (the issue forbids a lossy
+//!   conversion).
+//! - **Single level of SSTables** ([`crate::sstable`]) with the shared MANIFEST
+//!   ([`crate::manifest`]) recording each file's `{total, live}` keys and the candidate list.
+//! - **Flush** (§3.2 "Building a B+-tree") — [`jobs`]: a file-creation step writes the
+//!   Immutable MemTable's newest puts to one SSTable and fsyncs it, then hands the keys through
+//!   a queue to a B+-tree insertion thread; deletes remove keys from the tree; the live count
+//!   of a file holding a key's old version is decremented; then the MANIFEST edit is logged
+//!   and the Immutable MemTable freed. The SSTable carries no deletion markers: the tree is
+//!   the authority on which keys exist.
+//! - **Selective compaction** (§3.3) — [`jobs`]: candidates come from the live-key ratio
+//!   (< `live_key_threshold`), round-robin leaf-node scans (`leaf_scan_files` SSTables' worth
+//!   of keys; > `leaf_node_threshold` distinct files) and the sequentiality degree of range
+//!   queries (sub-ranges of `seq_subrange_keys`; > `seq_degree_threshold` files); each can
+//!   be switched off. The candidate with the largest summed overlap ratio is merged with the
+//!   candidates that overlap it (at most `max_merge_files`), keeping only entries the tree
+//!   still points at; outputs are cut at `output_file_size` and each is handed to the
+//!   insertion thread as soon as it is synced.
+//! - **Compaction log in PM** (§3.3, §5) — [`complog`]: `Moved(key, old file)` for every key
+//!   a job repoints, plus the job's inputs and outputs.
+//! - **Get** (§4): MemTable → Immutable MemTable → B+-tree → one block read. **Range query**:
+//!   B+-tree iterator merged with both MemTable iterators. `insert_if_absent` /
+//!   `update_if_present` look the key up the same way (the B+-tree answers existence without
+//!   disk I/O).
+//!
+//! # Crash consistency
+//! PM holds a superblock, two root slots (MemTable arenas, compaction log, next MemTable
+//! generation; the valid slot with the higher generation wins), the tree anchor and the heap.
+//! An acknowledged write is a persisted, linked MemTable node. Recovery:
+//! 1. reads the root, rebuilds the PM heap from what the root, the tree, the arenas and the
+//!    log reference, and repairs the tree ([`crate::index::pbtree`]);
+//! 2. reads the MANIFEST (torn tail dropped) and opens every live SSTable;
+//! 3. recovers both MemTables (unlinking a batch that was only partly linked);
+//! 4. resolves an in-flight job from the compaction log: a **flush** whose MemTable
+//!    generation the MANIFEST already records is finished (log dropped); otherwise it is
+//!    rolled forward — its SSTable was synced before the log began, so every key of the
+//!    Immutable MemTable is re-applied to the tree idempotently (a key logged as moved is
+//!    not logged or decremented twice) and the edit committed. A **compaction** whose inputs
+//!    the MANIFEST no longer lists is finished (inputs deleted); otherwise it is rolled back —
+//!    each moved key is pointed back at its block in the old file (found through that file's
+//!    index), the outputs are deleted — and restarted on the same inputs (§5);
+//! 5. flushes a leftover Immutable MemTable and deletes SSTables no version references.
+//!
+//! # Choices where the paper is silent
+//! - Flush and compaction are serialised (one job at a time), as in LevelDB; a writer that
+//!   fills the MemTable while the Immutable one is still being flushed waits (a stall).
+//! - The PM heap has no persistent metadata (as in `pmekv`): it is rebuilt at open, so space
+//!   allocated but not yet linked at a crash is reclaimed.
+//! - Key-range overlap ratios need numbers; a key maps to the big-endian value of its first
+//!   8 bytes after the prefix the compared ranges share.
+//! - Readers hold the tree's read lock while reading a block, so a compaction can delete its
+//!   inputs once it has taken the write lock after its commit.
+
+pub mod complog;
+mod jobs;
+pub mod layout;
+pub mod memtable;
+
+use std::collections::{BTreeMap, HashMap};
+use std::ops::Bound;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::thread::JoinHandle;
+
+use parking_lot::{Condvar, Mutex, RwLock};
+
+use crate::batch::BatchOp;
+use crate::engine::{Cond, Engine, EngineCtx};
+use crate::error::{Error, Result};
+use crate::fs::{CountingFs, Fs};
+use crate::index::pbtree::{Loc, PTree};
+use crate::manifest::{Manifest, Version};
+use crate::options::SlmdbOptions;
+use crate::pm::heap::{alloc_or_grow, Heap};
+use crate::pm::{Backing, Region, RegionConfig, POOL_HEADER_LEN};
+use crate::sstable::{block_find, Handle, Kind, Table};
+use crate::stats::Stats;
+use layout::Root;
+use memtable::Memtable;
+
+/// The two memtables.
+#[derive(Debug)]
+struct MemState {
+    active: Arc<Memtable>,
+    imm: Option<Arc<Memtable>>,
+}
+
+/// The MANIFEST and the version it describes.
+#[derive(Debug)]
+struct VersionState {
+    version: Version,
+    manifest: Manifest,
+}
+
+/// Figures reported in `Stats::design`.
+#[derive(Debug, Default)]
+struct Counters {
+    flushes: AtomicU64,
+    compactions: AtomicU64,
+    compaction_inputs: AtomicU64,
+    compaction_outputs: AtomicU64,
+    entries_dropped: AtomicU64,
+    cand_live_ratio: AtomicU64,
+    cand_leaf_scan: AtomicU64,
+    cand_seq_degree: AtomicU64,
+    write_stalls: AtomicU64,
+}
+
+/// Work for the background thread.
+#[derive(Debug, Default)]
+struct Work {
+    flush: bool,
+    compact: bool,
+    stop: bool,
+    /// Inputs of a compaction interrupted by a crash, to restart first.
+    restart: Option<Vec<u64>>,
+}
+
+struct Inner {
+    region: Region,
+    heap: Mutex<Heap>,
+    fs: CountingFs,
+    dir: PathBuf,
+    opts: SlmdbOptions,
+    mem: RwLock<MemState>,
+    /// Serialises writers; holds the next sequence number.
+    writer: Mutex<u64>,
+    tree: RwLock<PTree>,
+    version: Mutex<VersionState>,
+    tables: RwLock<HashMap<u64, Arc<Table>>>,
+    root: Mutex<(Root, usize)>,
+    /// Serialises flush and compaction jobs.
+    job: Mutex<()>,
+    work: Mutex<Work>,
+    work_cv: Condvar,
+    /// Signalled when an Immutable MemTable is gone.
+    flushed_cv: Condvar,
+    flushed_mu: Mutex<()>,
+    leaf_cursor: Mutex<Vec<u8>>,
+    poisoned: Mutex<Option<String>>,
+    user_bytes: AtomicU64,
+    next_log_id: AtomicU64,
+    counters: Counters,
+}
+
+/// The SLM-DB engine. See the module docs.
+pub struct Slmdb {
+    inner: Arc<Inner>,
+    worker: Mutex<Option<JoinHandle<()>>>,
+}
+
+impl std::fmt::Debug for Slmdb {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Slmdb").field("region", &self.inner.region).finish()
+    }
+}
+
+/// File name of SSTable `n`.
+pub fn table_name(n: u64) -> String {
+    format!("{n:06}.sst")
+}
+
+fn table_number(name: &str) -> Option<u64> {
+    name.strip_suffix(".sst")?.parse().ok()
+}
+
+impl Slmdb {
+    /// Open (or create, when `ctx.fresh`) an SLM-DB store.
+    pub fn open(ctx: EngineCtx) -> Result<Slmdb> {
+        let inner = Arc::new(open_inner(&ctx)?);
+        inner.finish_recovery()?;
+        let worker = if inner.opts.background {
+            let i = inner.clone();
+            Some(std::thread::Builder::new().name("tierkv-slmdb-bg".into()).spawn(move || worker_loop(i))?)
+        } else {
+            None
+        };
+        Ok(Slmdb { inner, worker: Mutex::new(worker) })
+    }
+
+    fn stop_worker(&self) {
+        self.inner.work.lock().stop = true;
+        self.inner.work_cv.notify_all();
+        if let Some(h) = self.worker.lock().take() {
+            let _ = h.join();
+        }
+    }
+}
+
+impl Drop for Slmdb {
+    fn drop(&mut self) {
+        self.stop_worker();
+    }
+}
+
+fn worker_loop(inner: Arc<Inner>) {
+    loop {
+        let (flush, compact, restart) = {
+            let mut w = inner.work.lock();
+            while !w.stop && !w.flush && !w.compact && w.restart.is_none() {
+                inner.work_cv.wait(&mut w);
+            }
+            if w.stop {
+                return;
+            }
+            let r = (w.flush, w.compact, w.restart.take());
+            w.flush = false;
+            w.compact = false;
+            r
+        };
+        if inner.poisoned.lock().is_some() {
+            inner.flushed_cv.notify_all();
+            return;
+        }
+        let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| -> Result<()> {
+            if let Some(inputs) = restart {
+                inner.compact_files(&inputs)?;
+            }
+            if flush {
+                inner.flush_imm()?;
+                inner.maybe_compact(false)?;
+            } else if compact {
+                inner.maybe_compact(false)?;
+            }
+            Ok(())
+        }));
+        match r {
+            Ok(Ok(())) => {}
+            Ok(Err(e)) => inner.poison(format!("background flush/compaction failed: {e}")),
+            Err(_) => inner.poison("background flush/compaction panicked".into()),
+        }
+        inner.flushed_cv.notify_all();
+    }
+}
+
+/// Steps 1–3 of recovery (module docs): region, heap, tree, manifest, tables, memtables.
+fn open_inner(ctx: &EngineCtx) -> Result<Inner> {
+    let o = &ctx.opts;
+    let backing = match &o.pm_device {
+        Some(dev) => Backing::Sim(dev.clone()),
+        None => Backing::Dir(o.pm_path.clone().unwrap_or_else(|| ctx.dir.join("pm"))),
+    };
+    if let Backing::Dir(p) = &backing {
+        if !ctx.fresh && !p.join("pool-000000").exists() {
+            return Err(Error::corruption(
+                p.join("pool-000000"),
+                0,
+                "the store's PM pool is missing (was pm_path changed, or the PM medium wiped?)",
+            ));
+        }
+    }
+    let region = Region::open(RegionConfig {
+        backing,
+        pool_size: o.pm_pool_size,
+        db_id: ctx.db_id,
+        sync: o.pm_sync,
+        write_latency_ns: o.pm_write_latency_ns,
+        write_bandwidth_mbps: o.pm_write_bandwidth_mbps,
+        create: ctx.fresh,
+    })?;
+    let fs: &dyn Fs = &ctx.fs;
+    let heap = Mutex::new(Heap::new());
+    let mut opts = o.slmdb.clone();
+    let (root, slot, tree, version, manifest_no) = if ctx.fresh {
+        // Lay out a new store. The superblock goes last: a store whose superblock is valid
+        // is fully laid out.
+        heap.lock().add_space(layout::HEAP_START, region.pool_size(), &[]).map_err(|_| bad_layout(&region))?;
+        for i in 1..region.pool_count() {
+            heap.lock()
+                .add_space(region.addr(i, POOL_HEADER_LEN), region.addr(i + 1, 0), &[])
+                .map_err(|_| bad_layout(&region))?;
+        }
+        let tree = PTree::create(&region, &heap, layout::ANCHOR_ADDR)?;
+        let root = Root { gen: 1, next_mem_gen: 1, ..Root::default() };
+        // SAFETY: the store is being created; nothing else uses the region.
+        unsafe {
+            region.write(layout::ROOT_SLOTS[0], &root.encode())?;
+            region.write(layout::ROOT_SLOTS[1], &[0u8; 64])?;
+        }
+        region.flush(layout::ROOT_SLOTS[0], 128);
+        region.fence();
+        // SAFETY: as above.
+        unsafe { region.write(layout::SUPERBLOCK_ADDR, &layout::encode_superblock(opts.memtable_size))? };
+        region.persist(layout::SUPERBLOCK_ADDR, 64);
+        region.sync_all()?;
+        for name in fs.list(&ctx.dir)? {
+            if table_number(&name).is_some() || name.starts_with("MANIFEST-") {
+                fs.remove(&ctx.dir.join(&name))?;
+            }
+        }
+        (root, 0, tree, Version { next_file: 1, ..Version::default() }, 0)
+    } else {
+        let sb = region.slice_checked(layout::SUPERBLOCK_ADDR, 64, "superblock")?;
+        opts.memtable_size =
+            layout::decode_superblock(sb).map_err(|d| region.corruption(layout::SUPERBLOCK_ADDR, d))?;
+        let (root, slot) = pick_root(&region)?;
+        let (tree, mut used) = PTree::open(&region, layout::ANCHOR_ADDR)?;
+        for arena in [root.active, root.imm] {
+            if arena != 0 {
+                let h = region.slice_checked(arena + 16, 8, "memtable arena")?;
+                let size = u64::from_le_bytes(h.try_into().map_err(|_| bad_layout(&region))?);
+                used.push((arena, size.div_ceil(64) * 64));
+            }
+        }
+        if root.log != 0 {
+            let (_, segs) = complog::read(&region, root.log)?;
+            used.extend(segs);
+        }
+        rebuild_heap(&region, &heap, used)?;
+        let mut tree = tree;
+        tree.recover(&region, &heap)?;
+        if !Manifest::exists(fs, &ctx.dir) {
+            return Err(Error::corruption(ctx.dir.join("CURRENT"), 0, "the store's MANIFEST is missing"));
+        }
+        let (version, n) = Manifest::recover(fs, &ctx.dir)?;
+        (root, slot, tree, version, n)
+    };
+    let manifest = Manifest::create(fs, &ctx.dir, manifest_no + 1, &version)?;
+    if manifest_no > 0 {
+        let _ = fs.remove(&ctx.dir.join(Manifest::name(manifest_no)));
+    }
+    let mut tables = HashMap::new();
+    for &n in version.files.keys() {
+        tables.insert(n, Table::open(fs, &ctx.dir.join(table_name(n)))?);
+    }
+    // Memtables.
+    let mut next_seq = 1;
+    let mut recover_mt = |addr: u64| -> Result<Option<Arc<Memtable>>> {
+        if addr == 0 {
+            return Ok(None);
+        }
+        let (m, max) = Memtable::recover(&region, addr)?;
+        next_seq = next_seq.max(max + 1);
+        Ok(Some(Arc::new(m)))
+    };
+    let active = recover_mt(root.active)?;
+    let imm = recover_mt(root.imm)?;
+    let (mut root, mut slot) = (root, slot);
+    let active = match active {
+        Some(a) => a,
+        None => {
+            // No MemTable yet (a new store, or a crash right after creation): make one.
+            let size = opts.memtable_size;
+            let addr = alloc_or_grow(&mut heap.lock(), &region, size)?;
+            let m = Memtable::create(&region, addr, size, root.next_mem_gen)?;
+            root.active = addr;
+            root.next_mem_gen += 1;
+            root.gen += 1;
+            slot = 1 - slot;
+            write_root(&region, slot, &root)?;
+            Arc::new(m)
+        }
+    };
+    Ok(Inner {
+        region,
+        heap,
+        fs: ctx.fs.clone(),
+        dir: ctx.dir.clone(),
+        opts,
+        mem: RwLock::new(MemState { active, imm }),
+        writer: Mutex::new(next_seq),
+        tree: RwLock::new(tree),
+        version: Mutex::new(VersionState { version, manifest }),
+        tables: RwLock::new(tables),
+        root: Mutex::new((root, slot)),
+        job: Mutex::new(()),
+        work: Mutex::new(Work::default()),
+        work_cv: Condvar::new(),
+        flushed_cv: Condvar::new(),
+        flushed_mu: Mutex::new(()),
+        leaf_cursor: Mutex::new(Vec::new()),
+        poisoned: Mutex::new(None),
+        user_bytes: AtomicU64::new(0),
+        next_log_id: AtomicU64::new(rand::random::<u64>() | 1),
+        counters: Counters::default(),
+    })
+}
+
+/// Write `root` into slot `slot` and persist it.
+fn write_root(region: &Region, slot: usize, root: &Root) -> Result<()> {
+    let addr = layout::ROOT_SLOTS[slot];
+    // SAFETY: the root slots are written only here, by open (single-threaded) or under the
+    // root mutex.
+    unsafe { region.write(addr, &root.encode())? };
+    region.persist(addr, 64);
+    Ok(())
+}
+
+fn bad_layout(region: &Region) -> Error {
+    region.corruption(0, "PM layout overlaps itself")
+}
+
+fn pick_root(region: &Region) -> Result<(Root, usize)> {
+    let mut best: Option<(Root, usize)> = None;
+    for (i, &a) in layout::ROOT_SLOTS.iter().enumerate() {
+        if let Some(r) = Root::decode(region.slice_checked(a, 64, "root slot")?) {
+            if best.is_none_or(|(b, _)| r.gen > b.gen) {
+                best = Some((r, i));
+            }
+        }
+    }
+    best.ok_or_else(|| region.corruption(layout::ROOT_SLOTS[0], "no valid root record in either slot"))
+}
+
+/// Rebuild the heap: every pool's space minus the `used` extents.
+fn rebuild_heap(region: &Region, heap: &Mutex<Heap>, mut used: Vec<(u64, u64)>) -> Result<()> {
+    used.sort_unstable();
+    used.dedup();
+    for w in used.windows(2) {
+        if w[0].0 + w[0].1 > w[1].0 {
+            return Err(region.corruption(w[1].0, "two PM objects overlap"));
+        }
+    }
+    let mut h = heap.lock();
+    for i in 0..region.pool_count() {
+        let start = if i == 0 { layout::HEAP_START } else { region.addr(i, POOL_HEADER_LEN) };
+        let end = region.addr(i + 1, 0);
+        let in_pool: Vec<(u64, u64)> = used.iter().copied().filter(|&(a, _)| a >= start && a < end).collect();
+        h.add_space(start, end, &in_pool).map_err(|(a, _)| region.corruption(a, "PM object outside the heap"))?;
+    }
+    let covered: usize = (0..region.pool_count())
+        .map(|i| {
+            let start = if i == 0 { layout::HEAP_START } else { region.addr(i, POOL_HEADER_LEN) };
+            let end = region.addr(i + 1, 0);
+            used.iter().filter(|&&(a, _)| a >= start && a < end).count()
+        })
+        .sum();
+    if covered != used.len() {
+        return Err(region.corruption(0, "a PM object lies outside every pool's heap"));
+    }
+    Ok(())
+}
+
+impl Inner {
+    fn poison(&self, why: String) {
+        let mut p = self.poisoned.lock();
+        if p.is_none() {
+            *p = Some(why);
+        }
+    }
+
+    fn check_poisoned(&self) -> Result<()> {
+        match &*self.poisoned.lock() {
+            Some(why) => Err(Error::Poisoned(why.clone())),
+            None => Ok(()),
+        }
+    }
+
+    /// Write the root with `f` applied into the other slot and persist it.
+    fn update_root(&self, f: impl FnOnce(&mut Root)) -> Result<()> {
+        let mut g = self.root.lock();
+        let mut r = g.0;
+        f(&mut r);
+        r.gen += 1;
+        let slot = 1 - g.1;
+        write_root(&self.region, slot, &r)?;
+        *g = (r, slot);
+        Ok(())
+    }
+
+    /// A new, empty memtable able to hold `need` bytes of nodes.
+    fn new_memtable(&self, need: u64) -> Result<Memtable> {
+        let size = self.opts.memtable_size.max((need + 64).div_ceil(64) * 64);
+        let addr = alloc_or_grow(&mut self.heap.lock(), &self.region, size)?;
+        let gen = self.root.lock().0.next_mem_gen;
+        Memtable::create(&self.region, addr, size, gen)
+    }
+
+    fn table(&self, n: u64) -> Result<Arc<Table>> {
+        self.tables
+            .read()
+            .get(&n)
+            .cloned()
+            .ok_or_else(|| Error::corruption(self.dir.join(table_name(n)), 0, "B+-tree points at an unknown SSTable"))
+    }
+
+    /// Read `key`'s value from the block `loc` names (caller holds the tree read lock).
+    fn read_at(&self, key: &[u8], loc: Loc) -> Result<Vec<u8>> {
+        let t = self.table(loc.file)?;
+        let b = t.read_block(Handle { offset: loc.offset, size: loc.size })?;
+        match block_find(&b, key).map_err(|d| Error::corruption(t.path(), loc.offset, d))? {
+            Some(e) if e.kind == Kind::Put => Ok(e.value.to_vec()),
+            _ => Err(Error::corruption(t.path(), loc.offset, "the B+-tree points at a block without the key")),
+        }
+    }
+
+    fn get_impl(&self, key: &[u8]) -> Result<Option<Vec<u8>>> {
+        {
+            let mem = self.mem.read();
+            if let Some(v) = mem.active.get(&self.region, key)? {
+                return Ok(v);
+            }
+            if let Some(imm) = &mem.imm {
+                if let Some(v) = imm.get(&self.region, key)? {
+                    return Ok(v);
+                }
+            }
+        }
+        let tree = self.tree.read();
+        match tree.get(&self.region, key)? {
+            Some(loc) => self.read_at(key, loc).map(Some),
+            None => Ok(None),
+        }
+    }
+
+    /// True when `key` exists (memtables, then the tree: no disk read).
+    fn exists(&self, key: &[u8]) -> Result<bool> {
+        {
+            let mem = self.mem.read();
+            if let Some(v) = mem.active.get(&self.region, key)? {
+                return Ok(v.is_some());
+            }
+            if let Some(imm) = &mem.imm {
+                if let Some(v) = imm.get(&self.region, key)? {
+                    return Ok(v.is_some());
+                }
+            }
+        }
+        Ok(self.tree.read().get(&self.region, key)?.is_some())
+    }
+
+    fn write_impl(&self, ops: &[BatchOp], cond: Cond) -> Result<bool> {
+        self.check_poisoned()?;
+        let mut seq = self.writer.lock();
+        if let (Some(first), Cond::Absent | Cond::Present) = (ops.first(), cond) {
+            if self.exists(first.key())? != (cond == Cond::Present) {
+                return Ok(false);
+            }
+        }
+        let mops: Vec<memtable::Op<'_>> = ops
+            .iter()
+            .map(|o| match o {
+                BatchOp::Put { key, value } => memtable::Op { kind: memtable::KIND_PUT, key, value },
+                BatchOp::Delete { key } => memtable::Op { kind: memtable::KIND_DEL, key, value: &[] },
+            })
+            .collect();
+        if mops.is_empty() {
+            return Ok(true);
+        }
+        let need: u64 = mops.iter().map(|o| memtable::node_size(o.key.len(), o.value.len())).sum();
+        loop {
+            let mem = self.mem.read();
+            if mem.active.fits(need) {
+                mem.active.apply(&self.region, *seq, &mops)?;
+                break;
+            }
+            drop(mem);
+            self.rotate(need)?;
+        }
+        *seq += mops.len() as u64;
+        let user: u64 = mops.iter().map(|o| (o.key.len() + o.value.len()) as u64).sum();
+        self.user_bytes.fetch_add(user, Ordering::Relaxed);
+        Ok(true)
+    }
+
+    /// Make the full MemTable immutable and start a new one (waiting for the previous
+    /// Immutable MemTable's flush first). Caller holds the writer lock.
+    fn rotate(&self, need: u64) -> Result<()> {
+        loop {
+            if self.mem.read().imm.is_none() {
+                break;
+            }
+            if self.opts.background {
+                self.counters.write_stalls.fetch_add(1, Ordering::Relaxed);
+                let mut g = self.flushed_mu.lock();
+                if self.mem.read().imm.is_some() {
+                    self.work.lock().flush = true;
+                    self.work_cv.notify_all();
+                    self.flushed_cv.wait_for(&mut g, std::time::Duration::from_millis(50));
+                }
+                drop(g);
+                self.check_poisoned()?;
+            } else {
+                self.flush_imm()?;
+            }
+        }
+        let m = Arc::new(self.new_memtable(need)?);
+        let old = self.mem.read().active.clone();
+        self.update_root(|r| {
+            r.imm = old.addr;
+            r.active = m.addr;
+            r.next_mem_gen = m.gen + 1;
+        })?;
+        {
+            let mut mem = self.mem.write();
+            mem.imm = Some(old);
+            mem.active = m;
+        }
+        if self.opts.background {
+            self.work.lock().flush = true;
+            self.work_cv.notify_all();
+        } else {
+            self.flush_imm()?;
+            self.maybe_compact(false)?;
+        }
+        Ok(())
+    }
+
+    /// Up to `max` live entries in the bounds: the B+-tree iterator merged with the two
+    /// MemTable iterators (newest wins, deletes hide older versions).
+    fn scan_impl(&self, start: Bound<&[u8]>, end: Bound<&[u8]>, max: usize) -> Result<Vec<(Vec<u8>, Vec<u8>)>> {
+        let mut out: Vec<(Vec<u8>, Vec<u8>)> = Vec::new();
+        let mut from: Bound<Vec<u8>> = owned(start);
+        let mut tree_files: Vec<u64> = Vec::new();
+        let mem = self.mem.read();
+        let tree = self.tree.read();
+        let mut blocks: HashMap<(u64, u64), Vec<u8>> = HashMap::new();
+        loop {
+            let n = (max - out.len()).max(16);
+            let fb = as_ref(&from);
+            let a = mem.active.range(&self.region, fb, end, n)?;
+            let b = match &mem.imm {
+                Some(m) => m.range(&self.region, fb, end, n)?,
+                None => Vec::new(),
+            };
+            let (tk, texcl) = match fb {
+                Bound::Unbounded => (&[][..], false),
+                Bound::Included(k) => (k, false),
+                Bound::Excluded(k) => (k, true),
+            };
+            let tend = match end {
+                Bound::Excluded(e) => Some(e),
+                _ => None,
+            };
+            let mut t = tree.range(&self.region, tk, texcl, tend, n)?;
+            if let Bound::Included(e) = end {
+                t.retain(|(k, _)| k.as_slice() <= e);
+            }
+            // Entries beyond the smallest last key of a source that filled its batch may be
+            // missing from the others: merge only up to there.
+            let horizon: Option<Vec<u8>> = [
+                (a.len() == n).then(|| a.last().map(|x| x.0.clone())).flatten(),
+                (b.len() == n).then(|| b.last().map(|x| x.0.clone())).flatten(),
+                (t.len() == n).then(|| t.last().map(|x| x.0.clone())).flatten(),
+            ]
+            .into_iter()
+            .flatten()
+            .min();
+            let within = |k: &[u8]| horizon.as_deref().is_none_or(|h| k <= h);
+            let mut merged: BTreeMap<Vec<u8>, Source> = BTreeMap::new();
+            for (k, l) in t.into_iter().filter(|(k, _)| within(k)) {
+                merged.insert(k, Source::Tree(l));
+            }
+            for (k, v) in b.into_iter().filter(|(k, _)| within(k)) {
+                merged.insert(k, Source::Mem(v));
+            }
+            for (k, v) in a.into_iter().filter(|(k, _)| within(k)) {
+                merged.insert(k, Source::Mem(v));
+            }
+            for (k, s) in merged {
+                let v = match s {
+                    Source::Mem(Some(v)) => v,
+                    Source::Mem(None) => continue,
+                    Source::Tree(loc) => {
+                        tree_files.push(loc.file);
+                        let blk = match blocks.get(&(loc.file, loc.offset)) {
+                            Some(b) => b,
+                            None => {
+                                let t = self.table(loc.file)?;
+                                let b = t.read_block(Handle { offset: loc.offset, size: loc.size })?;
+                                blocks.entry((loc.file, loc.offset)).or_insert(b)
+                            }
+                        };
+                        match block_find(blk, &k)
+                            .map_err(|d| Error::corruption(self.dir.join(table_name(loc.file)), loc.offset, d))?
+                        {
+                            Some(e) if e.kind == Kind::Put => e.value.to_vec(),
+                            _ => {
+                                return Err(Error::corruption(
+                                    self.dir.join(table_name(loc.file)),
+                                    loc.offset,
+                                    "the B+-tree points at a block without the key",
+                                ))
+                            }
+                        }
+                    }
+                };
+                out.push((k, v));
+                if out.len() >= max {
+                    break;
+                }
+            }
+            if out.len() >= max {
+                break;
+            }
+            match horizon {
+                None => break,
+                Some(h) => from = Bound::Excluded(h),
+            }
+        }
+        drop(tree);
+        drop(mem);
+        if self.opts.enable_seq_degree {
+            self.note_sequentiality(&tree_files)?;
+        }
+        Ok(out)
+    }
+
+    fn close_impl(&self) -> Result<()> {
+        if let Some(why) = self.poisoned.lock().clone() {
+            return Err(Error::Poisoned(why));
+        }
+        // A clean shutdown leaves the MemTables in PM (they are persistent; no WAL to
+        // replay) and syncs PM for power-loss durability on non-DAX media.
+        let _job = self.job.lock();
+        self.region.sync_all()?;
+        Ok(())
+    }
+
+    fn stats_impl(&self) -> Stats {
+        let pm = self.region.stats();
+        let (files, live, total, cands, disk) = {
+            let v = self.version.lock();
+            let f = &v.version.files;
+            (
+                f.len() as u64,
+                f.values().map(|m| m.live).sum::<u64>(),
+                f.values().map(|m| m.total).sum::<u64>(),
+                v.version.candidates.len() as u64,
+                f.values().map(|m| m.size).sum::<u64>(),
+            )
+        };
+        let keys = self.tree.read().len();
+        let (mem_keys, mem_bytes) = {
+            let m = self.mem.read();
+            let imm = m.imm.as_ref();
+            (m.active.keys() as u64 + imm.map_or(0, |i| i.keys() as u64), m.active.used() + imm.map_or(0, |i| i.used()))
+        };
+        let heap = self.heap.lock();
+        let c = &self.counters;
+        let ld = |a: &AtomicU64| a.load(Ordering::Relaxed);
+        let mut design = BTreeMap::new();
+        for (k, v) in [
+            ("sstables", files),
+            ("sstable_bytes", disk),
+            ("live_keys_in_sstables", live),
+            ("total_keys_in_sstables", total),
+            ("compaction_candidates", cands),
+            ("memtable_keys", mem_keys),
+            ("memtable_bytes", mem_bytes),
+            ("flushes", ld(&c.flushes)),
+            ("compactions", ld(&c.compactions)),
+            ("compaction_input_files", ld(&c.compaction_inputs)),
+            ("compaction_output_files", ld(&c.compaction_outputs)),
+            ("compaction_entries_dropped", ld(&c.entries_dropped)),
+            ("candidates_live_ratio", ld(&c.cand_live_ratio)),
+            ("candidates_leaf_scan", ld(&c.cand_leaf_scan)),
+            ("candidates_seq_degree", ld(&c.cand_seq_degree)),
+            ("write_stalls", ld(&c.write_stalls)),
+            ("pm_heap_bytes", heap.total()),
+            ("pm_heap_free_bytes", heap.free_bytes()),
+        ] {
+            design.insert(k.to_string(), v);
+        }
+        let io = self.fs.counters();
+        Stats {
+            preset: "slmdb".into(),
+            user_bytes_written: ld(&self.user_bytes),
+            pm_bytes_written: pm.lines_persisted * crate::pm::LINE,
+            pm,
+            disk_bytes_written: io.bytes_written.load(Ordering::Relaxed),
+            disk_bytes_read: io.bytes_read.load(Ordering::Relaxed),
+            write_amp_pm: 0.0,
+            write_amp_disk: 0.0,
+            keys,
+            // The index is in PM; DRAM holds the MemTables' volatile upper levels.
+            dram_index_bytes: mem_keys * 64,
+            design,
+        }
+    }
+}
+
+/// Where a merged scan entry comes from.
+enum Source {
+    Mem(Option<Vec<u8>>),
+    Tree(Loc),
+}
+
+fn owned(b: Bound<&[u8]>) -> Bound<Vec<u8>> {
+    match b {
+        Bound::Included(k) => Bound::Included(k.to_vec()),
+        Bound::Excluded(k) => Bound::Excluded(k.to_vec()),
+        Bound::Unbounded => Bound::Unbounded,
+    }
+}
+
+fn as_ref(b: &Bound<Vec<u8>>) -> Bound<&[u8]> {
+    match b {
+        Bound::Included(k) => Bound::Included(k.as_slice()),
+        Bound::Excluded(k) => Bound::Excluded(k.as_slice()),
+        Bound::Unbounded => Bound::Unbounded,
+    }
+}
+
+impl Engine for Slmdb {
+    fn get(&self, key: &[u8]) -> Result<Option<Vec<u8>>> {
+        self.inner.get_impl(key)
+    }
+
+    fn write(&self, ops: &[BatchOp], cond: Cond) -> Result<bool> {
+        self.inner.write_impl(ops, cond)
+    }
+
+    fn scan_chunk(&self, start: Bound<&[u8]>, end: Bound<&[u8]>, max: usize) -> Result<Vec<(Vec<u8>, Vec<u8>)>> {
+        self.inner.scan_impl(start, end, max)
+    }
+
+    fn flush(&self) -> Result<()> {
+        self.inner.check_poisoned()?;
+        let _w = self.inner.writer.lock();
+        self.inner.flush_all()
+    }
+
+    fn compact(&self) -> Result<()> {
+        self.inner.check_poisoned()?;
+        let _w = self.inner.writer.lock();
+        self.inner.flush_all()?;
+        self.inner.maybe_compact(true)
+    }
+
+    fn stats(&self) -> Stats {
+        self.inner.stats_impl()
+    }
+
+    fn check(&self) -> Result<Vec<String>> {
+        self.inner.check_impl()
+    }
+
+    fn close(&self) -> Result<()> {
+        self.stop_worker();
+        self.inner.close_impl()
+    }
+}
+
+pub(crate) fn path_of(dir: &Path, n: u64) -> PathBuf {
+    dir.join(table_name(n))
+}

@@ -1,0 +1,742 @@
+//! A persistent B+-tree in PM in the style of FAST & FAIR (Hwang et al., FAST '18), as
+//! SLM-DB uses it: byte-string keys mapped to location objects {file, block offset, block
+//! size}. Format: docs/format/slmdb.md ("B+-tree").
+//!
+//! # Structure
+//! A node is 512 bytes: a 64-byte header (magic, level, `sibling`, `leftmost` child for inner
+//! nodes, `low` = the separator record that names this node in its parent, checksum over the
+//! immutable fields) and 56 slots of 8 bytes. Slots hold addresses of immutable *records*
+//! (`crc | kind | klen | a | b | c | key`) in strictly increasing key order, terminated by a
+//! zero slot; every slot after the terminator is zero. A leaf record holds a key and its
+//! location (`a` = file, `b` = block offset, `c` = block size); an inner record a separator
+//! key and the child (`a`) holding keys `>=` it. Because one slot is one 8-byte word, every
+//! change to a node is a sequence of failure-atomic 8-byte stores:
+//!
+//! - **update** of a present key: write and persist a new record, store its address into the
+//!   key's slot, persist (the old record is freed after);
+//! - **insert** (FAST): write and persist the record, then shift the slots right one by one
+//!   from the terminator down to the insert position (each 8-byte store copies its left
+//!   neighbour), persisting a cache line before the shift moves into the line before it,
+//!   and finally store the new address at the insert position. At every instant the slots
+//!   read as the old or new sorted array with at most one adjacent duplicate, which readers
+//!   skip ([`PTree::node_entries`]);
+//! - **delete**: the mirror image, shifting left and zeroing the last slot;
+//! - **split** (FAIR): a full node copies its upper half into a new node whose `sibling` is
+//!   the old sibling and whose `low` is a new separator record, persists it, stores the new
+//!   node into the old node's `sibling` (8 bytes, persisted), then truncates the old node by
+//!   storing a zero at the split point (persisted) and zeroes the stale tail; the separator
+//!   is then inserted into the parent the same way (a new root is built and published by
+//!   one 8-byte store into the anchor).
+//!
+//! # Recovery
+//! [`PTree::open`] repairs what a crash can leave (FAIR repairs lazily on the next write;
+//! here it is done once at open so runtime readers never see it): in every node, adjacent
+//! duplicates are removed and slots after the first zero are zeroed; a node whose sibling
+//! carries a `low` key drops entries `>=` that key (a split that crashed before
+//! truncating); and if the leaves reached by descending the inner nodes differ from the leaf
+//! sibling chain, or the root has a sibling (a split that crashed before its parent insert),
+//! the inner levels are rebuilt from the leaf chain and published with one 8-byte store
+//! into the anchor. A crash during repair leaves the old tree, which is repaired again.
+//!
+//! # Concurrency
+//! The tree is not internally synchronised: the owner holds it behind a lock (readers
+//! shared, the single writer exclusive), as SLM-DB's LevelDB base does. PM space comes from
+//! the shared [`Heap`]; records and nodes freed by an operation are returned right after the
+//! store that unlinks them is persisted, since nothing durable refers to them any more.
+
+use parking_lot::Mutex;
+
+use crate::error::{Error, Result};
+use crate::format::crc;
+use crate::pm::heap::{alloc_or_grow, Heap};
+use crate::pm::Region;
+
+/// Node size in bytes.
+pub const NODE: u64 = 512;
+/// Slots per node (the last is always the zero terminator).
+pub const SLOTS: usize = 56;
+/// Most entries a node holds.
+pub const CAP: usize = SLOTS - 1;
+/// Node magic.
+pub const NODE_MAGIC: u32 = 0x4e54_4250; // "PBTN"
+/// Record header bytes.
+pub const REC_HEADER: u64 = 32;
+const KIND_LEAF: u8 = 1;
+const KIND_INNER: u8 = 2;
+
+/// Where a key's current version lives on disk (SLM-DB's location object).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Hash)]
+pub struct Loc {
+    /// SSTable file number.
+    pub file: u64,
+    /// Offset of the data block holding the key.
+    pub offset: u64,
+    /// Size of that block (checksum included).
+    pub size: u32,
+}
+
+/// Encode a record: `crc u32 | kind u8 | 0 u8 | klen u16 | a u64 | b u64 | c u32 | 0 u32 | key`.
+pub fn encode_record(kind: u8, key: &[u8], a: u64, b: u64, c: u32) -> Vec<u8> {
+    let mut r = Vec::with_capacity(REC_HEADER as usize + key.len());
+    r.extend_from_slice(&[0; 4]);
+    r.push(kind);
+    r.push(0);
+    r.extend_from_slice(&(key.len() as u16).to_le_bytes());
+    r.extend_from_slice(&a.to_le_bytes());
+    r.extend_from_slice(&b.to_le_bytes());
+    r.extend_from_slice(&c.to_le_bytes());
+    r.extend_from_slice(&[0; 4]);
+    r.extend_from_slice(key);
+    let c = crc::masked(r.get(4..).unwrap_or(&[]));
+    if let Some(h) = r.get_mut(..4) {
+        h.copy_from_slice(&c.to_le_bytes());
+    }
+    r
+}
+
+/// Encode a node header (64 bytes): `magic u32 | level u8 | 0 ×3 | crc u32 | 0 u32 |
+/// sibling u64 | leftmost u64 | low u64 | 0 ×24`; the crc covers magic, level, leftmost and low.
+pub fn encode_header(level: u8, sibling: u64, leftmost: u64, low: u64) -> [u8; 64] {
+    let mut h = [0u8; 64];
+    h[0..4].copy_from_slice(&NODE_MAGIC.to_le_bytes());
+    h[4] = level;
+    h[16..24].copy_from_slice(&sibling.to_le_bytes());
+    h[24..32].copy_from_slice(&leftmost.to_le_bytes());
+    h[32..40].copy_from_slice(&low.to_le_bytes());
+    let c = crc::masked_parts(&[&h[0..8], &h[24..40]]);
+    h[8..12].copy_from_slice(&c.to_le_bytes());
+    h
+}
+
+/// A decoded node header.
+#[derive(Debug, Clone, Copy)]
+struct Header {
+    level: u8,
+    leftmost: u64,
+    low: u64,
+}
+
+fn slot_addr(node: u64, i: usize) -> u64 {
+    node + 64 + 8 * i as u64
+}
+
+/// A path step: node and the index of the entry followed (-1 = leftmost).
+type Path = Vec<(u64, isize)>;
+
+/// The persistent B+-tree. See the module docs.
+#[derive(Debug)]
+pub struct PTree {
+    /// Address of the anchor line: `magic u64 | root u64 | 0 ×48`.
+    anchor: u64,
+    root: u64,
+    len: u64,
+}
+
+/// Anchor magic.
+pub const ANCHOR_MAGIC: u64 = 0x524f_4f54_4254_4b54; // "TKTBTOOR"
+
+impl PTree {
+    /// Lay out an empty tree (one empty leaf) with its anchor at `anchor` (64 bytes the
+    /// caller owns).
+    pub fn create(region: &Region, heap: &Mutex<Heap>, anchor: u64) -> Result<PTree> {
+        let leaf = new_node(region, heap, 0, 0, 0, 0, &[])?;
+        let mut a = [0u8; 64];
+        a[0..8].copy_from_slice(&ANCHOR_MAGIC.to_le_bytes());
+        a[8..16].copy_from_slice(&leaf.to_le_bytes());
+        // SAFETY: the anchor line belongs to the caller, who is creating the tree.
+        unsafe { region.write(anchor, &a)? };
+        region.persist(anchor, 64);
+        Ok(PTree { anchor, root: leaf, len: 0 })
+    }
+
+    /// Open the tree anchored at `anchor` and list every PM extent it references (for
+    /// rebuilding the heap). Call [`PTree::recover`] next, once the heap knows its free
+    /// space, to repair what a crash left.
+    pub fn open(region: &Region, anchor: u64) -> Result<(PTree, Vec<(u64, u64)>)> {
+        let a = region.slice_checked(anchor, 16, "B+-tree anchor")?;
+        let magic = u64::from_le_bytes(a.get(0..8).and_then(|s| s.try_into().ok()).unwrap_or([0; 8]));
+        if magic != ANCHOR_MAGIC {
+            return Err(region.corruption(anchor, "bad B+-tree anchor magic"));
+        }
+        let root = region.load_u64_atomic(anchor + 8)?;
+        let t = PTree { anchor, root, len: 0 };
+        let used = t.extents(region)?;
+        Ok((t, used))
+    }
+
+    /// Repair what a crash left (module docs) and count the keys. Space the repair
+    /// unlinks stays allocated until the next open rebuilds the heap.
+    pub fn recover(&mut self, region: &Region, heap: &Mutex<Heap>) -> Result<()> {
+        self.repair(region, heap)?;
+        self.len = self.count_leaf_entries(region)?;
+        Ok(())
+    }
+
+    /// Keys in the tree.
+    pub fn len(&self) -> u64 {
+        self.len
+    }
+
+    /// True when empty.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    fn header(&self, r: &Region, node: u64) -> Result<Header> {
+        read_header(r, node)
+    }
+
+    /// A node's entries (record addresses), skipping the adjacent duplicate a shift leaves.
+    pub fn node_entries(r: &Region, node: u64) -> Result<Vec<u64>> {
+        let mut out: Vec<u64> = Vec::with_capacity(SLOTS);
+        for i in 0..SLOTS {
+            let v = r.load_u64_atomic(slot_addr(node, i))?;
+            if v == 0 {
+                break;
+            }
+            if out.last() != Some(&v) {
+                out.push(v);
+            }
+        }
+        Ok(out)
+    }
+
+    /// Descend to the leaf that holds `key`; returns the path (root first).
+    fn descend(&self, r: &Region, key: &[u8]) -> Result<(u64, Path)> {
+        let mut node = self.root;
+        let mut path = Path::new();
+        for _ in 0..64 {
+            let h = self.header(r, node)?;
+            if h.level == 0 {
+                return Ok((node, path));
+            }
+            let e = Self::node_entries(r, node)?;
+            let i = upper_bound(r, &e, key)? as isize - 1;
+            path.push((node, i));
+            node = if i < 0 { h.leftmost } else { record(r, e[i as usize])?.a };
+        }
+        Err(r.corruption(node, "B+-tree deeper than 64 levels (cycle?)"))
+    }
+
+    /// The location of `key`.
+    pub fn get(&self, r: &Region, key: &[u8]) -> Result<Option<Loc>> {
+        let (leaf, _) = self.descend(r, key)?;
+        let e = Self::node_entries(r, leaf)?;
+        match find(r, &e, key)? {
+            Ok(i) => {
+                let rec = record_verified(r, e[i])?;
+                Ok(Some(Loc { file: rec.a, offset: rec.b, size: rec.c }))
+            }
+            Err(_) => Ok(None),
+        }
+    }
+
+    /// Map `key` to `loc`; returns the previous location.
+    pub fn put(&mut self, r: &Region, heap: &Mutex<Heap>, key: &[u8], loc: Loc) -> Result<Option<Loc>> {
+        let (leaf, path) = self.descend(r, key)?;
+        let e = Self::node_entries(r, leaf)?;
+        let rec = new_record(r, heap, KIND_LEAF, key, loc.file, loc.offset, loc.size)?;
+        match find(r, &e, key)? {
+            Ok(i) => {
+                let old = e[i];
+                let prev = record(r, old)?;
+                r.store_u64_atomic(slot_addr(leaf, i), rec)?;
+                r.persist(slot_addr(leaf, i), 8);
+                free_record(r, heap, old)?;
+                Ok(Some(Loc { file: prev.a, offset: prev.b, size: prev.c }))
+            }
+            Err(i) => {
+                self.insert_entry(r, heap, leaf, path, i, rec, key)?;
+                self.len += 1;
+                Ok(None)
+            }
+        }
+    }
+
+    /// Remove `key`; returns its location.
+    pub fn remove(&mut self, r: &Region, heap: &Mutex<Heap>, key: &[u8]) -> Result<Option<Loc>> {
+        let (leaf, _) = self.descend(r, key)?;
+        let e = Self::node_entries(r, leaf)?;
+        let Ok(i) = find(r, &e, key)? else { return Ok(None) };
+        let old = e[i];
+        let prev = record(r, old)?;
+        // Shift left: slot[j] = slot[j+1], persisting a line before moving to the next.
+        let n = e.len();
+        for j in i..n - 1 {
+            r.store_u64_atomic(slot_addr(leaf, j), e[j + 1])?;
+            if (j + 1) % 8 == 0 || j + 1 == n - 1 {
+                r.persist(slot_addr(leaf, j), 8);
+            }
+        }
+        r.store_u64_atomic(slot_addr(leaf, n - 1), 0)?;
+        r.persist(slot_addr(leaf, n - 1), 8);
+        free_record(r, heap, old)?;
+        self.len -= 1;
+        Ok(Some(Loc { file: prev.a, offset: prev.b, size: prev.c }))
+    }
+
+    /// Insert record `rec` (key `key`) at index `i` of `node` (entries `e`), splitting when full.
+    #[allow(clippy::too_many_arguments)]
+    fn insert_entry(
+        &mut self,
+        r: &Region,
+        heap: &Mutex<Heap>,
+        node: u64,
+        mut path: Path,
+        i: usize,
+        rec: u64,
+        key: &[u8],
+    ) -> Result<()> {
+        let e = Self::node_entries(r, node)?;
+        if e.len() < CAP {
+            shift_insert(r, node, &e, i, rec)?;
+            return Ok(());
+        }
+        // Split (FAIR). Leaves: the new node takes entries [m..); its separator is its first key.
+        // Inner: entry m moves up; the new node's leftmost is entry m's child.
+        let h = self.header(r, node)?;
+        let m = e.len() / 2;
+        let sibling = r.load_u64_atomic(node + 16)?;
+        let (sep_key, new_left, upper): (Vec<u8>, u64, &[u64]) = if h.level == 0 {
+            (record(r, e[m])?.key.to_vec(), 0, &e[m..])
+        } else {
+            let rm = record(r, e[m])?;
+            (rm.key.to_vec(), rm.a, &e[m + 1..])
+        };
+        let new = alloc(r, heap, NODE)?;
+        let sep = new_record(r, heap, KIND_INNER, &sep_key, new, 0, 0)?;
+        write_node(r, new, h.level, sibling, new_left, sep, upper)?;
+        r.store_u64_atomic(node + 16, new)?;
+        r.persist(node + 16, 8);
+        r.store_u64_atomic(slot_addr(node, m), 0)?;
+        r.persist(slot_addr(node, m), 8);
+        for j in m + 1..e.len() {
+            r.store_u64_atomic(slot_addr(node, j), 0)?;
+        }
+        r.persist(slot_addr(node, m), (8 * (e.len() - m)) as u64);
+        if h.level > 0 {
+            free_record(r, heap, e[m])?;
+        }
+        // Publish the separator in the parent (or a new root).
+        match path.pop() {
+            Some((parent, pi)) => {
+                self.insert_entry(r, heap, parent, path, (pi + 1) as usize, sep, &sep_key)?;
+            }
+            None => {
+                let root = alloc(r, heap, NODE)?;
+                write_node(r, root, h.level + 1, 0, node, 0, &[sep])?;
+                r.store_u64_atomic(self.anchor + 8, root)?;
+                r.persist(self.anchor + 8, 8);
+                self.root = root;
+            }
+        }
+        // Now insert the pending entry into the half it belongs to.
+        let target = if key >= sep_key.as_slice() { new } else { node };
+        let te = Self::node_entries(r, target)?;
+        let ti = upper_bound(r, &te, key)?;
+        shift_insert(r, target, &te, ti, rec)
+    }
+
+    /// Up to `max` entries with keys in `[start, ..)` (or `(start, ..)` when `exclusive`),
+    /// in key order, stopping before `end` (exclusive) when given.
+    pub fn range(
+        &self,
+        r: &Region,
+        start: &[u8],
+        exclusive: bool,
+        end: Option<&[u8]>,
+        max: usize,
+    ) -> Result<Vec<(Vec<u8>, Loc)>> {
+        let (mut leaf, _) = self.descend(r, start)?;
+        let mut out = Vec::new();
+        let mut first = true;
+        let mut hops = 0u64;
+        while leaf != 0 && out.len() < max {
+            let e = Self::node_entries(r, leaf)?;
+            let from = if first {
+                if exclusive {
+                    upper_bound(r, &e, start)?
+                } else {
+                    lower_bound(r, &e, start)?
+                }
+            } else {
+                0
+            };
+            first = false;
+            for &a in e.get(from..).unwrap_or(&[]) {
+                let rec = record_verified(r, a)?;
+                if end.is_some_and(|end| rec.key >= end) {
+                    return Ok(out);
+                }
+                out.push((rec.key.to_vec(), Loc { file: rec.a, offset: rec.b, size: rec.c }));
+                if out.len() >= max {
+                    return Ok(out);
+                }
+            }
+            leaf = r.load_u64_atomic(leaf + 16)?;
+            hops += 1;
+            if hops > 1 << 40 {
+                return Err(r.corruption(leaf, "leaf chain does not end"));
+            }
+        }
+        Ok(out)
+    }
+
+    /// Every leaf in chain order, starting at the leftmost.
+    fn leaf_chain(&self, r: &Region) -> Result<Vec<u64>> {
+        let mut node = self.root;
+        for _ in 0..64 {
+            let h = self.header(r, node)?;
+            if h.level == 0 {
+                break;
+            }
+            node = h.leftmost;
+        }
+        let mut chain = Vec::new();
+        let mut seen = std::collections::HashSet::new();
+        while node != 0 {
+            if !seen.insert(node) {
+                return Err(r.corruption(node, "cycle in the B+-tree leaf chain"));
+            }
+            let h = self.header(r, node)?;
+            if h.level != 0 {
+                return Err(r.corruption(node, "inner node in the leaf chain"));
+            }
+            chain.push(node);
+            node = r.load_u64_atomic(node + 16)?;
+        }
+        Ok(chain)
+    }
+
+    /// Nodes of every level, by descending the inner nodes (root first per level).
+    fn descent_levels(&self, r: &Region) -> Result<Vec<Vec<u64>>> {
+        let mut levels = vec![vec![self.root]];
+        while let Some(cur) = levels.last() {
+            let Some(&first) = cur.first() else { break };
+            if self.header(r, first)?.level == 0 {
+                break;
+            }
+            let mut next = Vec::new();
+            for &n in cur {
+                let h = self.header(r, n)?;
+                next.push(h.leftmost);
+                for a in Self::node_entries(r, n)? {
+                    next.push(record(r, a)?.a);
+                }
+            }
+            if levels.len() > 64 {
+                return Err(r.corruption(self.root, "B+-tree deeper than 64 levels"));
+            }
+            levels.push(next);
+        }
+        Ok(levels)
+    }
+
+    /// Crash repair (module docs).
+    fn repair(&mut self, r: &Region, heap: &Mutex<Heap>) -> Result<()> {
+        // 1. Canonical slots and FAIR truncation, on every leaf of the chain and every
+        //    inner node reached by descent.
+        let chain = self.leaf_chain(r)?;
+        let levels = self.descent_levels(r)?;
+        let mut nodes: Vec<u64> = chain.clone();
+        for l in &levels {
+            nodes.extend(l.iter().copied().filter(|n| !chain.contains(n)));
+        }
+        nodes.sort_unstable();
+        nodes.dedup();
+        for &n in &nodes {
+            self.canonicalize(r, n)?;
+        }
+        // 2. Inner levels agree with the leaf chain, and the root has no sibling?
+        let descent_leaves = levels.last().cloned().unwrap_or_default();
+        let root_sibling = r.load_u64_atomic(self.root + 16)?;
+        if descent_leaves != chain || root_sibling != 0 {
+            self.rebuild_inner(r, heap, &chain)?;
+        }
+        Ok(())
+    }
+
+    /// Remove adjacent duplicates, zero the tail, and drop entries `>=` the sibling's low key.
+    fn canonicalize(&self, r: &Region, node: u64) -> Result<()> {
+        let raw: Vec<u64> = (0..SLOTS).map(|i| r.load_u64_atomic(slot_addr(node, i))).collect::<Result<_>>()?;
+        let mut e = Self::node_entries(r, node)?;
+        let sib = r.load_u64_atomic(node + 16)?;
+        if sib != 0 {
+            let sh = self.header(r, sib)?;
+            if sh.low != 0 {
+                let low = record(r, sh.low)?.key.to_vec();
+                let keep = lower_bound(r, &e, &low)?;
+                e.truncate(keep);
+            }
+        }
+        let mut want = e.clone();
+        want.resize(SLOTS, 0);
+        if want != raw {
+            for (i, &v) in want.iter().enumerate() {
+                if raw.get(i) != Some(&v) {
+                    r.store_u64_atomic(slot_addr(node, i), v)?;
+                }
+            }
+            r.persist(slot_addr(node, 0), 8 * SLOTS as u64);
+        }
+        Ok(())
+    }
+
+    /// Build fresh inner levels over `chain` and publish the new root with one store.
+    fn rebuild_inner(&mut self, r: &Region, heap: &Mutex<Heap>, chain: &[u64]) -> Result<()> {
+        // (child, separator record naming it; 0 for the leftmost)
+        let mut level: Vec<(u64, u64)> = Vec::with_capacity(chain.len());
+        for (i, &n) in chain.iter().enumerate() {
+            let low = if i == 0 { 0 } else { self.header(r, n)?.low };
+            if i > 0 && low == 0 {
+                return Err(r.corruption(n, "B+-tree leaf after the first has no separator record"));
+            }
+            level.push((n, low));
+        }
+        let mut height = 1u8;
+        let root = loop {
+            if level.len() == 1 {
+                break level[0].0;
+            }
+            let mut up: Vec<(u64, u64)> = Vec::new();
+            for group in level.chunks(CAP + 1) {
+                let node = alloc(r, heap, NODE)?;
+                let (left, low) = group[0];
+                let seps: Vec<u64> = group[1..].iter().map(|&(_, s)| s).collect();
+                // Separator records point at their child already (`a`); an inner record
+                // naming the new node is needed one level up, except for the leftmost.
+                let up_sep = if low == 0 {
+                    0
+                } else {
+                    let k = record(r, low)?.key.to_vec();
+                    new_record(r, heap, KIND_INNER, &k, node, 0, 0)?
+                };
+                write_node(r, node, height, 0, left, up_sep, &seps)?;
+                up.push((node, up_sep));
+            }
+            // Link the new level's siblings.
+            for w in up.windows(2) {
+                r.store_u64_atomic(w[0].0 + 16, w[1].0)?;
+                r.persist(w[0].0 + 16, 8);
+            }
+            level = up;
+            height += 1;
+        };
+        r.store_u64_atomic(self.anchor + 8, root)?;
+        r.persist(self.anchor + 8, 8);
+        self.root = root;
+        // Old inner nodes are unreachable now; their space is reclaimed when the heap is
+        // rebuilt from the reachable extents (at the end of open).
+        Ok(())
+    }
+
+    /// Every PM extent the tree uses: nodes and records.
+    pub fn extents(&self, r: &Region) -> Result<Vec<(u64, u64)>> {
+        let mut out = Vec::new();
+        for (li, level) in self.descent_levels(r)?.iter().enumerate() {
+            for &n in level {
+                out.push((n, NODE));
+                let h = self.header(r, n)?;
+                if h.low != 0 && li > 0 {
+                    out.push((h.low, record_size(r, h.low)?));
+                }
+                for a in Self::node_entries(r, n)? {
+                    out.push((a, record_size(r, a)?));
+                }
+            }
+        }
+        // Leaf `low` records are the separators held by the parents (already counted) or,
+        // for a leaf created by a split whose parent insert was lost, referenced only here.
+        for n in self.leaf_chain(r)? {
+            let low = self.header(r, n)?.low;
+            if low != 0 {
+                out.push((low, record_size(r, low)?));
+            }
+        }
+        out.sort_unstable();
+        out.dedup();
+        Ok(out)
+    }
+
+    fn count_leaf_entries(&self, r: &Region) -> Result<u64> {
+        let mut n = 0;
+        for l in self.leaf_chain(r)? {
+            n += Self::node_entries(r, l)?.len() as u64;
+        }
+        Ok(n)
+    }
+
+    /// Verify every node and record checksum and the key order; returns problems found.
+    pub fn check(&self, r: &Region) -> Result<Vec<String>> {
+        let mut problems = Vec::new();
+        let mut prev: Option<Vec<u8>> = None;
+        for l in self.leaf_chain(r)? {
+            for a in Self::node_entries(r, l)? {
+                match record_verified(r, a) {
+                    Ok(rec) => {
+                        if prev.as_deref().is_some_and(|p| p >= rec.key) {
+                            problems.push(format!("B+-tree leaf {l:#x}: keys out of order"));
+                        }
+                        prev = Some(rec.key.to_vec());
+                    }
+                    Err(e) => problems.push(e.to_string()),
+                }
+            }
+        }
+        for level in self.descent_levels(r)? {
+            for n in level {
+                if let Err(e) = self.header(r, n) {
+                    problems.push(e.to_string());
+                }
+            }
+        }
+        Ok(problems)
+    }
+}
+
+fn read_header(r: &Region, node: u64) -> Result<Header> {
+    let h = r.slice_checked(node, 64, "B+-tree node")?;
+    let u32_at = |o: usize| u32::from_le_bytes(h.get(o..o + 4).and_then(|s| s.try_into().ok()).unwrap_or([0; 4]));
+    let u64_at = |o: usize| u64::from_le_bytes(h.get(o..o + 8).and_then(|s| s.try_into().ok()).unwrap_or([0; 8]));
+    if u32_at(0) != NODE_MAGIC {
+        return Err(r.corruption(node, "bad B+-tree node magic"));
+    }
+    let c = crc::masked_parts(&[h.get(0..8).unwrap_or(&[]), h.get(24..40).unwrap_or(&[])]);
+    if c != u32_at(8) {
+        return Err(r.corruption(node, "B+-tree node header checksum mismatch"));
+    }
+    Ok(Header { level: h.get(4).copied().unwrap_or(0), leftmost: u64_at(24), low: u64_at(32) })
+}
+
+/// A decoded record view.
+#[derive(Debug)]
+pub struct Rec<'a> {
+    /// Key.
+    pub key: &'a [u8],
+    /// File (leaf) or child (inner).
+    pub a: u64,
+    /// Block offset (leaf).
+    pub b: u64,
+    /// Block size (leaf).
+    pub c: u32,
+}
+
+fn record(r: &Region, addr: u64) -> Result<Rec<'_>> {
+    let h = r.slice_checked(addr, REC_HEADER as usize, "B+-tree record")?;
+    let klen = u16::from_le_bytes([h.get(6).copied().unwrap_or(0), h.get(7).copied().unwrap_or(0)]) as usize;
+    let all = r.slice_checked(addr, REC_HEADER as usize + klen, "B+-tree record")?;
+    let u64_at = |o: usize| u64::from_le_bytes(all.get(o..o + 8).and_then(|s| s.try_into().ok()).unwrap_or([0; 8]));
+    let c = u32::from_le_bytes(all.get(24..28).and_then(|s| s.try_into().ok()).unwrap_or([0; 4]));
+    Ok(Rec { key: all.get(REC_HEADER as usize..).unwrap_or(&[]), a: u64_at(8), b: u64_at(16), c })
+}
+
+fn record_verified(r: &Region, addr: u64) -> Result<Rec<'_>> {
+    let rec = record(r, addr)?;
+    let all = r.slice_checked(addr, REC_HEADER as usize + rec.key.len(), "B+-tree record")?;
+    let stored = u32::from_le_bytes(all.get(0..4).and_then(|s| s.try_into().ok()).unwrap_or([0; 4]));
+    if crc::masked(all.get(4..).unwrap_or(&[])) != stored {
+        return Err(r.corruption(addr, "B+-tree record checksum mismatch"));
+    }
+    Ok(rec)
+}
+
+fn record_size(r: &Region, addr: u64) -> Result<u64> {
+    let rec = record(r, addr)?;
+    Ok((REC_HEADER + rec.key.len() as u64).div_ceil(64) * 64)
+}
+
+fn alloc(r: &Region, heap: &Mutex<Heap>, size: u64) -> Result<u64> {
+    alloc_or_grow(&mut heap.lock(), r, size)
+}
+
+fn new_record(r: &Region, heap: &Mutex<Heap>, kind: u8, key: &[u8], a: u64, b: u64, c: u32) -> Result<u64> {
+    let bytes = encode_record(kind, key, a, b, c);
+    let addr = alloc(r, heap, bytes.len() as u64)?;
+    // SAFETY: freshly allocated PM that no node references yet.
+    unsafe { r.write(addr, &bytes)? };
+    r.persist(addr, bytes.len() as u64);
+    Ok(addr)
+}
+
+fn free_record(r: &Region, heap: &Mutex<Heap>, addr: u64) -> Result<()> {
+    let size = record_size(r, addr)?;
+    heap.lock().free(addr, size);
+    Ok(())
+}
+
+fn write_node(r: &Region, node: u64, level: u8, sibling: u64, leftmost: u64, low: u64, slots: &[u64]) -> Result<()> {
+    let mut b = vec![0u8; NODE as usize];
+    b[..64].copy_from_slice(&encode_header(level, sibling, leftmost, low));
+    for (i, s) in slots.iter().take(CAP).enumerate() {
+        let o = 64 + 8 * i;
+        b[o..o + 8].copy_from_slice(&s.to_le_bytes());
+    }
+    // SAFETY: freshly allocated node that nothing references until it is published.
+    unsafe { r.write(node, &b)? };
+    r.persist(node, NODE);
+    Ok(())
+}
+
+fn new_node(
+    r: &Region,
+    heap: &Mutex<Heap>,
+    level: u8,
+    sibling: u64,
+    leftmost: u64,
+    low: u64,
+    s: &[u64],
+) -> Result<u64> {
+    let n = alloc(r, heap, NODE)?;
+    write_node(r, n, level, sibling, leftmost, low, s)?;
+    Ok(n)
+}
+
+/// FAST insert of `rec` at index `i` of `node`, whose entries are `e` (fewer than CAP).
+fn shift_insert(r: &Region, node: u64, e: &[u64], i: usize, rec: u64) -> Result<()> {
+    let n = e.len();
+    // slot[j] = slot[j-1] for j = n down to i+1; persist the line of slot j before the shift
+    // moves into the previous line.
+    for j in (i + 1..=n).rev() {
+        r.store_u64_atomic(slot_addr(node, j), e[j - 1])?;
+        if j % 8 == 0 {
+            r.persist(slot_addr(node, j), 8);
+        }
+    }
+    r.store_u64_atomic(slot_addr(node, i), rec)?;
+    r.persist(slot_addr(node, i), 8);
+    Ok(())
+}
+
+/// Index of `key` in entries `e` (Ok) or where it would be inserted (Err).
+fn find(r: &Region, e: &[u64], key: &[u8]) -> Result<std::result::Result<usize, usize>> {
+    let (mut lo, mut hi) = (0usize, e.len());
+    while lo < hi {
+        let mid = (lo + hi) / 2;
+        match record(r, e[mid])?.key.cmp(key) {
+            std::cmp::Ordering::Less => lo = mid + 1,
+            std::cmp::Ordering::Greater => hi = mid,
+            std::cmp::Ordering::Equal => return Ok(Ok(mid)),
+        }
+    }
+    Ok(Err(lo))
+}
+
+/// First index whose key is `> key`.
+fn upper_bound(r: &Region, e: &[u64], key: &[u8]) -> Result<usize> {
+    Ok(match find(r, e, key)? {
+        Ok(i) => i + 1,
+        Err(i) => i,
+    })
+}
+
+/// First index whose key is `>= key`.
+fn lower_bound(r: &Region, e: &[u64], key: &[u8]) -> Result<usize> {
+    Ok(match find(r, e, key)? {
+        Ok(i) | Err(i) => i,
+    })
+}
+
+/// Wrap a decoding problem found outside a region call.
+pub fn corrupt(r: &Region, addr: u64, d: &str) -> Error {
+    r.corruption(addr, d.to_string())
+}

@@ -1,0 +1,453 @@
+//! The shared SSTable format: sorted data blocks, an index block, a bloom filter block and a
+//! footer, each block checksummed (docs/format/sstable.md). Used by `slmdb` and meant for
+//! the other disk-backed presets.
+//!
+//! # Layout
+//! ```text
+//! data block 0 | data block 1 | ... | index block | filter block | footer (48 bytes)
+//! ```
+//! A data block holds entries `kind u8 | klen u16 | vlen u32 | key | value` in strictly
+//! increasing key order, followed by a masked crc32c of the block. A block is closed once
+//! it holds at least `block_size` bytes (default 4 KiB), so an entry larger than that gets a
+//! block of its own. The index block lists, per data block, its last key and handle; the
+//! filter block is one bloom filter over every key of the file (10 bits per key by
+//! default, `k = bits_per_key * ln 2`); the footer carries the magic, the format version,
+//! both handles and the entry count, and its own checksum.
+//!
+//! Keys in one table are unique: a table is written from a memtable or a merge, which both
+//! keep only the newest version of a key.
+//!
+//! # Reading
+//! [`Table::open`] reads and verifies the footer, index and filter into DRAM; point reads
+//! then cost one block read ([`Table::get`]), or exactly one when the caller already knows
+//! the block ([`Table::read_block`] with a [`Handle`], as SLM-DB's location objects do).
+//! Every block read is verified; a bad block is [`Error::Corruption`] naming the file and
+//! offset. There is no block cache: the OS page cache serves repeated reads.
+
+mod bloom;
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use crate::error::{Error, Result};
+use crate::format::{crc, Cursor};
+use crate::fs::{Fs, FsFile};
+
+pub use bloom::Bloom;
+
+/// File magic, at the start of the footer.
+pub const MAGIC: &[u8; 8] = b"TKVSST\0\0";
+/// Format version written in the footer.
+pub const VERSION: u32 = 1;
+/// Footer length.
+pub const FOOTER_LEN: usize = 48;
+/// Bytes of an entry header (`kind u8 | klen u16 | vlen u32`).
+pub const ENTRY_HEADER: usize = 7;
+
+/// Entry kinds. Never renumber.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Kind {
+    /// A value.
+    Put = 0,
+    /// A deletion marker.
+    Delete = 1,
+}
+
+/// Where a block is in its file: offset and size (trailer included).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct Handle {
+    /// Byte offset of the block.
+    pub offset: u64,
+    /// Bytes of the block including its 4-byte checksum.
+    pub size: u32,
+}
+
+/// What a finished table holds.
+#[derive(Debug, Clone, Default)]
+pub struct TableMeta {
+    /// Entries written.
+    pub entries: u64,
+    /// File size in bytes.
+    pub size: u64,
+    /// Smallest key (empty when there are no entries).
+    pub smallest: Vec<u8>,
+    /// Largest key.
+    pub largest: Vec<u8>,
+    /// Data blocks in file order.
+    pub blocks: Vec<Handle>,
+    /// For entry `i` (in the order added), the index into `blocks` of the block holding it.
+    pub entry_block: Vec<u32>,
+}
+
+/// Writes a table through the file seam. Call [`TableBuilder::add`] in strictly increasing
+/// key order, then [`TableBuilder::finish`] (which fsyncs).
+#[derive(Debug)]
+pub struct TableBuilder {
+    file: Box<dyn FsFile>,
+    path: PathBuf,
+    block_size: usize,
+    bloom_bits: u32,
+    block: Vec<u8>,
+    block_last: Vec<u8>,
+    index: Vec<(Vec<u8>, Handle)>,
+    hashes: Vec<u64>,
+    offset: u64,
+    meta: TableMeta,
+}
+
+impl TableBuilder {
+    /// Create `path` (truncating it).
+    pub fn create(fs: &dyn Fs, path: &Path, block_size: usize, bloom_bits_per_key: u32) -> Result<Self> {
+        Ok(TableBuilder {
+            file: fs.create(path)?,
+            path: path.to_path_buf(),
+            block_size: block_size.max(64),
+            bloom_bits: bloom_bits_per_key,
+            block: Vec::with_capacity(block_size + 1024),
+            block_last: Vec::new(),
+            index: Vec::new(),
+            hashes: Vec::new(),
+            offset: 0,
+            meta: TableMeta::default(),
+        })
+    }
+
+    /// Bytes written so far (closed blocks) plus the open block.
+    pub fn approximate_size(&self) -> u64 {
+        self.offset + self.block.len() as u64
+    }
+
+    /// Entries added so far.
+    pub fn entries(&self) -> u64 {
+        self.meta.entries
+    }
+
+    /// Add an entry; keys must be strictly increasing.
+    pub fn add(&mut self, kind: Kind, key: &[u8], value: &[u8]) -> Result<()> {
+        if self.meta.entries > 0 && key <= self.meta.largest.as_slice() {
+            return Err(Error::InvalidArgument("SSTable keys must be strictly increasing".into()));
+        }
+        let klen =
+            u16::try_from(key.len()).map_err(|_| Error::InvalidArgument("key too long for an SSTable".into()))?;
+        let vlen =
+            u32::try_from(value.len()).map_err(|_| Error::InvalidArgument("value too long for an SSTable".into()))?;
+        self.block.push(kind as u8);
+        self.block.extend_from_slice(&klen.to_le_bytes());
+        self.block.extend_from_slice(&vlen.to_le_bytes());
+        self.block.extend_from_slice(key);
+        self.block.extend_from_slice(value);
+        if self.meta.entries == 0 {
+            self.meta.smallest = key.to_vec();
+        }
+        self.meta.largest = key.to_vec();
+        self.block_last.clear();
+        self.block_last.extend_from_slice(key);
+        self.meta.entries += 1;
+        self.meta.entry_block.push(self.meta.blocks.len() as u32);
+        self.hashes.push(bloom::hash(key));
+        if self.block.len() >= self.block_size {
+            self.close_block()?;
+        }
+        Ok(())
+    }
+
+    fn close_block(&mut self) -> Result<()> {
+        if self.block.is_empty() {
+            return Ok(());
+        }
+        let c = crc::masked(&self.block);
+        self.block.extend_from_slice(&c.to_le_bytes());
+        let h = Handle { offset: self.offset, size: self.block.len() as u32 };
+        self.file.append(&self.block)?;
+        self.offset += self.block.len() as u64;
+        self.meta.blocks.push(h);
+        self.index.push((std::mem::take(&mut self.block_last), h));
+        self.block.clear();
+        Ok(())
+    }
+
+    /// Write index, filter and footer, fsync, and return what the table holds.
+    pub fn finish(mut self) -> Result<TableMeta> {
+        self.close_block()?;
+        let mut idx = Vec::new();
+        for (k, h) in &self.index {
+            idx.extend_from_slice(&(k.len() as u16).to_le_bytes());
+            idx.extend_from_slice(k);
+            idx.extend_from_slice(&h.offset.to_le_bytes());
+            idx.extend_from_slice(&h.size.to_le_bytes());
+        }
+        let index_h = self.write_block(idx)?;
+        let filter = Bloom::build(&self.hashes, self.bloom_bits).encode();
+        let filter_h = self.write_block(filter)?;
+        let footer = encode_footer(index_h, filter_h, self.meta.entries);
+        self.file.append(&footer)?;
+        self.offset += footer.len() as u64;
+        self.file.sync()?;
+        self.meta.size = self.offset;
+        Ok(self.meta)
+    }
+
+    fn write_block(&mut self, mut b: Vec<u8>) -> Result<Handle> {
+        let c = crc::masked(&b);
+        b.extend_from_slice(&c.to_le_bytes());
+        let h = Handle { offset: self.offset, size: b.len() as u32 };
+        self.file.append(&b)?;
+        self.offset += b.len() as u64;
+        Ok(h)
+    }
+
+    /// The path being written.
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+}
+
+/// Encode the 48-byte footer.
+pub fn encode_footer(index: Handle, filter: Handle, entries: u64) -> [u8; FOOTER_LEN] {
+    let mut f = [0u8; FOOTER_LEN];
+    let mut w = Vec::with_capacity(FOOTER_LEN);
+    w.extend_from_slice(MAGIC);
+    w.extend_from_slice(&VERSION.to_le_bytes());
+    w.extend_from_slice(&index.offset.to_le_bytes());
+    w.extend_from_slice(&index.size.to_le_bytes());
+    w.extend_from_slice(&filter.offset.to_le_bytes());
+    w.extend_from_slice(&filter.size.to_le_bytes());
+    w.extend_from_slice(&entries.to_le_bytes());
+    let c = crc::masked(&w);
+    w.extend_from_slice(&c.to_le_bytes());
+    f.copy_from_slice(&w);
+    f
+}
+
+/// An entry decoded from a block.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Entry<'a> {
+    /// Put or delete.
+    pub kind: Kind,
+    /// The key.
+    pub key: &'a [u8],
+    /// The value (empty for a delete).
+    pub value: &'a [u8],
+}
+
+/// Entries of a verified block's payload (checksum already stripped).
+pub fn block_entries(payload: &[u8]) -> impl Iterator<Item = std::result::Result<Entry<'_>, String>> + '_ {
+    let mut c = Cursor::new(payload);
+    let mut failed = false;
+    std::iter::from_fn(move || {
+        if failed || c.remaining() == 0 {
+            return None;
+        }
+        let r = (|| {
+            let kind = match c.u8()? {
+                0 => Kind::Put,
+                1 => Kind::Delete,
+                _ => return None,
+            };
+            let klen = c.u16()? as usize;
+            let vlen = c.u32()? as usize;
+            let key = c.bytes(klen)?;
+            let value = c.bytes(vlen)?;
+            Some(Entry { kind, key, value })
+        })();
+        if r.is_none() {
+            failed = true;
+        }
+        Some(r.ok_or_else(|| format!("malformed entry at block offset {}", c.pos())))
+    })
+}
+
+/// Find `key` in a verified block payload.
+pub fn block_find<'a>(payload: &'a [u8], key: &[u8]) -> std::result::Result<Option<Entry<'a>>, String> {
+    for e in block_entries(payload) {
+        let e = e?;
+        match e.key.cmp(key) {
+            std::cmp::Ordering::Less => continue,
+            std::cmp::Ordering::Equal => return Ok(Some(e)),
+            std::cmp::Ordering::Greater => return Ok(None),
+        }
+    }
+    Ok(None)
+}
+
+/// An open table: footer, index and filter in DRAM.
+#[derive(Debug)]
+pub struct Table {
+    file: Box<dyn FsFile>,
+    path: PathBuf,
+    index: Vec<(Vec<u8>, Handle)>,
+    filter: Bloom,
+    entries: u64,
+    size: u64,
+}
+
+impl Table {
+    /// Open and verify the footer, index and filter of `path`.
+    pub fn open(fs: &dyn Fs, path: &Path) -> Result<Arc<Table>> {
+        let file = fs.open(path)?;
+        let size = file.len()?;
+        let bad = |off: u64, d: &str| Error::corruption(path, off, d.to_string());
+        if size < FOOTER_LEN as u64 {
+            return Err(bad(0, "SSTable shorter than its footer"));
+        }
+        let foot_off = size - FOOTER_LEN as u64;
+        let mut foot = [0u8; FOOTER_LEN];
+        read_exact(file.as_ref(), foot_off, &mut foot).map_err(|e| io_or(e, path, foot_off))?;
+        let (index_h, filter_h, entries) = decode_footer(&foot).map_err(|d| bad(foot_off, &d))?;
+        for h in [index_h, filter_h] {
+            if h.offset.checked_add(h.size as u64).is_none_or(|e| e > foot_off) || h.size < 4 {
+                return Err(bad(foot_off, "footer block handle outside the file"));
+            }
+        }
+        let mut t =
+            Table { file, path: path.to_path_buf(), index: Vec::new(), filter: Bloom::default(), entries, size };
+        let idx = t.read_block(index_h)?;
+        let mut c = Cursor::new(&idx);
+        while c.remaining() > 0 {
+            let e = (|| {
+                let klen = c.u16()? as usize;
+                let k = c.bytes(klen)?.to_vec();
+                let offset = c.u64()?;
+                let size = c.u32()?;
+                Some((k, Handle { offset, size }))
+            })()
+            .ok_or_else(|| bad(index_h.offset, "malformed index block"))?;
+            if e.1.offset.checked_add(e.1.size as u64).is_none_or(|end| end > index_h.offset) || e.1.size < 4 {
+                return Err(bad(index_h.offset, "index entry points outside the data blocks"));
+            }
+            t.index.push(e);
+        }
+        let fb = t.read_block(filter_h)?;
+        t.filter = Bloom::decode(&fb).ok_or_else(|| bad(filter_h.offset, "malformed filter block"))?;
+        Ok(Arc::new(t))
+    }
+
+    /// The file.
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
+    /// Entries in the table (from the footer).
+    pub fn entries(&self) -> u64 {
+        self.entries
+    }
+
+    /// File size.
+    pub fn size(&self) -> u64 {
+        self.size
+    }
+
+    /// Data block handles with their last keys.
+    pub fn index(&self) -> &[(Vec<u8>, Handle)] {
+        &self.index
+    }
+
+    /// Read and verify a block; returns its payload (checksum stripped).
+    pub fn read_block(&self, h: Handle) -> Result<Vec<u8>> {
+        if h.size < 4 || h.offset.checked_add(h.size as u64).is_none_or(|e| e > self.size) {
+            return Err(Error::corruption(&self.path, h.offset, format!("block handle of {} bytes past end", h.size)));
+        }
+        let mut buf = vec![0u8; h.size as usize];
+        read_exact(self.file.as_ref(), h.offset, &mut buf).map_err(|e| io_or(e, &self.path, h.offset))?;
+        let n = buf.len() - 4;
+        let stored = u32::from_le_bytes(buf.get(n..).and_then(|s| s.try_into().ok()).unwrap_or([0; 4]));
+        buf.truncate(n);
+        if crc::masked(&buf) != stored {
+            return Err(Error::corruption(&self.path, h.offset, "block checksum mismatch"));
+        }
+        Ok(buf)
+    }
+
+    /// Index of the first data block whose last key is `>= key`.
+    pub fn block_for(&self, key: &[u8]) -> Option<usize> {
+        let i = self.index.partition_point(|(last, _)| last.as_slice() < key);
+        (i < self.index.len()).then_some(i)
+    }
+
+    /// Point lookup: bloom filter, index, one block read. Returns the entry's kind and value.
+    pub fn get(&self, key: &[u8]) -> Result<Option<(Kind, Vec<u8>)>> {
+        if !self.filter.may_contain(bloom::hash(key)) {
+            return Ok(None);
+        }
+        self.get_no_filter(key)
+    }
+
+    /// Point lookup without consulting the bloom filter, with the block it was found in.
+    pub fn get_no_filter(&self, key: &[u8]) -> Result<Option<(Kind, Vec<u8>)>> {
+        Ok(self.find(key)?.map(|(k, v, _)| (k, v)))
+    }
+
+    /// Point lookup that also returns the handle of the block holding the key.
+    pub fn find(&self, key: &[u8]) -> Result<Option<(Kind, Vec<u8>, Handle)>> {
+        let Some(i) = self.block_for(key) else { return Ok(None) };
+        let Some(&(_, h)) = self.index.get(i) else { return Ok(None) };
+        let b = self.read_block(h)?;
+        let e = block_find(&b, key).map_err(|d| Error::corruption(&self.path, h.offset, d))?;
+        Ok(e.map(|e| (e.kind, e.value.to_vec(), h)))
+    }
+
+    /// Every entry in key order with the handle of its block (a whole-table scan, for
+    /// merges and `check`). Stops at the first error.
+    pub fn for_each(&self, mut f: impl FnMut(Entry<'_>, Handle) -> Result<()>) -> Result<()> {
+        let mut prev: Option<Vec<u8>> = None;
+        for &(ref last, h) in &self.index {
+            let b = self.read_block(h)?;
+            let mut block_last: Option<&[u8]> = None;
+            for e in block_entries(&b) {
+                let e = e.map_err(|d| Error::corruption(&self.path, h.offset, d))?;
+                if prev.as_deref().is_some_and(|p| p >= e.key) {
+                    return Err(Error::corruption(&self.path, h.offset, "keys out of order"));
+                }
+                prev = Some(e.key.to_vec());
+                block_last = Some(e.key);
+                f(e, h)?;
+            }
+            if block_last != Some(last.as_slice()) {
+                return Err(Error::corruption(&self.path, h.offset, "block's last key differs from the index"));
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Decode a footer: (index handle, filter handle, entries).
+pub fn decode_footer(f: &[u8]) -> std::result::Result<(Handle, Handle, u64), String> {
+    let mut c = Cursor::new(f);
+    let magic = c.bytes(8).ok_or("short footer")?;
+    if magic != MAGIC {
+        return Err("bad SSTable magic".into());
+    }
+    let version = c.u32().ok_or("short footer")?;
+    let index = Handle { offset: c.u64().ok_or("short footer")?, size: c.u32().ok_or("short footer")? };
+    let filter = Handle { offset: c.u64().ok_or("short footer")?, size: c.u32().ok_or("short footer")? };
+    let entries = c.u64().ok_or("short footer")?;
+    let body = f.get(..FOOTER_LEN - 4).ok_or("short footer")?;
+    let stored = c.u32().ok_or("short footer")?;
+    if crc::masked(body) != stored {
+        return Err("footer checksum mismatch".into());
+    }
+    if version != VERSION {
+        return Err(format!("unsupported SSTable version {version}"));
+    }
+    Ok((index, filter, entries))
+}
+
+fn read_exact(f: &dyn FsFile, mut off: u64, mut buf: &mut [u8]) -> std::io::Result<()> {
+    while !buf.is_empty() {
+        let n = f.read_at(off, buf)?;
+        if n == 0 {
+            return Err(std::io::Error::new(std::io::ErrorKind::UnexpectedEof, "short read"));
+        }
+        off += n as u64;
+        buf = &mut buf[n..];
+    }
+    Ok(())
+}
+
+fn io_or(e: std::io::Error, path: &Path, off: u64) -> Error {
+    if e.kind() == std::io::ErrorKind::UnexpectedEof {
+        Error::corruption(path, off, "file is truncated")
+    } else {
+        Error::Io(e)
+    }
+}
