@@ -231,8 +231,10 @@ impl Manifest {
         fs.exists(&dir.join("CURRENT"))
     }
 
-    /// Read the current manifest of `dir`: the recovered version and the manifest number.
-    pub fn recover(fs: &dyn Fs, dir: &Path) -> Result<(Version, u64)> {
+    /// Read the current manifest of `dir`: the recovered version, the manifest number, and
+    /// whether a torn last record was dropped (the caller decides whether a torn append was
+    /// possible: only while a commit was in flight).
+    pub fn recover(fs: &dyn Fs, dir: &Path) -> Result<(Version, u64, bool)> {
         let cur_path = dir.join("CURRENT");
         let cur = fs.read_all(&cur_path)?;
         let name = std::str::from_utf8(&cur)
@@ -249,8 +251,8 @@ impl Manifest {
             return Err(Error::corruption(&path, 0, "the manifest named by CURRENT is missing"));
         }
         let data = fs.read_all(&path)?;
-        let version = parse(&data).map_err(|(off, d)| Error::corruption(&path, off, d))?;
-        Ok((version, number))
+        let (version, torn) = parse(&data).map_err(|(off, d)| Error::corruption(&path, off, d))?;
+        Ok((version, number, torn))
     }
 
     /// Append `edits` as one record and fsync: the commit point of the edit. Switches to a
@@ -281,16 +283,19 @@ impl Manifest {
     }
 }
 
-/// Parse a whole manifest file. Errors carry the offset of the bad record.
-pub fn parse(data: &[u8]) -> std::result::Result<Version, (u64, String)> {
+/// Parse a whole manifest file: the version, and whether a torn last record was dropped.
+/// Errors carry the offset of the bad record.
+pub fn parse(data: &[u8]) -> std::result::Result<(Version, bool), (u64, String)> {
     if data.get(..8) != Some(MAGIC.as_slice()) {
         return Err((0, "bad manifest magic".into()));
     }
     let mut v = Version::default();
     let mut off = 8usize;
     let mut records = 0;
+    let mut torn = false;
     while off < data.len() {
         let mut c = Cursor::new(data.get(off..).unwrap_or(&[]));
+        torn = true;
         let (Some(len), Some(stored)) = (c.u32(), c.u32()) else { break }; // torn header
         let Some(payload) = c.bytes(len as usize) else { break }; // torn payload
         let end = off + 8 + len as usize;
@@ -304,11 +309,12 @@ pub fn parse(data: &[u8]) -> std::result::Result<Version, (u64, String)> {
         v.apply(&edits);
         records += 1;
         off = end;
+        torn = false;
     }
     if records == 0 {
         return Err((8, "manifest holds no complete record".into()));
     }
-    Ok(v)
+    Ok((v, torn))
 }
 
 #[cfg(test)]
@@ -336,19 +342,19 @@ mod tests {
         let v = sample();
         let mut data = MAGIC.to_vec();
         data.extend_from_slice(&frame(&encode_edits(&v.snapshot())));
-        assert_eq!(parse(&data), Ok(v.clone()));
+        assert_eq!(parse(&data), Ok((v.clone(), false)));
         let edit = frame(&encode_edits(&[Edit::RemoveFile(4)]));
         // Every strict prefix of the second record is a torn tail: the first state survives.
         for cut in 0..edit.len() {
             let mut d = data.clone();
             d.extend_from_slice(&edit[..cut]);
-            assert_eq!(parse(&d), Ok(v.clone()), "cut {cut}");
+            assert_eq!(parse(&d), Ok((v.clone(), cut > 0)), "cut {cut}");
         }
         let mut full = data.clone();
         full.extend_from_slice(&edit);
         let mut want = v.clone();
         want.apply(&[Edit::RemoveFile(4)]);
-        assert_eq!(parse(&full), Ok(want));
+        assert_eq!(parse(&full), Ok((want, false)));
         // A damaged record followed by another is corruption, not a torn tail.
         let mut bad = data.clone();
         let mut e2 = edit.clone();

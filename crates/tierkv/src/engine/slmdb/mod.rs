@@ -321,7 +321,16 @@ fn open_inner(ctx: &EngineCtx) -> Result<Inner> {
         if !Manifest::exists(fs, &ctx.dir) {
             return Err(Error::corruption(ctx.dir.join("CURRENT"), 0, "the store's MANIFEST is missing"));
         }
-        let (version, n) = Manifest::recover(fs, &ctx.dir)?;
+        let (version, n, torn) = Manifest::recover(fs, &ctx.dir)?;
+        if torn && root.log == 0 {
+            // A record is appended only while a job's log is live in PM; with none, a bad
+            // last record is damage, not a torn append, and dropping it would lose a commit.
+            return Err(Error::corruption(
+                ctx.dir.join(Manifest::name(n)),
+                0,
+                "the MANIFEST's last record is damaged and no commit was in flight",
+            ));
+        }
         (root, slot, tree, version, n)
     };
     let manifest = Manifest::create(fs, &ctx.dir, manifest_no + 1, &version)?;
