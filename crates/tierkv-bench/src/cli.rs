@@ -69,6 +69,11 @@ pub fn parse_engines(s: &str) -> Result<Vec<String>, String> {
     s.split(',')
         .map(|e| {
             let e = e.trim().to_string();
+            if let Some((base, schemes)) = e.split_once('/') {
+                let preset: tierkv::Preset = base.parse().map_err(|err: tierkv::Error| err.to_string())?;
+                engine::slmdb_schemes(preset, schemes)?;
+                return Ok(e);
+            }
             if known.contains(&e) {
                 Ok(e)
             } else {

@@ -6,7 +6,7 @@ use std::path::{Path, PathBuf};
 
 use parking_lot::{Mutex, RwLock};
 use tierkv::pm::{Backing, Region, RegionConfig, LINE, POOL_HEADER_LEN};
-use tierkv::{Db, Options, Preset};
+use tierkv::{Db, Options, Preset, SlmdbOptions};
 
 /// Result of engine calls (errors are reported, not recovered).
 pub type Result<T> = std::result::Result<T, String>;
@@ -87,23 +87,53 @@ pub fn open(spec: &EngineSpec) -> Result<Box<dyn BenchEngine>> {
         "rocksdb" => return Ok(Box::new(crate::peers::RocksDb::open(&spec.dir, spec.durable)?)),
         _ => {}
     }
-    let preset: Preset = spec.name.parse().map_err(|e: tierkv::Error| e.to_string())?;
-    Ok(Box::new(Tierkv::open(preset, &spec.dir, &spec.pm_dir, spec.durable)?))
+    let (base, schemes) = match spec.name.split_once('/') {
+        Some((b, s)) => (b, Some(s)),
+        None => (spec.name.as_str(), None),
+    };
+    let preset: Preset = base.parse().map_err(|e: tierkv::Error| e.to_string())?;
+    let mut opts = Options::new().preset(preset).pm_path(&spec.pm_dir).pm_sync(spec.durable);
+    if let Some(s) = schemes {
+        opts.slmdb = slmdb_schemes(preset, s)?;
+    }
+    Ok(Box::new(Tierkv::open(spec.name.clone(), opts, &spec.dir)?))
+}
+
+/// SLM-DB's compaction candidate selection schemes for an engine named `slmdb/<schemes>`
+/// (the §6.5 ablation): `none`, or a `+`-joined subset of `live` (live-key ratio), `leaf`
+/// (leaf-node scans) and `seq` (sequentiality degree per range query).
+pub fn slmdb_schemes(preset: Preset, s: &str) -> Result<SlmdbOptions> {
+    if preset != Preset::Slmdb {
+        return Err(format!("`{}/{s}`: only slmdb takes a scheme list", preset.name()));
+    }
+    let mut o = SlmdbOptions { enable_live_ratio: false, enable_leaf_scan: false, enable_seq_degree: false, ..SlmdbOptions::default() };
+    if s == "none" {
+        return Ok(o);
+    }
+    for part in s.split('+') {
+        match part {
+            "live" => o.enable_live_ratio = true,
+            "leaf" => o.enable_leaf_scan = true,
+            "seq" => o.enable_seq_degree = true,
+            _ => return Err(format!("unknown slmdb scheme `{part}` (known: live, leaf, seq, none)")),
+        }
+    }
+    Ok(o)
 }
 
 /// A tierkv preset.
 #[derive(Debug)]
 pub struct Tierkv {
+    name: String,
     db: Option<Db>,
     opts: Options,
     dir: PathBuf,
 }
 
 impl Tierkv {
-    fn open(preset: Preset, dir: &Path, pm_dir: &Path, durable: bool) -> Result<Tierkv> {
-        let opts = Options::new().preset(preset).pm_path(pm_dir).pm_sync(durable);
+    fn open(name: String, opts: Options, dir: &Path) -> Result<Tierkv> {
         let db = Db::open(dir, opts.clone()).map_err(|e| e.to_string())?;
-        Ok(Tierkv { db: Some(db), opts, dir: dir.to_path_buf() })
+        Ok(Tierkv { name, db: Some(db), opts, dir: dir.to_path_buf() })
     }
 
     fn db(&self) -> Result<&Db> {
@@ -113,7 +143,7 @@ impl Tierkv {
 
 impl BenchEngine for Tierkv {
     fn name(&self) -> String {
-        self.opts.preset.name().to_string()
+        self.name.clone()
     }
     fn put(&self, key: &[u8], value: &[u8]) -> Result<()> {
         self.db()?.put(key, value).map_err(|e| e.to_string())

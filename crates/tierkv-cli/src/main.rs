@@ -51,7 +51,10 @@ struct BenchFlags {
     /// Entries per seekrandom range read.
     #[arg(long, default_value_t = 100)]
     scan_len: usize,
-    /// Engines, comma separated (default: every preset and `limit`).
+    /// Engines, comma separated (default: every preset and `limit`, plus leveldb and
+    /// rocksdb when built with them). `slmdb/<schemes>` runs SLM-DB with only the listed
+    /// compaction candidate selection schemes: `none` or a `+`-joined subset of `live`,
+    /// `leaf`, `seq` (e.g. `slmdb/live+leaf`), for the paper's §6.5 ablation.
     #[arg(long)]
     engines: Option<String>,
     /// Workloads in order, comma separated: fillseq, fillrandom, overwrite, readrandom,

@@ -28,7 +28,12 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             std::env::temp_dir().to_string_lossy().into_owned()
         }
     });
-    let dir = tempfile::Builder::new().prefix("tierkv-throughput").tempdir_in(&base)?;
+    let preset: tierkv::Preset = arg(&args, "--preset").unwrap_or_else(|| "pmekv".into()).parse()?;
+    // SSTables (slmdb) go to --disk-dir (default: the temp directory), PM pools to --dir.
+    let disk = arg(&args, "--disk-dir").unwrap_or_else(|| std::env::temp_dir().to_string_lossy().into_owned());
+    let dir = tempfile::Builder::new().prefix("tierkv-throughput").tempdir_in(&disk)?;
+    let pm = tempfile::Builder::new().prefix("tierkv-throughput-pm").tempdir_in(&base)?;
+    let opts = || Options::new().preset(preset).pm_path(pm.path());
 
     let mut keys: Vec<[u8; 16]> = (0..num as u64)
         .map(|i| {
@@ -43,7 +48,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let mut value = vec![0u8; value_size];
     rng.fill(&mut value[..]);
 
-    let db = Db::open(dir.path(), Options::new())?;
+    let db = Db::open(dir.path(), opts())?;
     let t = Instant::now();
     for k in &keys {
         db.put(k, &value)?;
@@ -57,13 +62,14 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     }
     let get_s = t.elapsed().as_secs_f64();
     assert_eq!(found, num, "every key must be found");
+    db.flush()?;
     let s = db.stats();
     let t = Instant::now();
     db.close()?;
     drop(db);
     let close_s = t.elapsed().as_secs_f64();
     let t = Instant::now();
-    let db = Db::open(dir.path(), Options::new())?;
+    let db = Db::open(dir.path(), opts())?;
     let open_s = t.elapsed().as_secs_f64();
     assert_eq!(db.stats().keys, num as u64);
     println!(
@@ -77,6 +83,10 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         "PM write amplification {:.2} ({} B persisted for {} user B), DRAM index {} B",
         s.write_amp_pm, s.pm_bytes_written, s.user_bytes_written, s.dram_index_bytes
     );
+    println!("disk write amplification {:.2}", s.write_amp_disk);
+    for (k, v) in &s.design {
+        println!("  {k} = {v}");
+    }
     println!("clean close {close_s:.2} s, reopen {open_s:.2} s");
     Ok(())
 }

@@ -110,6 +110,9 @@ pub struct SlmdbOptions {
     /// Bloom filter bits per key written into SSTables. Default 0: SLM-DB finds keys with
     /// its B+-tree and never consults a filter, so it writes none.
     pub bloom_bits_per_key: u32,
+    /// DRAM block cache for SSTable reads, in bytes. Default 8 MiB (LevelDB's default
+    /// `block_cache`, which SLM-DB inherits); 0 disables it.
+    pub block_cache_size: u64,
     /// Target size of an SSTable written by compaction. Default 2 MiB (LevelDB 1.20's
     /// `max_file_size`, which SLM-DB inherits). Flushes write one file per MemTable.
     pub output_file_size: u64,
@@ -149,6 +152,7 @@ impl Default for SlmdbOptions {
             memtable_size: 64 << 20,
             block_size: 4096,
             bloom_bits_per_key: 0,
+            block_cache_size: 8 << 20,
             output_file_size: 2 << 20,
             live_key_threshold: 0.7,
             leaf_scan_files: 2,

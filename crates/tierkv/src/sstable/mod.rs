@@ -22,7 +22,9 @@
 //! then cost one block read ([`Table::get`]), or exactly one when the caller already knows
 //! the block ([`Table::read_block`] with a [`Handle`], as SLM-DB's location objects do).
 //! Every block read is verified; a bad block is [`Error::Corruption`] naming the file and
-//! offset. There is no block cache: the OS page cache serves repeated reads.
+//! offset. An optional [`BlockCache`] (shared by a store's tables, keyed by file number and
+//! block offset, weighted by bytes) keeps verified blocks in DRAM, as LevelDB's block cache
+//! does; blocks read by whole-table scans (merges, `check`) bypass it.
 
 mod bloom;
 
@@ -270,10 +272,44 @@ pub fn block_find<'a>(payload: &'a [u8], key: &[u8]) -> std::result::Result<Opti
     Ok(None)
 }
 
+#[derive(Debug, Clone)]
+struct BlockWeighter;
+
+impl quick_cache::Weighter<(u64, u64), Arc<Vec<u8>>> for BlockWeighter {
+    fn weight(&self, _key: &(u64, u64), val: &Arc<Vec<u8>>) -> u64 {
+        val.len() as u64 + 64
+    }
+}
+
+/// A DRAM cache of verified data blocks, shared by the tables of one store.
+pub struct BlockCache {
+    cache: quick_cache::sync::Cache<(u64, u64), Arc<Vec<u8>>, BlockWeighter>,
+}
+
+impl std::fmt::Debug for BlockCache {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("BlockCache").field("bytes", &self.cache.weight()).finish()
+    }
+}
+
+impl BlockCache {
+    /// A cache holding up to `bytes` of blocks (4 KiB blocks assumed for sizing).
+    pub fn new(bytes: u64) -> Arc<BlockCache> {
+        let items = (bytes / 4096).max(16) as usize;
+        Arc::new(BlockCache { cache: quick_cache::sync::Cache::with_weighter(items, bytes.max(1), BlockWeighter) })
+    }
+
+    /// Bytes cached.
+    pub fn bytes(&self) -> u64 {
+        self.cache.weight()
+    }
+}
+
 /// An open table: footer, index and filter in DRAM.
 #[derive(Debug)]
 pub struct Table {
     file: Box<dyn FsFile>,
+    cache: Option<(u64, Arc<BlockCache>)>,
     path: PathBuf,
     index: Vec<(Vec<u8>, Handle)>,
     filter: Bloom,
@@ -284,6 +320,10 @@ pub struct Table {
 impl Table {
     /// Open and verify the footer, index and filter of `path`.
     pub fn open(fs: &dyn Fs, path: &Path) -> Result<Arc<Table>> {
+        Table::load(fs, path).map(Arc::new)
+    }
+
+    fn load(fs: &dyn Fs, path: &Path) -> Result<Table> {
         let file = fs.open(path)?;
         let size = file.len()?;
         let bad = |off: u64, d: &str| Error::corruption(path, off, d.to_string());
@@ -300,7 +340,7 @@ impl Table {
             }
         }
         let mut t =
-            Table { file, path: path.to_path_buf(), index: Vec::new(), filter: Bloom::default(), entries, size };
+            Table { file, cache: None, path: path.to_path_buf(), index: Vec::new(), filter: Bloom::default(), entries, size };
         let idx = t.read_block(index_h)?;
         let mut c = Cursor::new(&idx);
         while c.remaining() > 0 {
@@ -319,7 +359,25 @@ impl Table {
         }
         let fb = t.read_block(filter_h)?;
         t.filter = Bloom::decode(&fb).ok_or_else(|| bad(filter_h.offset, "malformed filter block"))?;
+        Ok(t)
+    }
+
+    /// Open `path` as table number `id` whose point reads go through `cache`.
+    pub fn open_cached(fs: &dyn Fs, path: &Path, id: u64, cache: &Arc<BlockCache>) -> Result<Arc<Table>> {
+        let mut t = Table::load(fs, path)?;
+        t.cache = Some((id, cache.clone()));
         Ok(Arc::new(t))
+    }
+
+    /// [`Table::read_block`] through the block cache, if the table has one.
+    pub fn read_block_cached(&self, h: Handle) -> Result<Arc<Vec<u8>>> {
+        let Some((id, cache)) = &self.cache else { return self.read_block(h).map(Arc::new) };
+        if let Some(b) = cache.cache.get(&(*id, h.offset)) {
+            return Ok(b);
+        }
+        let b = Arc::new(self.read_block(h)?);
+        cache.cache.insert((*id, h.offset), b.clone());
+        Ok(b)
     }
 
     /// The file.

@@ -146,7 +146,7 @@ impl Inner {
     fn finish_table(&self, n: u64, b: TableBuilder) -> Result<TableMeta> {
         let meta = b.finish()?;
         self.fs.sync_dir(&self.dir)?;
-        let t = Table::open(&self.fs, &path_of(&self.dir, n))?;
+        let t = Table::open_cached(&self.fs, &path_of(&self.dir, n), n, &self.cache)?;
         self.tables.write().insert(n, t);
         Ok(meta)
     }
@@ -618,7 +618,7 @@ impl Inner {
                     let moved: Vec<LogEntry> =
                         entries.iter().filter(|e| matches!(e, LogEntry::Moved(..))).cloned().collect();
                     if let Some(f) = out {
-                        let t = Table::open(&self.fs, &path_of(&self.dir, f))?;
+                        let t = Table::open_cached(&self.fs, &path_of(&self.dir, f), f, &self.cache)?;
                         self.tables.write().insert(f, t);
                     }
                     // A new log replaces the old one (carrying its entries); then the old
@@ -764,5 +764,50 @@ impl Inner {
             }
         }
         Ok(problems)
+    }
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used)]
+mod tests {
+    use super::*;
+
+    fn meta(a: &str, b: &str) -> FileMeta {
+        FileMeta { total: 10, live: 10, size: 1, smallest: a.as_bytes().to_vec(), largest: b.as_bytes().to_vec() }
+    }
+
+    #[test]
+    fn overlap_ratio_follows_the_papers_formula() {
+        // Ranges [k10, k30] and [k20, k40] over the same 8-byte window: (30-20)/(40-10) = 1/3
+        // of the key space between them, computed on the big-endian numbers.
+        let r = overlap_ratio(&meta("k10", "k30"), &meta("k20", "k40"));
+        let n = |s: &str| key_num(s.as_bytes(), 1);
+        let want = (n("k30") - n("k20")) / (n("k40") - n("k10"));
+        assert!((r - want).abs() < 1e-12, "{r} vs {want}");
+        assert_eq!(overlap_ratio(&meta("a", "b"), &meta("c", "d")), 0.0);
+        assert_eq!(overlap_ratio(&meta("a", "z"), &meta("a", "z")), 1.0);
+        assert_eq!(overlap_ratio(&meta("m", "m"), &meta("m", "m")), 1.0);
+    }
+
+    #[test]
+    fn pick_takes_the_most_overlapping_candidate_and_its_overlapping_peers() {
+        let mut v = Version::default();
+        v.files.insert(1, meta("a", "z")); // overlaps 2, 3, 4: largest sum
+        v.files.insert(2, meta("b", "f"));
+        v.files.insert(3, meta("g", "k"));
+        v.files.insert(4, meta("x", "y"));
+        v.files.insert(5, meta("0", "1")); // overlaps nothing
+        v.files.insert(6, meta("b", "c")); // not a candidate
+        v.candidates = [1, 2, 3, 4, 5].into_iter().collect();
+        assert_eq!(pick(&v, 10), vec![1, 2, 3, 4]);
+        // The bound keeps the chosen file and its largest overlaps.
+        let two = pick(&v, 2);
+        assert_eq!(two.len(), 2);
+        assert!(two.contains(&1));
+        // A lone candidate (live-ratio garbage collection) is compacted by itself.
+        v.candidates = [5].into_iter().collect();
+        assert_eq!(pick(&v, 10), vec![5]);
+        v.candidates.clear();
+        assert!(pick(&v, 10).is_empty());
     }
 }
