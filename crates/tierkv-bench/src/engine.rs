@@ -106,7 +106,12 @@ pub fn slmdb_schemes(preset: Preset, s: &str) -> Result<SlmdbOptions> {
     if preset != Preset::Slmdb {
         return Err(format!("`{}/{s}`: only slmdb takes a scheme list", preset.name()));
     }
-    let mut o = SlmdbOptions { enable_live_ratio: false, enable_leaf_scan: false, enable_seq_degree: false, ..SlmdbOptions::default() };
+    let mut o = SlmdbOptions {
+        enable_live_ratio: false,
+        enable_leaf_scan: false,
+        enable_seq_degree: false,
+        ..SlmdbOptions::default()
+    };
     if s == "none" {
         return Ok(o);
     }

@@ -50,7 +50,10 @@ fn sstable_file() {
     assert_eq!(t.get(b"b").unwrap(), Some((Kind::Delete, Vec::new())));
     assert_eq!(t.get(b"c").unwrap(), None);
     let f = sstable::encode_footer(Handle { offset: 0x1000, size: 0x20 }, Handle { offset: 0x1020, size: 9 }, 7);
-    assert_eq!(sstable::decode_footer(&f), Ok((Handle { offset: 0x1000, size: 0x20 }, Handle { offset: 0x1020, size: 9 }, 7)));
+    assert_eq!(
+        sstable::decode_footer(&f),
+        Ok((Handle { offset: 0x1000, size: 0x20 }, Handle { offset: 0x1020, size: 9 }, 7))
+    );
 }
 
 #[test]
@@ -88,15 +91,16 @@ fn slmdb_superblock_and_root() {
     let sb = layout::encode_superblock(64 << 20);
     assert_eq!(hex(&sb), want);
     assert_eq!(layout::decode_superblock(&sb), Ok(64 << 20));
-    let root = layout::Root { gen: 3, active: 0x1000, imm: 0x2000, log: 0x3000, next_mem_gen: 5 };
+    let root = layout::Root { gen: 3, active: 0x1000, imm: 0x2000, log: 0x3000, next_mem_gen: 5, flush_log: 0x4000 };
     let want = "524f4f54".to_string() // "ROOT"
-        + "95b6546e" // crc of bytes 8..48
+        + "403e4068" // crc of bytes 8..56
         + "0300000000000000" // generation
         + "0010000000000000" // MemTable arena
         + "0020000000000000" // Immutable MemTable arena
         + "0030000000000000" // compaction log
         + "0500000000000000" // next MemTable generation
-        + &zeros(16);
+        + "0040000000000000" // flush log
+        + &zeros(8);
     assert_eq!(hex(&root.encode()), want);
     assert_eq!(layout::Root::decode(&root.encode()), Some(root));
 }

@@ -120,6 +120,20 @@ fn slot_addr(node: u64, i: usize) -> u64 {
     node + 64 + 8 * i as u64
 }
 
+/// A node's entries, without a heap allocation.
+#[derive(Debug, Clone, Copy)]
+pub struct Entries {
+    buf: [u64; SLOTS],
+    len: usize,
+}
+
+impl std::ops::Deref for Entries {
+    type Target = [u64];
+    fn deref(&self) -> &[u64] {
+        &self.buf[..self.len]
+    }
+}
+
 /// A path step: node and the index of the entry followed (-1 = leftmost).
 type Path = Vec<(u64, isize)>;
 
@@ -187,15 +201,18 @@ impl PTree {
     }
 
     /// A node's entries (record addresses), skipping the adjacent duplicate a shift leaves.
-    pub fn node_entries(r: &Region, node: u64) -> Result<Vec<u64>> {
-        let mut out: Vec<u64> = Vec::with_capacity(SLOTS);
-        for i in 0..SLOTS {
-            let v = r.load_u64_atomic(slot_addr(node, i))?;
+    /// The slots are read with one view: writers hold the tree exclusively (module docs).
+    pub fn node_entries(r: &Region, node: u64) -> Result<Entries> {
+        let raw = r.slice_checked(node + 64, 8 * SLOTS, "B+-tree node slots")?;
+        let mut out = Entries { buf: [0; SLOTS], len: 0 };
+        for w in raw.chunks_exact(8) {
+            let v = u64::from_le_bytes(w.try_into().unwrap_or([0; 8]));
             if v == 0 {
                 break;
             }
-            if out.last() != Some(&v) {
-                out.push(v);
+            if out.len == 0 || out.buf[out.len - 1] != v {
+                out.buf[out.len] = v;
+                out.len += 1;
             }
         }
         Ok(out)
@@ -419,7 +436,7 @@ impl PTree {
             for &n in cur {
                 let h = self.header(r, n)?;
                 next.push(h.leftmost);
-                for a in Self::node_entries(r, n)? {
+                for &a in Self::node_entries(r, n)?.iter() {
                     next.push(record(r, a)?.a);
                 }
             }
@@ -480,7 +497,7 @@ impl PTree {
     /// Remove adjacent duplicates, zero the tail, and drop entries `>=` the sibling's low key.
     fn canonicalize(&self, r: &Region, node: u64) -> Result<()> {
         let raw: Vec<u64> = (0..SLOTS).map(|i| r.load_u64_atomic(slot_addr(node, i))).collect::<Result<_>>()?;
-        let mut e = Self::node_entries(r, node)?;
+        let mut e = Self::node_entries(r, node)?.to_vec();
         let sib = r.load_u64_atomic(node + 16)?;
         if sib != 0 {
             let sh = self.header(r, sib)?;
@@ -561,7 +578,7 @@ impl PTree {
             if h.low != 0 {
                 out.push((h.low, record_size(r, h.low)?));
             }
-            for a in Self::node_entries(r, n)? {
+            for &a in Self::node_entries(r, n)?.iter() {
                 out.push((a, record_size(r, a)?));
             }
         }
@@ -583,7 +600,7 @@ impl PTree {
         let mut problems = Vec::new();
         let mut prev: Option<Vec<u8>> = None;
         for l in self.leaf_chain(r)? {
-            for a in Self::node_entries(r, l)? {
+            for &a in Self::node_entries(r, l)?.iter() {
                 match record_verified(r, a) {
                     Ok(rec) => {
                         if prev.as_deref().is_some_and(|p| p >= rec.key) {

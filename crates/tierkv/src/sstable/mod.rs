@@ -339,8 +339,15 @@ impl Table {
                 return Err(bad(foot_off, "footer block handle outside the file"));
             }
         }
-        let mut t =
-            Table { file, cache: None, path: path.to_path_buf(), index: Vec::new(), filter: Bloom::default(), entries, size };
+        let mut t = Table {
+            file,
+            cache: None,
+            path: path.to_path_buf(),
+            index: Vec::new(),
+            filter: Bloom::default(),
+            entries,
+            size,
+        };
         let idx = t.read_block(index_h)?;
         let mut c = Cursor::new(&idx);
         while c.remaining() > 0 {

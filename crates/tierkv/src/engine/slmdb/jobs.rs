@@ -9,18 +9,26 @@ use std::sync::Arc;
 
 use super::complog::{self, CompLog, Job, LogEntry};
 use super::memtable::{Memtable, KIND_PUT};
-use super::{path_of, table_name, table_number, Inner};
+use super::{path_of, table_name, table_number, Inflight, Inner};
 use crate::error::{Error, Result};
 use crate::fs::Fs;
 use crate::index::pbtree::Loc;
 use crate::manifest::{Edit, FileMeta, Version};
 use crate::sstable::{Kind, Table, TableBuilder, TableMeta};
 
-/// One synced output file and the tree changes it brings: `(key, new location)`, `None`
-/// removes the key.
+/// One tree change: `key` to `new` (`None` removes it); with `src`, only if the key still
+/// points at file `src` (a compaction's entry that a concurrent flush made obsolete is
+/// skipped).
+struct Item {
+    key: Vec<u8>,
+    new: Option<Loc>,
+    src: Option<u64>,
+}
+
+/// One synced output file and the tree changes it brings.
 struct Batch {
     output: Option<u64>,
-    items: Vec<(Vec<u8>, Option<Loc>)>,
+    items: Vec<Item>,
 }
 
 /// What the insertion thread did.
@@ -28,6 +36,8 @@ struct Batch {
 struct Applied {
     /// Keys whose old version left a file, per file.
     decr: HashMap<u64, u64>,
+    /// Entries of an output file that were not installed (obsolete by then), per file.
+    skipped: HashMap<u64, u64>,
 }
 
 /// Map a key to a number for overlap ratios: the big-endian value of the 8 bytes after the
@@ -119,13 +129,14 @@ impl TableIter {
     }
 }
 
-fn locs_of(meta: &TableMeta, file: u64, keys: Vec<Vec<u8>>) -> Result<Vec<(Vec<u8>, Option<Loc>)>> {
+/// Tree changes for the keys written to `file` (with their source files, for a merge).
+fn items_of(meta: &TableMeta, file: u64, keys: Vec<(Vec<u8>, Option<u64>)>) -> Result<Vec<Item>> {
     keys.into_iter()
         .zip(&meta.entry_block)
-        .map(|(k, &b)| {
+        .map(|((key, src), &b)| {
             let h =
                 meta.blocks.get(b as usize).ok_or_else(|| Error::InvalidArgument("entry block out of range".into()))?;
-            Ok((k, Some(Loc { file, offset: h.offset, size: h.size })))
+            Ok(Item { key, new: Some(Loc { file, offset: h.offset, size: h.size }), src })
         })
         .collect()
 }
@@ -158,7 +169,10 @@ impl Inner {
             log.append(&self.region, &self.heap, e)?;
         }
         let head = log.head;
-        self.update_root(|r| r.log = head)?;
+        self.update_root(|r| match job {
+            Job::Flush(_) => r.flush_log = head,
+            Job::Compaction => r.log = head,
+        })?;
         Ok(log)
     }
 
@@ -185,9 +199,15 @@ impl Inner {
             }
             for chunk in b.items.chunks(64) {
                 let mut tree = self.tree.write();
-                for (key, new) in chunk {
+                for Item { key, new, src } in chunk {
                     let old = tree.get(&self.region, key)?;
                     if old == *new {
+                        continue;
+                    }
+                    if src.is_some() && old.map(|l| l.file) != *src {
+                        if let Some(f) = b.output {
+                            *applied.skipped.entry(f).or_insert(0) += 1;
+                        }
                         continue;
                     }
                     if let Some(o) = old {
@@ -239,14 +259,14 @@ impl Inner {
 
     /// Flush the Immutable MemTable, if any.
     pub(super) fn flush_imm(&self) -> Result<()> {
-        let _job = self.job.lock();
+        let _job = self.flush_job.lock();
         let Some(imm) = self.mem.read().imm.clone() else { return Ok(()) };
-        self.flush_job(&imm, None)
+        self.run_flush(&imm, None)
     }
 
     /// Flush `imm`. `resume` = (output file, keys already logged as moved, their
     /// decrements) when rolling forward a flush a crash interrupted.
-    fn flush_job(&self, imm: &Arc<Memtable>, resume: Option<(Option<u64>, Vec<LogEntry>)>) -> Result<()> {
+    fn run_flush(&self, imm: &Arc<Memtable>, resume: Option<(Option<u64>, Vec<LogEntry>)>) -> Result<()> {
         let entries = imm.entries(&self.region)?;
         let deletes: Vec<Vec<u8>> =
             entries.iter().filter(|(_, n)| n.kind != KIND_PUT).map(|(k, _)| k.clone()).collect();
@@ -280,11 +300,12 @@ impl Inner {
         let mut log = self.begin_log(Job::Flush(imm.gen), &first)?;
         let mut new_file: Option<(u64, TableMeta)> = None;
         let applied = self.pipeline(&mut log, &logged, |tx| {
-            let mut items: Vec<(Vec<u8>, Option<Loc>)> = Vec::with_capacity(entries.len());
+            let mut items: Vec<Item> = Vec::with_capacity(entries.len());
             let mut output = None;
             if let Some((f, t)) = &existing {
                 t.for_each(|e, h| {
-                    items.push((e.key.to_vec(), Some(Loc { file: *f, offset: h.offset, size: h.size })));
+                    let new = Some(Loc { file: *f, offset: h.offset, size: h.size });
+                    items.push(Item { key: e.key.to_vec(), new, src: None });
                     Ok(())
                 })?;
             } else if puts > 0 {
@@ -294,15 +315,15 @@ impl Inner {
                 let mut keys = Vec::with_capacity(puts);
                 for (k, node) in entries.iter().filter(|(_, n)| n.kind == KIND_PUT) {
                     b.add(Kind::Put, k, node.value)?;
-                    keys.push(k.clone());
+                    keys.push((k.clone(), None));
                 }
                 let meta = self.finish_table(n, b)?;
-                items = locs_of(&meta, n, keys)?;
+                items = items_of(&meta, n, keys)?;
                 output = Some(n);
                 new_file = Some((n, meta));
             }
-            items.extend(deletes.iter().map(|k| (k.clone(), None)));
-            items.sort_by(|a, b| a.0.cmp(&b.0));
+            items.extend(deletes.iter().map(|k| Item { key: k.clone(), new: None, src: None }));
+            items.sort_by(|a, b| a.key.cmp(&b.key));
             tx.send(Batch { output, items }).map_err(|_| Error::Poisoned("B+-tree insertion thread stopped".into()))
         })?;
         for (f, d) in applied.decr {
@@ -336,7 +357,7 @@ impl Inner {
         self.commit(imm.gen, added, &decr, &[], &[])?;
         // Release the log and the Immutable MemTable.
         self.update_root(|r| {
-            r.log = 0;
+            r.flush_log = 0;
             if r.imm == imm.addr {
                 r.imm = 0;
             }
@@ -375,6 +396,9 @@ impl Inner {
         for (f, d) in decr {
             if let Some(m) = vs.version.files.get(f) {
                 edits.push(Edit::SetLive(*f, m.live.saturating_sub(*d)));
+            } else if let Some(inf) = self.inflight.lock().as_mut().filter(|i| i.outputs.contains(f)) {
+                // An output of the compaction in flight: its count is settled at its commit.
+                *inf.pending_decr.entry(*f).or_insert(0) += d;
             }
         }
         for f in removed {
@@ -468,7 +492,7 @@ impl Inner {
     /// A compaction round: a leaf scan, then merge the picked candidates; with `force`,
     /// repeat until no candidate is left.
     pub(super) fn maybe_compact(&self, force: bool) -> Result<()> {
-        let _job = self.job.lock();
+        let _job = self.compaction_job.lock();
         if self.opts.enable_leaf_scan {
             self.leaf_scan()?;
         }
@@ -487,7 +511,7 @@ impl Inner {
 
     /// Compact `inputs` (restart after a crash).
     pub(super) fn compact_files(&self, inputs: &[u64]) -> Result<()> {
-        let _job = self.job.lock();
+        let _job = self.compaction_job.lock();
         let live: Vec<u64> = {
             let vs = self.version.lock();
             inputs.iter().copied().filter(|f| vs.version.files.contains_key(f)).collect()
@@ -499,20 +523,26 @@ impl Inner {
     }
 
     /// Merge `inputs` into new files, keeping only entries the tree points at (caller holds
-    /// the job lock).
+    /// the compaction lock). In background mode a MemTable that fills meanwhile is flushed
+    /// in the middle of the merge (as LevelDB does), so writers do not wait for the merge.
     fn compact_locked(&self, inputs: &[u64]) -> Result<()> {
         let mut iters = Vec::with_capacity(inputs.len());
         for &f in inputs {
             iters.push(TableIter { table: self.table(f)?, file: f, next_block: 0, entries: Vec::new(), pos: 0 });
         }
+        *self.inflight.lock() = Some(Inflight::default());
         let first: Vec<LogEntry> = inputs.iter().map(|&f| LogEntry::Input(f)).collect();
         let mut log = self.begin_log(Job::Compaction, &first)?;
         let mut outputs: Vec<(u64, FileMeta)> = Vec::new();
         let mut dropped = 0u64;
-        self.pipeline(&mut log, &HashSet::new(), |tx| {
-            let mut cur: Option<(u64, TableBuilder, Vec<Vec<u8>>)> = None;
-            let ship = |n: u64, b: TableBuilder, keys: Vec<Vec<u8>>, outputs: &mut Vec<(u64, FileMeta)>| {
+        let applied = self.pipeline(&mut log, &HashSet::new(), |tx| {
+            type Open = (u64, TableBuilder, Vec<(Vec<u8>, Option<u64>)>);
+            let mut cur: Option<Open> = None;
+            let ship = |(n, b, keys): Open, outputs: &mut Vec<(u64, FileMeta)>| {
                 let meta = self.finish_table(n, b)?;
+                if let Some(inf) = self.inflight.lock().as_mut() {
+                    inf.outputs.insert(n);
+                }
                 outputs.push((
                     n,
                     FileMeta {
@@ -523,11 +553,17 @@ impl Inner {
                         largest: meta.largest.clone(),
                     },
                 ));
-                let items = locs_of(&meta, n, keys)?;
+                let items = items_of(&meta, n, keys)?;
                 tx.send(Batch { output: Some(n), items })
                     .map_err(|_| Error::Poisoned("B+-tree insertion thread stopped".into()))
             };
+            let mut merged = 0u64;
             loop {
+                merged += 1;
+                if self.opts.background && merged.is_multiple_of(64) && self.mem.read().imm.is_some() {
+                    self.flush_imm()?;
+                    self.counters.flushes_in_compaction.fetch_add(1, Ordering::Relaxed);
+                }
                 // The smallest current key over all inputs.
                 let mut best: Option<(usize, Vec<u8>)> = None;
                 for (i, it) in iters.iter_mut().enumerate() {
@@ -552,20 +588,20 @@ impl Inner {
                 }
                 if let Some((_, b, keys)) = cur.as_mut() {
                     b.add(Kind::Put, &k, &v)?;
-                    keys.push(k);
+                    keys.push((k, Some(it.file)));
                     if b.approximate_size() >= self.opts.output_file_size {
-                        if let Some((n, b, keys)) = cur.take() {
-                            ship(n, b, keys, &mut outputs)?;
+                        if let Some(o) = cur.take() {
+                            ship(o, &mut outputs)?;
                         }
                     }
                 }
             }
-            if let Some((n, b, keys)) = cur.take() {
-                ship(n, b, keys, &mut outputs)?;
+            if let Some(o) = cur.take() {
+                ship(o, &mut outputs)?;
             }
             Ok(())
         })?;
-        self.commit(0, None, &HashMap::new(), &outputs, inputs)?;
+        self.commit_compaction(&outputs, inputs, &applied.skipped)?;
         self.update_root(|r| r.log = 0)?;
         self.free_log(log.segments());
         {
@@ -587,6 +623,78 @@ impl Inner {
         Ok(())
     }
 
+    /// The MANIFEST edit of a compaction: inputs out, outputs in with their live counts less
+    /// the entries that were skipped or that flushes moved away meanwhile.
+    fn commit_compaction(
+        &self,
+        outputs: &[(u64, FileMeta)],
+        inputs: &[u64],
+        skipped: &HashMap<u64, u64>,
+    ) -> Result<()> {
+        let mut vs = self.version.lock();
+        let pending = self.inflight.lock().take().unwrap_or_default().pending_decr;
+        let mut edits = Vec::new();
+        for (n, m) in outputs {
+            let gone = skipped.get(n).copied().unwrap_or(0) + pending.get(n).copied().unwrap_or(0);
+            edits.push(Edit::AddFile(*n, FileMeta { live: m.total.saturating_sub(gone), ..m.clone() }));
+        }
+        for f in inputs {
+            edits.push(Edit::RemoveFile(*f));
+        }
+        let mut after = vs.version.clone();
+        after.apply(&edits);
+        edits.push(Edit::Candidates(after.candidates.iter().copied().collect()));
+        edits.push(Edit::NextFile(after.next_file));
+        let vs = &mut *vs;
+        vs.manifest.log(&self.fs, &edits, &after)?;
+        vs.version = after;
+        Ok(())
+    }
+
+    /// Set every file's live count to the number of tree entries pointing at it (after a
+    /// compaction was rolled back: flushes that ran during it moved keys out of its outputs,
+    /// which the rollback cannot attribute to the inputs).
+    fn recount_live(&self) -> Result<()> {
+        let counts = self.count_tree_entries()?;
+        let mut vs = self.version.lock();
+        let edits: Vec<Edit> = vs
+            .version
+            .files
+            .iter()
+            .filter_map(|(n, m)| {
+                let c = counts.get(n).copied().unwrap_or(0);
+                (c != m.live).then_some(Edit::SetLive(*n, c))
+            })
+            .collect();
+        if edits.is_empty() {
+            return Ok(());
+        }
+        let mut after = vs.version.clone();
+        after.apply(&edits);
+        let vs = &mut *vs;
+        vs.manifest.log(&self.fs, &edits, &after)?;
+        vs.version = after;
+        Ok(())
+    }
+
+    fn count_tree_entries(&self) -> Result<HashMap<u64, u64>> {
+        let tree = self.tree.read();
+        let mut live: HashMap<u64, u64> = HashMap::new();
+        let mut start = Vec::new();
+        let mut first = true;
+        loop {
+            let chunk = tree.range(&self.region, &start, !first, None, 4096)?;
+            first = false;
+            for (_, loc) in &chunk {
+                *live.entry(loc.file).or_insert(0) += 1;
+            }
+            match chunk.last() {
+                Some((k, _)) if chunk.len() == 4096 => start = k.clone(),
+                _ => return Ok(live),
+            }
+        }
+    }
+
     /// Steps 4–5 of recovery (module docs).
     pub(super) fn finish_recovery(&self) -> Result<()> {
         // File numbers never go backwards past a file that exists.
@@ -602,14 +710,72 @@ impl Inner {
         }
         let root = self.root.lock().0;
         let mut restart = None;
+        let mut recount = false;
+        // A compaction in flight: finished if its edit is durable, else rolled back (and
+        // restarted below).
         if root.log != 0 {
             let (entries, segs) = complog::read(&self.region, root.log)?;
+            if let Some(LogEntry::Begin(Job::Compaction)) = entries.first() {
+                let inputs: Vec<u64> = entries
+                    .iter()
+                    .filter_map(|e| match e {
+                        LogEntry::Input(f) => Some(*f),
+                        _ => None,
+                    })
+                    .collect();
+                let outputs: HashSet<u64> = entries
+                    .iter()
+                    .filter_map(|e| match e {
+                        LogEntry::Output(f) => Some(*f),
+                        _ => None,
+                    })
+                    .collect();
+                let committed = {
+                    let vs = self.version.lock();
+                    inputs.iter().all(|f| !vs.version.files.contains_key(f))
+                };
+                if !committed {
+                    // Point every key the compaction moved into an output back at its block
+                    // in the old file (a key a flush moved on since stays where it is).
+                    let mut tree = self.tree.write();
+                    for e in &entries {
+                        if let LogEntry::Moved(old, key) = e {
+                            if !tree.get(&self.region, key)?.is_some_and(|l| outputs.contains(&l.file)) {
+                                continue;
+                            }
+                            let t = self.table(*old)?;
+                            let Some((_, _, h)) = t.find(key)? else {
+                                return Err(Error::corruption(
+                                    t.path(),
+                                    0,
+                                    "a key the compaction log moved is missing from its old file",
+                                ));
+                            };
+                            tree.put(
+                                &self.region,
+                                &self.heap,
+                                key,
+                                Loc { file: *old, offset: h.offset, size: h.size },
+                            )?;
+                        }
+                    }
+                    recount = true;
+                    restart = Some(inputs.clone());
+                }
+            }
+            self.update_root(|r| r.log = 0)?;
+            self.free_log(&segs);
+        }
+        // A flush in flight: rolled forward unless its edit is durable.
+        if root.flush_log != 0 {
+            let (entries, segs) = complog::read(&self.region, root.flush_log)?;
             let counter = self.version.lock().version.counter;
             match entries.first() {
                 Some(LogEntry::Begin(Job::Flush(g))) if *g > counter => {
                     let imm = self.mem.read().imm.clone();
                     let imm = imm.filter(|m| m.gen == *g).ok_or_else(|| {
-                        self.region.corruption(root.log, "compaction log names a flush of a MemTable that is gone")
+                        self.region
+                            .corruption(root.flush_log, "compaction log names a flush of a MemTable that is gone")
                     })?;
                     let out = entries.iter().find_map(|e| match e {
                         LogEntry::Output(f) => Some(*f),
@@ -623,54 +789,13 @@ impl Inner {
                     }
                     // A new log replaces the old one (carrying its entries); then the old
                     // segments are free.
-                    let _job = self.job.lock();
-                    self.flush_job(&imm, Some((out, moved)))?;
-                    self.free_log(&segs);
-                }
-                Some(LogEntry::Begin(Job::Compaction)) => {
-                    let inputs: Vec<u64> = entries
-                        .iter()
-                        .filter_map(|e| match e {
-                            LogEntry::Input(f) => Some(*f),
-                            _ => None,
-                        })
-                        .collect();
-                    let committed = {
-                        let vs = self.version.lock();
-                        inputs.iter().all(|f| !vs.version.files.contains_key(f))
-                    };
-                    if !committed {
-                        // Roll back: point every moved key at its block in the old file.
-                        let mut tree = self.tree.write();
-                        for e in &entries {
-                            if let LogEntry::Moved(old, key) = e {
-                                if tree.get(&self.region, key)?.map(|l| l.file) == Some(*old) {
-                                    continue;
-                                }
-                                let t = self.table(*old)?;
-                                let Some((_, _, h)) = t.find(key)? else {
-                                    return Err(Error::corruption(
-                                        t.path(),
-                                        0,
-                                        "a key the compaction log moved is missing from its old file",
-                                    ));
-                                };
-                                tree.put(
-                                    &self.region,
-                                    &self.heap,
-                                    key,
-                                    Loc { file: *old, offset: h.offset, size: h.size },
-                                )?;
-                            }
-                        }
-                        restart = Some(inputs.clone());
-                    }
-                    self.update_root(|r| r.log = 0)?;
+                    let _job = self.flush_job.lock();
+                    self.run_flush(&imm, Some((out, moved)))?;
                     self.free_log(&segs);
                 }
                 _ => {
                     // A committed flush, or a log whose Begin never became durable.
-                    self.update_root(|r| r.log = 0)?;
+                    self.update_root(|r| r.flush_log = 0)?;
                     self.free_log(&segs);
                 }
             }
@@ -702,6 +827,9 @@ impl Inner {
         if removed {
             self.fs.sync_dir(&self.dir)?;
         }
+        if recount {
+            self.recount_live()?;
+        }
         if let Some(inputs) = restart {
             if self.opts.background {
                 self.work.lock().restart = Some(inputs);
@@ -716,7 +844,8 @@ impl Inner {
     /// key in a live file, and every file's live-key count equals the tree entries pointing
     /// at it.
     pub(super) fn check_impl(&self) -> Result<Vec<String>> {
-        let _job = self.job.lock();
+        let _c = self.compaction_job.lock();
+        let _f = self.flush_job.lock();
         let mut problems = Vec::new();
         let tree = self.tree.read();
         problems.extend(tree.check(&self.region)?);

@@ -61,18 +61,23 @@ pub struct Root {
     pub log: u64,
     /// Generation the next memtable gets.
     pub next_mem_gen: u64,
+    /// First segment of the flush's compaction log (0 = no flush in flight). A flush may
+    /// run while a compaction is in flight (as LevelDB flushes its Immutable MemTable in the
+    /// middle of a compaction), so each has its own log.
+    pub flush_log: u64,
 }
 
 impl Root {
-    /// `magic[4] | crc u32 | gen u64 | active u64 | imm u64 | log u64 | next_mem_gen u64 | 0 ×16`
-    /// (crc over bytes 8..48).
+    /// `magic[4] | crc u32 | gen u64 | active u64 | imm u64 | log u64 | next_mem_gen u64 |
+    /// flush_log u64 | 0 ×8` (crc over bytes 8..56).
     pub fn encode(&self) -> [u8; 64] {
         let mut b = [0u8; 64];
         b[0..4].copy_from_slice(ROOT_MAGIC);
-        for (i, v) in [self.gen, self.active, self.imm, self.log, self.next_mem_gen].iter().enumerate() {
+        for (i, v) in [self.gen, self.active, self.imm, self.log, self.next_mem_gen, self.flush_log].iter().enumerate()
+        {
             b[8 + 8 * i..16 + 8 * i].copy_from_slice(&v.to_le_bytes());
         }
-        let c = crc::masked(&b[8..48]);
+        let c = crc::masked(&b[8..56]);
         b[4..8].copy_from_slice(&c.to_le_bytes());
         b
     }
@@ -84,9 +89,16 @@ impl Root {
             return None;
         }
         let stored = c.u32()?;
-        if crc::masked(b.get(8..48)?) != stored {
+        if crc::masked(b.get(8..56)?) != stored {
             return None;
         }
-        Some(Root { gen: c.u64()?, active: c.u64()?, imm: c.u64()?, log: c.u64()?, next_mem_gen: c.u64()? })
+        Some(Root {
+            gen: c.u64()?,
+            active: c.u64()?,
+            imm: c.u64()?,
+            log: c.u64()?,
+            next_mem_gen: c.u64()?,
+            flush_log: c.u64()?,
+        })
     }
 }

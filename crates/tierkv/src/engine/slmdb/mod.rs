@@ -113,6 +113,14 @@ struct Counters {
     cand_leaf_scan: AtomicU64,
     cand_seq_degree: AtomicU64,
     write_stalls: AtomicU64,
+    flushes_in_compaction: AtomicU64,
+}
+
+/// Bookkeeping of a compaction in flight.
+#[derive(Debug, Default)]
+struct Inflight {
+    outputs: std::collections::HashSet<u64>,
+    pending_decr: HashMap<u64, u64>,
 }
 
 /// Work for the background thread.
@@ -139,8 +147,13 @@ struct Inner {
     tables: RwLock<HashMap<u64, Arc<Table>>>,
     cache: Arc<BlockCache>,
     root: Mutex<(Root, usize)>,
-    /// Serialises flush and compaction jobs.
-    job: Mutex<()>,
+    /// Serialises flushes. Lock order: `compaction_job` before `flush_job`.
+    flush_job: Mutex<()>,
+    /// Serialises compactions (a flush may run in the middle of one).
+    compaction_job: Mutex<()>,
+    /// The compaction in flight: its output files, and live keys flushes moved away from
+    /// them before its commit.
+    inflight: Mutex<Option<Inflight>>,
     work: Mutex<Work>,
     work_cv: Condvar,
     /// Signalled when an Immutable MemTable is gone.
@@ -312,9 +325,11 @@ fn open_inner(ctx: &EngineCtx) -> Result<Inner> {
                 used.push((arena, size.div_ceil(64) * 64));
             }
         }
-        if root.log != 0 {
-            let (_, segs) = complog::read(&region, root.log)?;
-            used.extend(segs);
+        for log in [root.log, root.flush_log] {
+            if log != 0 {
+                let (_, segs) = complog::read(&region, log)?;
+                used.extend(segs);
+            }
         }
         rebuild_heap(&region, &heap, used)?;
         let mut tree = tree;
@@ -323,7 +338,7 @@ fn open_inner(ctx: &EngineCtx) -> Result<Inner> {
             return Err(Error::corruption(ctx.dir.join("CURRENT"), 0, "the store's MANIFEST is missing"));
         }
         let (version, n, torn) = Manifest::recover(fs, &ctx.dir)?;
-        if torn && root.log == 0 {
+        if torn && root.log == 0 && root.flush_log == 0 {
             // A record is appended only while a job's log is live in PM; with none, a bad
             // last record is damage, not a torn append, and dropping it would lose a commit.
             return Err(Error::corruption(
@@ -384,7 +399,9 @@ fn open_inner(ctx: &EngineCtx) -> Result<Inner> {
         tables: RwLock::new(tables),
         cache,
         root: Mutex::new((root, slot)),
-        job: Mutex::new(()),
+        flush_job: Mutex::new(()),
+        compaction_job: Mutex::new(()),
+        inflight: Mutex::new(None),
         work: Mutex::new(Work::default()),
         work_cv: Condvar::new(),
         flushed_cv: Condvar::new(),
@@ -723,7 +740,8 @@ impl Inner {
         }
         // A clean shutdown leaves the MemTables in PM (they are persistent; no WAL to
         // replay) and syncs PM for power-loss durability on non-DAX media.
-        let _job = self.job.lock();
+        let _c = self.compaction_job.lock();
+        let _f = self.flush_job.lock();
         self.region.sync_all()?;
         Ok(())
     }
@@ -768,6 +786,7 @@ impl Inner {
             ("candidates_leaf_scan", ld(&c.cand_leaf_scan)),
             ("candidates_seq_degree", ld(&c.cand_seq_degree)),
             ("write_stalls", ld(&c.write_stalls)),
+            ("flushes_during_compaction", ld(&c.flushes_in_compaction)),
             ("pm_heap_bytes", heap.total()),
             ("pm_heap_free_bytes", heap.free_bytes()),
             ("block_cache_bytes", self.cache.bytes()),
