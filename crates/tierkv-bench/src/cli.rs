@@ -34,6 +34,10 @@ pub struct BenchArgs {
     pub threads: usize,
     /// `--durable`: peers fsync every write; tierkv msyncs PM.
     pub durable: bool,
+    /// The `tierkv` executable, to run the crash child ([`crate::child`]). Without it, only
+    /// engines that can simulate a crash in-process (the tierkv presets) report recovery
+    /// after a crash.
+    pub crash_exe: Option<PathBuf>,
 }
 
 impl Default for BenchArgs {
@@ -54,6 +58,7 @@ impl Default for BenchArgs {
             out: None,
             threads: 1,
             durable: false,
+            crash_exe: None,
         }
     }
 }
@@ -132,18 +137,25 @@ pub fn run(a: &BenchArgs) -> Result<Report, String> {
             let t = Instant::now();
             if e.reopen().is_ok() {
                 let seconds = t.elapsed().as_secs_f64();
-                // Dirty the store a little so the crash leaves log records to replay.
-                let mut rng_key = 0u64;
-                let after_crash_seconds = (|| {
-                    for _ in 0..1000 {
-                        rng_key = rng_key.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
-                        let k = crate::workload::db_bench_key(rng_key % a.num.max(1), a.key_size);
-                        e.put(&k, &vec![7u8; value_size]).ok()?;
+                let after_crash_seconds = match &a.crash_exe {
+                    Some(exe) => {
+                        drop(e);
+                        match crate::child::measure(exe, &spec, a.num, a.key_size, value_size) {
+                            Ok(s) => Some(s),
+                            Err(err) => {
+                                eprintln!("warning: {name}: recovery after a crash not measured: {err}");
+                                None
+                            }
+                        }
                     }
-                    let t = Instant::now();
-                    e.crash_reopen().ok()?;
-                    Some(t.elapsed().as_secs_f64())
-                })();
+                    None => {
+                        for k in crate::child::child_keys(a.num, a.key_size) {
+                            e.put(&k, &vec![7u8; value_size])?;
+                        }
+                        let t = Instant::now();
+                        e.crash_reopen().ok().map(|_| t.elapsed().as_secs_f64())
+                    }
+                };
                 recovery.push(Recovery { engine: name.clone(), value_size, seconds, after_crash_seconds });
             }
         }

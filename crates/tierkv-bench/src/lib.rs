@@ -4,6 +4,7 @@
 //! - [`workload`]: db_bench key streams and YCSB's request distributions;
 //! - [`engine`]: the engines behind one trait — every tierkv preset, the `limit` floor, and
 //!   (feature `peers`, used by the main job) LevelDB and RocksDB in `peers`;
+//! - [`child`]: recovery after a real crash (a child process killed with SIGKILL);
 //! - [`run`]: workloads, client threads, latency histograms; [`report`]: table and JSON;
 //!   [`plot`]: SVG/PNG charts;
 //!   [`cli`]: `tierkv bench`.
@@ -20,6 +21,7 @@
 //!   default) and the OS page cache; tierkv reads PM directly;
 //! - the same seeded key and request streams are used for every engine.
 
+pub mod child;
 pub mod cli;
 pub mod engine;
 #[cfg(feature = "peers")]

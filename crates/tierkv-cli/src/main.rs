@@ -131,6 +131,25 @@ enum Cmd {
         #[command(flatten)]
         t: Target,
     },
+    /// (Internal to `tierkv bench`.) Open a benchmarked store, write, report, and wait to be
+    /// killed: recovery after a real crash is timed by the parent.
+    #[command(name = "bench-crash-child", hide = true)]
+    BenchCrashChild {
+        #[arg(long)]
+        engine: String,
+        #[arg(long)]
+        dir: PathBuf,
+        #[arg(long)]
+        pm_dir: PathBuf,
+        #[arg(long)]
+        num: u64,
+        #[arg(long)]
+        key_size: usize,
+        #[arg(long)]
+        value_size: usize,
+        #[arg(long)]
+        durable: bool,
+    },
 }
 
 enum Outcome {
@@ -177,6 +196,7 @@ fn run(cli: Cli) -> Result<Outcome, Error> {
                 durable: f.durable,
                 ..Default::default()
             };
+            a.crash_exe = std::env::current_exe().ok();
             if f.full {
                 a.value_sizes = vec![100, 1024, 4096, 16384];
                 a.workloads = tierkv_bench::run::Workload::ALL.to_vec();
@@ -188,6 +208,11 @@ fn run(cli: Cli) -> Result<Outcome, Error> {
                 a.workloads = tierkv_bench::cli::parse_workloads(&w).map_err(Error::InvalidArgument)?;
             }
             tierkv_bench::cli::run(&a).map_err(|e| Error::InvalidArgument(format!("bench: {e}")))?;
+        }
+        Cmd::BenchCrashChild { engine, dir, pm_dir, num, key_size, value_size, durable } => {
+            let spec = tierkv_bench::engine::EngineSpec { name: engine, dir, pm_dir, durable };
+            tierkv_bench::child::child_main(&spec, num, key_size, value_size)
+                .map_err(|e| Error::InvalidArgument(format!("bench child: {e}")))?;
         }
         Cmd::Put { t, key, value } => {
             let key = arg_bytes(&key)?;

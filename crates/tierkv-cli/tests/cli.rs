@@ -101,3 +101,35 @@ fn check_reports_damage_with_exit_3() {
     assert_eq!(code(&c), 3);
     assert!(String::from_utf8_lossy(&c.stdout).contains("superblock"));
 }
+
+/// `tierkv bench` measures recovery after a real crash: a child process writes to the store
+/// and is killed with SIGKILL; the reopen is timed and must find the child's last write.
+#[test]
+fn bench_measures_recovery_after_a_killed_child() {
+    let d = tmp();
+    let pm = tmp();
+    let o = tierkv(
+        &[
+            "bench",
+            "--engines",
+            "pmekv,slmdb",
+            "--num",
+            "3000",
+            "--workloads",
+            "fillrandom",
+            "--dir",
+            d.path().to_str().unwrap(),
+            "--pm-dir",
+            pm.path().to_str().unwrap(),
+        ],
+        None,
+    );
+    assert_eq!(code(&o), 0, "{}", String::from_utf8_lossy(&o.stderr));
+    let out = String::from_utf8_lossy(&o.stdout);
+    for engine in ["pmekv", "slmdb"] {
+        let line = out.lines().find(|l| l.trim_start().starts_with(engine) && l.contains('|')).unwrap_or_else(|| {
+            panic!("no recovery line for {engine} in:\n{out}");
+        });
+        assert!(!line.contains("not measured"), "{line}");
+    }
+}

@@ -102,6 +102,16 @@ pub struct Node<'a> {
 
 /// Read and verify the node at `addr`.
 pub fn read_node(r: &Region, addr: u64) -> Result<Node<'_>> {
+    read_node_impl(r, addr, true)
+}
+
+/// Read a node without verifying its checksum: for nodes this process linked, or verified
+/// when the MemTable was recovered (lengths are still bounds-checked). `check` verifies all.
+pub fn read_node_trusted(r: &Region, addr: u64) -> Result<Node<'_>> {
+    read_node_impl(r, addr, false)
+}
+
+fn read_node_impl(r: &Region, addr: u64, verify: bool) -> Result<Node<'_>> {
     let h = r.slice_checked(addr, NODE_HEADER as usize, "memtable node")?;
     let mut c = Cursor::new(h);
     let bad = |d: &str| r.corruption(addr, d.to_string());
@@ -119,7 +129,7 @@ pub fn read_node(r: &Region, addr: u64) -> Result<Node<'_>> {
     let all = r.slice_checked(addr, NODE_HEADER as usize + klen + vlen, "memtable node")?;
     let key = all.get(NODE_HEADER as usize..NODE_HEADER as usize + klen).unwrap_or(&[]);
     let value = all.get(NODE_HEADER as usize + klen..).unwrap_or(&[]);
-    if crc::masked_parts(&[h.get(8..36).unwrap_or(&[]), key, value]) != stored || kind > KIND_DEL {
+    if kind > KIND_DEL || (verify && crc::masked_parts(&[h.get(8..36).unwrap_or(&[]), key, value]) != stored) {
         return Err(bad("memtable node checksum mismatch"));
     }
     Ok(Node { next, seq, batch_n, batch_i, kind, key, value })
@@ -146,8 +156,11 @@ pub struct Memtable {
     pub user_bytes: AtomicU64,
 }
 
-/// A MemTable entry: key and value, `None` for a delete.
-pub type MemEntry = (Vec<u8>, Option<Vec<u8>>);
+/// The value of the node at `addr` (`None` for a delete).
+pub fn node_value(r: &Region, addr: u64) -> Result<Option<Vec<u8>>> {
+    let n = read_node_trusted(r, addr)?;
+    Ok((n.kind == KIND_PUT).then(|| n.value.to_vec()))
+}
 
 /// One write to apply.
 #[derive(Debug, Clone, Copy)]
@@ -320,19 +333,15 @@ impl Memtable {
     pub fn get(&self, r: &Region, key: &[u8]) -> Result<Option<Option<Vec<u8>>>> {
         let idx = self.index.read();
         let Some(s) = idx.get(key) else { return Ok(None) };
-        let n = read_node(r, s.newest)?;
+        let n = read_node_trusted(r, s.newest)?;
         Ok(Some((n.kind == KIND_PUT).then(|| n.value.to_vec())))
     }
 
-    /// Up to `max` newest entries (deletes as `None`) with keys in the bounds, in order.
-    pub fn range(&self, r: &Region, start: Bound<&[u8]>, end: Bound<&[u8]>, max: usize) -> Result<Vec<MemEntry>> {
+    /// Up to `max` keys in the bounds, in order, with their newest node (read its value
+    /// with [`node_value`] while the MemTable is alive).
+    pub fn range(&self, start: Bound<&[u8]>, end: Bound<&[u8]>, max: usize) -> Vec<(Vec<u8>, u64)> {
         let idx = self.index.read();
-        let mut out = Vec::new();
-        for (k, s) in idx.range::<[u8], _>((start, end)).take(max) {
-            let n = read_node(r, s.newest)?;
-            out.push((k.clone(), (n.kind == KIND_PUT).then(|| n.value.to_vec())));
-        }
-        Ok(out)
+        idx.range::<[u8], _>((start, end)).take(max).map(|(k, s)| (k.clone(), s.newest)).collect()
     }
 
     /// Every key's newest entry in order (for a flush): `(key, kind, value)`.

@@ -646,9 +646,9 @@ impl Inner {
         loop {
             let n = (max - out.len()).max(16);
             let fb = as_ref(&from);
-            let a = mem.active.range(&self.region, fb, end, n)?;
+            let a = mem.active.range(fb, end, n);
             let b = match &mem.imm {
-                Some(m) => m.range(&self.region, fb, end, n)?,
+                Some(m) => m.range(fb, end, n),
                 None => Vec::new(),
             };
             let (tk, texcl) = match fb {
@@ -687,8 +687,10 @@ impl Inner {
             }
             for (k, s) in merged {
                 let v = match s {
-                    Source::Mem(Some(v)) => v,
-                    Source::Mem(None) => continue,
+                    Source::Mem(node) => match memtable::node_value(&self.region, node)? {
+                        Some(v) => v,
+                        None => continue,
+                    },
                     Source::Tree(loc) => {
                         tree_files.push(loc.file);
                         let blk = match blocks.get(&(loc.file, loc.offset)) {
@@ -811,9 +813,9 @@ impl Inner {
     }
 }
 
-/// Where a merged scan entry comes from.
+/// Where a merged scan entry comes from: a MemTable node, or a location in an SSTable.
 enum Source {
-    Mem(Option<Vec<u8>>),
+    Mem(u64),
     Tree(Loc),
 }
 
