@@ -102,8 +102,9 @@ impl Default for PmekvOptions {
 /// Options of the `slmdb` preset. Defaults are the paper's (§6.1) where it gives one.
 #[derive(Debug, Clone)]
 pub struct SlmdbOptions {
-    /// Size of a MemTable arena in PM. Default 64 MiB (the paper's). At least 64 KiB.
-    /// A single write larger than this gets an arena of its own size.
+    /// Size of a MemTable arena in PM. Default 64 MiB (the paper's). At least 64 KiB, and
+    /// at most `pm_pool_size` − 4 KiB. *Creation-only* (recorded in the superblock). A single
+    /// write larger than this gets an arena of its own size.
     pub memtable_size: u64,
     /// SSTable data block size. Default 4 KiB (LevelDB's, which SLM-DB keeps).
     pub block_size: usize,

@@ -411,3 +411,32 @@ fn crash_with_background_flush_during_compaction() {
     }
     eprintln!("{crashed_after_interleaving} of 60 crash points came after a flush inside a compaction");
 }
+
+/// On the real file system SSTables are mapped; a damaged data block is still a typed
+/// error for `get` and `scan`, and `check` names it.
+#[test]
+fn damaged_block_in_a_mapped_sstable_is_corruption() {
+    let t = tempdir();
+    let o = || Options::new().preset(Preset::Slmdb).pm_pool_size(1 << 20).slmdb(slmdb_small());
+    let db = Db::open(t.path(), o()).unwrap();
+    for i in 0..50 {
+        let (k, v) = kv(i, 0);
+        db.put(&k, &v).unwrap();
+    }
+    db.flush().unwrap();
+    db.close().unwrap();
+    drop(db);
+    let sst = t.path().join("000001.sst");
+    let mut bytes = std::fs::read(&sst).unwrap();
+    bytes[20] ^= 0x40; // inside the first data block
+    std::fs::write(&sst, &bytes).unwrap();
+    let db = Db::open(t.path(), o()).unwrap();
+    let (k0, _) = kv(0, 0);
+    assert!(db.get(&k0).unwrap_err().is_corruption());
+    let first = db.scan::<std::ops::RangeFull>(..).unwrap().next().unwrap();
+    assert!(first.unwrap_err().is_corruption());
+    let (k49, v49) = kv(49, 0);
+    assert_eq!(db.get(&k49).unwrap(), Some(v49), "other blocks still read");
+    let problems = db.check().unwrap();
+    assert!(problems.iter().any(|p| p.contains("checksum")), "{problems:?}");
+}

@@ -31,6 +31,14 @@ pub trait FsFile: Send + Sync + Debug {
     fn is_empty(&self) -> io::Result<bool> {
         Ok(self.len()? == 0)
     }
+    /// The whole file as memory, when it was opened with [`Fs::open_immutable`] on a file
+    /// system that maps files. Reads through it are not counted by [`CountingFs`]; callers
+    /// count them with [`FsFile::note_read`].
+    fn mapped(&self) -> Option<&[u8]> {
+        None
+    }
+    /// Account `n` bytes read through [`FsFile::mapped`].
+    fn note_read(&self, _n: u64) {}
 }
 
 /// A held exclusive lock on a store directory; released when dropped.
@@ -44,6 +52,11 @@ pub trait Fs: Send + Sync + Debug {
     fn create(&self, path: &Path) -> io::Result<Box<dyn FsFile>>;
     /// Open an existing file for reading and appending.
     fn open(&self, path: &Path) -> io::Result<Box<dyn FsFile>>;
+    /// Open a file that will never change again (a finished SSTable) for reading. The real
+    /// file system maps it (like LevelDB's mmap'd table files), so reads cost no system call.
+    fn open_immutable(&self, path: &Path) -> io::Result<Box<dyn FsFile>> {
+        self.open(path)
+    }
     /// True when `path` exists.
     fn exists(&self, path: &Path) -> bool;
     /// Atomically rename `from` to `to` (replacing `to`). Durable after [`Fs::sync_dir`].
@@ -143,6 +156,12 @@ impl FsFile for CountingFile {
     fn len(&self) -> io::Result<u64> {
         self.inner.len()
     }
+    fn mapped(&self) -> Option<&[u8]> {
+        self.inner.mapped()
+    }
+    fn note_read(&self, n: u64) {
+        self.counters.bytes_read.fetch_add(n, Ordering::Relaxed);
+    }
 }
 
 impl Fs for CountingFs {
@@ -154,6 +173,9 @@ impl Fs for CountingFs {
     }
     fn open(&self, path: &Path) -> io::Result<Box<dyn FsFile>> {
         Ok(Box::new(CountingFile { inner: self.inner.open(path)?, counters: self.counters.clone() }))
+    }
+    fn open_immutable(&self, path: &Path) -> io::Result<Box<dyn FsFile>> {
+        Ok(Box::new(CountingFile { inner: self.inner.open_immutable(path)?, counters: self.counters.clone() }))
     }
     fn exists(&self, path: &Path) -> bool {
         self.inner.exists(path)

@@ -34,6 +34,35 @@ impl FsFile for RealFile {
     }
 }
 
+/// A finished, never-again-modified file, mapped read-only.
+#[derive(Debug)]
+struct MappedFile {
+    _file: File,
+    map: Option<memmap2::Mmap>,
+}
+
+impl FsFile for MappedFile {
+    fn append(&mut self, _data: &[u8]) -> io::Result<()> {
+        Err(io::Error::new(io::ErrorKind::PermissionDenied, "file was opened as immutable"))
+    }
+    fn read_at(&self, off: u64, buf: &mut [u8]) -> io::Result<usize> {
+        let data = self.mapped().unwrap_or(&[]);
+        let start = usize::try_from(off).unwrap_or(usize::MAX).min(data.len());
+        let n = buf.len().min(data.len() - start);
+        buf[..n].copy_from_slice(&data[start..start + n]);
+        Ok(n)
+    }
+    fn sync(&mut self) -> io::Result<()> {
+        Ok(())
+    }
+    fn len(&self) -> io::Result<u64> {
+        Ok(self.mapped().map_or(0, |m| m.len() as u64))
+    }
+    fn mapped(&self) -> Option<&[u8]> {
+        Some(self.map.as_deref().unwrap_or(&[]))
+    }
+}
+
 #[derive(Debug)]
 struct RealLock {
     _file: File,
@@ -52,6 +81,20 @@ impl Fs for RealFs {
         let file = OpenOptions::new().read(true).write(true).open(path)?;
         let len = file.metadata()?.len();
         Ok(Box::new(RealFile { file, len }))
+    }
+    fn open_immutable(&self, path: &Path) -> io::Result<Box<dyn FsFile>> {
+        let file = OpenOptions::new().read(true).open(path)?;
+        // An empty file cannot be mapped; it reads as empty.
+        let map = if file.metadata()?.len() == 0 {
+            None
+        } else {
+            // SAFETY: the file is finished and never written again by tierkv, and the store
+            // directory is locked against other tierkv processes; it is only ever unlinked,
+            // which leaves the mapping valid. (Another program truncating a store's files
+            // under it is outside what any storage engine can defend against.)
+            Some(unsafe { memmap2::Mmap::map(&file)? })
+        };
+        Ok(Box::new(MappedFile { _file: file, map }))
     }
     fn exists(&self, path: &Path) -> bool {
         path.exists()

@@ -324,7 +324,7 @@ impl Table {
     }
 
     fn load(fs: &dyn Fs, path: &Path) -> Result<Table> {
-        let file = fs.open(path)?;
+        let file = fs.open_immutable(path)?;
         let size = file.len()?;
         let bad = |off: u64, d: &str| Error::corruption(path, off, d.to_string());
         if size < FOOTER_LEN as u64 {
@@ -374,6 +374,26 @@ impl Table {
         let mut t = Table::load(fs, path)?;
         t.cache = Some((id, cache.clone()));
         Ok(Arc::new(t))
+    }
+
+    /// A block's payload without copying it, when the file is mapped; its checksum is
+    /// verified when `verify` (callers skip it only for a block they verified already).
+    pub fn block_ref(&self, h: Handle, verify: bool) -> Result<Option<&[u8]>> {
+        let Some(map) = self.file.mapped() else { return Ok(None) };
+        let bad = |d: &str| Error::corruption(&self.path, h.offset, d.to_string());
+        let start = usize::try_from(h.offset).map_err(|_| bad("block offset out of range"))?;
+        let b = start
+            .checked_add(h.size as usize)
+            .and_then(|end| map.get(start..end))
+            .filter(|b| b.len() >= 4)
+            .ok_or_else(|| bad("block handle past the end of the file"))?;
+        let (payload, c) = b.split_at(b.len() - 4);
+        let stored = u32::from_le_bytes(c.try_into().unwrap_or([0; 4]));
+        if verify && crc::masked(payload) != stored {
+            return Err(bad("block checksum mismatch"));
+        }
+        self.file.note_read(h.size as u64);
+        Ok(Some(payload))
     }
 
     /// [`Table::read_block`] through the block cache, if the table has one.

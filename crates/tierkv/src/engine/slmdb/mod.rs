@@ -39,7 +39,7 @@
 //!    log reference, and repairs the tree ([`crate::index::pbtree`]);
 //! 2. reads the MANIFEST (torn tail dropped) and opens every live SSTable;
 //! 3. recovers both MemTables (unlinking a batch that was only partly linked);
-//! 4. resolves an in-flight job from the compaction log: a **flush** whose MemTable
+//! 4. resolves the in-flight jobs from their compaction logs (compaction first): a **flush** whose MemTable
 //!    generation the MANIFEST already records is finished (log dropped); otherwise it is
 //!    rolled forward — its SSTable was synced before the log began, so every key of the
 //!    Immutable MemTable is re-applied to the tree idempotently (a key logged as moved is
@@ -47,11 +47,18 @@
 //!    the MANIFEST no longer lists is finished (inputs deleted); otherwise it is rolled back —
 //!    each moved key is pointed back at its block in the old file (found through that file's
 //!    index), the outputs are deleted — and restarted on the same inputs (§5);
-//! 5. flushes a leftover Immutable MemTable and deletes SSTables no version references.
+//! 5. flushes a leftover Immutable MemTable, deletes SSTables no version references and,
+//!    after a rollback, recounts every file's live keys from the tree.
 //!
 //! # Choices where the paper is silent
-//! - Flush and compaction are serialised (one job at a time), as in LevelDB; a writer that
-//!   fills the MemTable while the Immutable one is still being flushed waits (a stall).
+//! - Flushes are serialised and compactions are serialised; in background mode a flush runs
+//!   in the middle of a compaction when a MemTable fills (as LevelDB flushes inside a long
+//!   compaction). The compaction then installs an entry only if the key still points at its
+//!   input, output live counts are settled at its commit, and each job has its own log in
+//!   the root. A writer that fills the MemTable while the Immutable one is still being
+//!   flushed waits (a stall).
+//! - An 8 MiB block cache (LevelDB's default) holds verified data blocks.
+//! - MemTable reads trust nodes (all verified at recovery; `check` verifies them again).
 //! - The PM heap has no persistent metadata (as in `pmekv`): it is rebuilt at open, so space
 //!   allocated but not yet linked at a crash is reclaimed.
 //! - Key-range overlap ratios need numbers; a key maps to the big-endian value of its first
@@ -515,10 +522,10 @@ impl Inner {
     /// Read `key`'s value from the block `loc` names (caller holds the tree read lock).
     fn read_at(&self, key: &[u8], loc: Loc) -> Result<Vec<u8>> {
         let t = self.table(loc.file)?;
-        let b = t.read_block_cached(Handle { offset: loc.offset, size: loc.size })?;
-        match block_find(&b, key).map_err(|d| Error::corruption(t.path(), loc.offset, d))? {
-            Some(e) if e.kind == Kind::Put => Ok(e.value.to_vec()),
-            _ => Err(Error::corruption(t.path(), loc.offset, "the B+-tree points at a block without the key")),
+        let h = Handle { offset: loc.offset, size: loc.size };
+        match t.block_ref(h, true)? {
+            Some(b) => value_in(&t, b, key, loc),
+            None => value_in(&t, &t.read_block_cached(h)?, key, loc),
         }
     }
 
@@ -642,7 +649,9 @@ impl Inner {
         let mut tree_files: Vec<u64> = Vec::new();
         let mem = self.mem.read();
         let tree = self.tree.read();
-        let mut blocks: HashMap<(u64, u64), Arc<Vec<u8>>> = HashMap::new();
+        // Blocks whose checksum this call verified already; the table of the last entry.
+        let mut verified: std::collections::HashSet<(u64, u64)> = std::collections::HashSet::new();
+        let mut last_table: Option<(u64, Arc<Table>)> = None;
         loop {
             let n = (max - out.len()).max(16);
             let fb = as_ref(&from);
@@ -693,25 +702,19 @@ impl Inner {
                     },
                     Source::Tree(loc) => {
                         tree_files.push(loc.file);
-                        let blk = match blocks.get(&(loc.file, loc.offset)) {
-                            Some(b) => b,
-                            None => {
+                        let t = match &last_table {
+                            Some((f, t)) if *f == loc.file => t.clone(),
+                            _ => {
                                 let t = self.table(loc.file)?;
-                                let b = t.read_block_cached(Handle { offset: loc.offset, size: loc.size })?;
-                                blocks.entry((loc.file, loc.offset)).or_insert(b)
+                                last_table = Some((loc.file, t.clone()));
+                                t
                             }
                         };
-                        match block_find(blk, &k)
-                            .map_err(|d| Error::corruption(self.dir.join(table_name(loc.file)), loc.offset, d))?
-                        {
-                            Some(e) if e.kind == Kind::Put => e.value.to_vec(),
-                            _ => {
-                                return Err(Error::corruption(
-                                    self.dir.join(table_name(loc.file)),
-                                    loc.offset,
-                                    "the B+-tree points at a block without the key",
-                                ))
-                            }
+                        let h = Handle { offset: loc.offset, size: loc.size };
+                        let verify = verified.insert((loc.file, loc.offset));
+                        match t.block_ref(h, verify)? {
+                            Some(b) => value_in(&t, b, &k, loc)?,
+                            None => value_in(&t, &t.read_block_cached(h)?, &k, loc)?,
                         }
                     }
                 };
@@ -810,6 +813,14 @@ impl Inner {
             dram_index_bytes: mem_keys * 64,
             design,
         }
+    }
+}
+
+/// The value of `key` in block payload `b` of table `t` (which `loc` names).
+fn value_in(t: &Table, b: &[u8], key: &[u8], loc: Loc) -> Result<Vec<u8>> {
+    match block_find(b, key).map_err(|d| Error::corruption(t.path(), loc.offset, d))? {
+        Some(e) if e.kind == Kind::Put => Ok(e.value.to_vec()),
+        _ => Err(Error::corruption(t.path(), loc.offset, "the B+-tree points at a block without the key")),
     }
 }
 
