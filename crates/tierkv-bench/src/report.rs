@@ -30,8 +30,9 @@ pub struct Recovery {
     pub value_size: usize,
     /// Seconds for close + open.
     pub seconds: f64,
-    /// Seconds to reopen after a simulated crash (no clean shutdown), where the engine can
-    /// simulate one in-process.
+    /// Seconds to reopen after a crash: a child process wrote to the store and was killed
+    /// with SIGKILL (without the `tierkv` executable, e.g. in tests: a simulated crash, for
+    /// the engines that can simulate one in-process).
     pub after_crash_seconds: Option<f64>,
 }
 
@@ -110,7 +111,10 @@ pub fn table(r: &Report) -> String {
         );
     }
     if !r.recovery.is_empty() {
-        let _ = writeln!(out, "\nrecovery after the run: clean close + reopen | reopen after a simulated crash");
+        let _ = writeln!(
+            out,
+            "\nrecovery after the run: clean close + reopen | reopen after a crash (writer process killed with SIGKILL)"
+        );
         for rec in &r.recovery {
             let crash = rec.after_crash_seconds.map_or("not measured".to_string(), |s| format!("{s:.3} s"));
             let _ = writeln!(out, "  {:<10} value {:>6}: {:.3} s | {crash}", rec.engine, rec.value_size, rec.seconds);

@@ -16,6 +16,7 @@ use crate::batch::BatchOp;
 use crate::error::Result;
 use crate::fs::CountingFs;
 use crate::options::{Options, Preset};
+use crate::pm::{Backing, Region, RegionConfig};
 use crate::stats::Stats;
 
 /// Precondition of a single-operation write (SLM-DB's conditional inserts).
@@ -64,6 +65,35 @@ pub trait Engine: Send + Sync {
     fn check(&self) -> Result<Vec<String>>;
     /// Clean shutdown: stop background threads, make everything durable.
     fn close(&self) -> Result<()>;
+}
+
+/// Open the PM region of a store: pool files under `pm_path` (default `<dir>/pm`), or the
+/// simulated device. An existing store whose first pool is missing is corruption (a changed
+/// `pm_path` or a wiped medium), never silently a new empty region.
+pub(crate) fn open_region(ctx: &EngineCtx) -> Result<Region> {
+    let o = &ctx.opts;
+    let backing = match &o.pm_device {
+        Some(dev) => Backing::Sim(dev.clone()),
+        None => Backing::Dir(o.pm_path.clone().unwrap_or_else(|| ctx.dir.join("pm"))),
+    };
+    if let Backing::Dir(p) = &backing {
+        if !ctx.fresh && !p.join("pool-000000").exists() {
+            return Err(crate::Error::Corruption {
+                file: p.join("pool-000000"),
+                offset: 0,
+                detail: "the store's PM pool is missing (was pm_path changed, or the PM medium wiped?)".into(),
+            });
+        }
+    }
+    Region::open(RegionConfig {
+        backing,
+        pool_size: o.pm_pool_size,
+        db_id: ctx.db_id,
+        sync: o.pm_sync,
+        write_latency_ns: o.pm_write_latency_ns,
+        write_bandwidth_mbps: o.pm_write_bandwidth_mbps,
+        create: ctx.fresh,
+    })
 }
 
 /// Open the engine of `preset`.

@@ -398,6 +398,23 @@ impl PTree {
         Ok(out)
     }
 
+    /// Call `f` on every entry in key order (in chunks, so memory stays bounded).
+    pub fn for_each(&self, r: &Region, mut f: impl FnMut(&[u8], Loc) -> Result<()>) -> Result<()> {
+        let mut start = Vec::new();
+        let mut first = true;
+        loop {
+            let chunk = self.range(r, &start, !first, None, 4096)?;
+            first = false;
+            for (k, loc) in &chunk {
+                f(k, *loc)?;
+            }
+            match chunk.last() {
+                Some((k, _)) if chunk.len() == 4096 => start = k.clone(),
+                _ => return Ok(()),
+            }
+        }
+    }
+
     /// Every leaf in chain order, starting at the leftmost.
     fn leaf_chain(&self, r: &Region) -> Result<Vec<u64>> {
         let mut node = self.root;

@@ -35,35 +35,14 @@ use super::{apply, Inner, LeafInfo, State, Tree};
 use crate::engine::EngineCtx;
 use crate::error::{Error, Result};
 use crate::pm::heap::Heap;
-use crate::pm::{Backing, Region, RegionConfig, POOL_HEADER_LEN};
+use crate::pm::{Region, POOL_HEADER_LEN};
 
 type Leaves = Vec<(Vec<(Box<[u8]>, ValueRef)>, (u64, u32))>;
 
 /// Open or create the store described by `ctx`.
 pub(super) fn open(ctx: &EngineCtx) -> Result<Inner> {
     let o = &ctx.opts;
-    let backing = match &o.pm_device {
-        Some(dev) => Backing::Sim(dev.clone()),
-        None => Backing::Dir(o.pm_path.clone().unwrap_or_else(|| ctx.dir.join("pm"))),
-    };
-    if let Backing::Dir(p) = &backing {
-        if !ctx.fresh && !p.join("pool-000000").exists() {
-            return Err(Error::corruption(
-                p.join("pool-000000"),
-                0,
-                "the store's PM pool is missing (was pm_path changed, or the PM medium wiped?)",
-            ));
-        }
-    }
-    let region = Region::open(RegionConfig {
-        backing,
-        pool_size: o.pm_pool_size,
-        db_id: ctx.db_id,
-        sync: o.pm_sync,
-        write_latency_ns: o.pm_write_latency_ns,
-        write_bandwidth_mbps: o.pm_write_bandwidth_mbps,
-        create: ctx.fresh,
-    })?;
+    let region = crate::engine::open_region(ctx)?;
     let sb = if ctx.fresh {
         create(&region, o.pmekv.kv_log_size, o.pmekv.key_log_size)?
     } else {

@@ -423,10 +423,7 @@ impl Inner {
             after.counter = after.counter.max(gen);
             edits.push(Edit::Counter(after.counter));
         }
-        let vs = &mut *vs;
-        vs.manifest.log(&self.fs, &edits, &after)?;
-        vs.version = after;
-        Ok(())
+        vs.log(&self.fs, &edits, after)
     }
 
     /// Leaf-node scan (§3.3): scan `leaf_scan_files` SSTables' worth of keys round-robin;
@@ -645,10 +642,7 @@ impl Inner {
         after.apply(&edits);
         edits.push(Edit::Candidates(after.candidates.iter().copied().collect()));
         edits.push(Edit::NextFile(after.next_file));
-        let vs = &mut *vs;
-        vs.manifest.log(&self.fs, &edits, &after)?;
-        vs.version = after;
-        Ok(())
+        vs.log(&self.fs, &edits, after)
     }
 
     /// Set every file's live count to the number of tree entries pointing at it (after a
@@ -671,28 +665,16 @@ impl Inner {
         }
         let mut after = vs.version.clone();
         after.apply(&edits);
-        let vs = &mut *vs;
-        vs.manifest.log(&self.fs, &edits, &after)?;
-        vs.version = after;
-        Ok(())
+        vs.log(&self.fs, &edits, after)
     }
 
     fn count_tree_entries(&self) -> Result<HashMap<u64, u64>> {
-        let tree = self.tree.read();
         let mut live: HashMap<u64, u64> = HashMap::new();
-        let mut start = Vec::new();
-        let mut first = true;
-        loop {
-            let chunk = tree.range(&self.region, &start, !first, None, 4096)?;
-            first = false;
-            for (_, loc) in &chunk {
-                *live.entry(loc.file).or_insert(0) += 1;
-            }
-            match chunk.last() {
-                Some((k, _)) if chunk.len() == 4096 => start = k.clone(),
-                _ => return Ok(live),
-            }
-        }
+        self.tree.read().for_each(&self.region, |_, loc| {
+            *live.entry(loc.file).or_insert(0) += 1;
+            Ok(())
+        })?;
+        Ok(live)
     }
 
     /// Steps 4–5 of recovery (module docs).
@@ -858,26 +840,15 @@ impl Inner {
         }
         let version = self.version.lock().version.clone();
         let mut live: HashMap<u64, u64> = HashMap::new();
-        let mut start = Vec::new();
-        let mut first = true;
-        loop {
-            let chunk = tree.range(&self.region, &start, !first, None, 4096)?;
-            first = false;
-            for (k, loc) in &chunk {
-                *live.entry(loc.file).or_insert(0) += 1;
-                if !version.files.contains_key(&loc.file) {
-                    problems.push(format!("key {} points at file {} not in the MANIFEST", crate::escape(k), loc.file));
-                    continue;
-                }
-                if let Err(e) = self.read_at(k, *loc) {
-                    problems.push(e.to_string());
-                }
+        tree.for_each(&self.region, |k, loc| {
+            *live.entry(loc.file).or_insert(0) += 1;
+            if !version.files.contains_key(&loc.file) {
+                problems.push(format!("key {} points at file {} not in the MANIFEST", crate::escape(k), loc.file));
+            } else if let Err(e) = self.read_at(k, loc) {
+                problems.push(e.to_string());
             }
-            match chunk.last() {
-                Some((k, _)) if chunk.len() == 4096 => start = k.clone(),
-                _ => break,
-            }
-        }
+            Ok(())
+        })?;
         for (n, m) in &version.files {
             let got = live.get(n).copied().unwrap_or(0);
             if got != m.live {

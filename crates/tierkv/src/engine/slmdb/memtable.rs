@@ -174,20 +174,24 @@ pub struct Op<'a> {
 }
 
 impl Memtable {
-    /// Lay out an empty memtable in the arena `[addr, addr+size)`.
-    pub fn create(r: &Region, addr: u64, size: u64, gen: u64) -> Result<Memtable> {
-        let h = encode_arena_header(gen, size);
-        // SAFETY: the arena was just allocated for this memtable; nothing else refers to it.
-        unsafe { r.write(addr, &h)? };
-        r.persist(addr, 64);
-        Ok(Memtable {
+    fn empty(addr: u64, size: u64, gen: u64) -> Memtable {
+        Memtable {
             addr,
             size,
             gen,
             index: RwLock::new(BTreeMap::new()),
             used: AtomicU64::new(64),
             user_bytes: AtomicU64::new(0),
-        })
+        }
+    }
+
+    /// Lay out an empty memtable in the arena `[addr, addr+size)`.
+    pub fn create(r: &Region, addr: u64, size: u64, gen: u64) -> Result<Memtable> {
+        let h = encode_arena_header(gen, size);
+        // SAFETY: the arena was just allocated for this memtable; nothing else refers to it.
+        unsafe { r.write(addr, &h)? };
+        r.persist(addr, 64);
+        Ok(Memtable::empty(addr, size, gen))
     }
 
     /// Recover the memtable in the arena at `addr`: verify every reachable node, unlink the
@@ -250,14 +254,7 @@ impl Memtable {
                 }
             }
         }
-        let m = Memtable {
-            addr,
-            size,
-            gen,
-            index: RwLock::new(BTreeMap::new()),
-            used: AtomicU64::new(64),
-            user_bytes: AtomicU64::new(0),
-        };
+        let m = Memtable::empty(addr, size, gen);
         let mut max_seq = 0;
         let mut used = 64;
         {

@@ -88,7 +88,7 @@ use crate::index::pbtree::{Loc, PTree};
 use crate::manifest::{Manifest, Version};
 use crate::options::SlmdbOptions;
 use crate::pm::heap::{alloc_or_grow, Heap};
-use crate::pm::{Backing, Region, RegionConfig, POOL_HEADER_LEN};
+use crate::pm::{Region, POOL_HEADER_LEN};
 use crate::sstable::{block_find, BlockCache, Handle, Kind, Table};
 use crate::stats::Stats;
 use layout::Root;
@@ -106,6 +106,16 @@ struct MemState {
 struct VersionState {
     version: Version,
     manifest: Manifest,
+}
+
+impl VersionState {
+    /// Log `edits` (the commit point) and make `after` (the version with them applied)
+    /// current.
+    fn log(&mut self, fs: &dyn Fs, edits: &[crate::manifest::Edit], after: Version) -> Result<()> {
+        self.manifest.log(fs, edits, &after)?;
+        self.version = after;
+        Ok(())
+    }
 }
 
 /// Figures reported in `Stats::design`.
@@ -266,28 +276,7 @@ fn worker_loop(inner: Arc<Inner>) {
 /// Steps 1–3 of recovery (module docs): region, heap, tree, manifest, tables, memtables.
 fn open_inner(ctx: &EngineCtx) -> Result<Inner> {
     let o = &ctx.opts;
-    let backing = match &o.pm_device {
-        Some(dev) => Backing::Sim(dev.clone()),
-        None => Backing::Dir(o.pm_path.clone().unwrap_or_else(|| ctx.dir.join("pm"))),
-    };
-    if let Backing::Dir(p) = &backing {
-        if !ctx.fresh && !p.join("pool-000000").exists() {
-            return Err(Error::corruption(
-                p.join("pool-000000"),
-                0,
-                "the store's PM pool is missing (was pm_path changed, or the PM medium wiped?)",
-            ));
-        }
-    }
-    let region = Region::open(RegionConfig {
-        backing,
-        pool_size: o.pm_pool_size,
-        db_id: ctx.db_id,
-        sync: o.pm_sync,
-        write_latency_ns: o.pm_write_latency_ns,
-        write_bandwidth_mbps: o.pm_write_bandwidth_mbps,
-        create: ctx.fresh,
-    })?;
+    let region = crate::engine::open_region(ctx)?;
     let fs: &dyn Fs = &ctx.fs;
     let heap = Mutex::new(Heap::new());
     let mut opts = o.slmdb.clone();
