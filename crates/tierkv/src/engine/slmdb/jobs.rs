@@ -197,7 +197,8 @@ impl Inner {
             if let Some(f) = b.output {
                 log.append(&self.region, &self.heap, &LogEntry::Output(f))?;
             }
-            for chunk in b.items.chunks(64) {
+            // Few keys per write-lock hold, so readers never wait long behind the insertion thread.
+            for chunk in b.items.chunks(8) {
                 let mut tree = self.tree.write();
                 for Item { key, new, src } in chunk {
                     let old = tree.get(&self.region, key)?;
