@@ -4,17 +4,12 @@
 //! expected bytes alone.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
+mod common;
+
+use common::{hex, zeros};
 use tierkv::engine::pmekv::layout::*;
 use tierkv::options_file::{OptionsRecord, RecordState};
 use tierkv::Preset;
-
-fn hex(b: &[u8]) -> String {
-    b.iter().map(|x| format!("{x:02x}")).collect()
-}
-
-fn zeros(n: usize) -> String {
-    "00".repeat(n)
-}
 
 #[test]
 fn pm_pool_header() {

@@ -3,6 +3,9 @@
 //! together with its format version and its document.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
+mod common;
+
+use common::{hex, zeros};
 use std::path::Path;
 
 use tierkv::engine::slmdb::{complog, layout, memtable};
@@ -10,14 +13,6 @@ use tierkv::fs::{FaultFs, Fs};
 use tierkv::index::pbtree;
 use tierkv::manifest::{self, Edit, FileMeta};
 use tierkv::sstable::{self, Handle, Kind, Table, TableBuilder};
-
-fn hex(b: &[u8]) -> String {
-    b.iter().map(|x| format!("{x:02x}")).collect()
-}
-
-fn zeros(n: usize) -> String {
-    "00".repeat(n)
-}
 
 #[test]
 fn sstable_file() {

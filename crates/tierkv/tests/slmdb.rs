@@ -5,8 +5,6 @@
 
 mod common;
 
-use std::path::Path;
-
 use common::*;
 use tierkv::fs::{FaultFs, Fs};
 use tierkv::pm::sim::SimDevice;
@@ -297,10 +295,9 @@ fn damaged_file_gives_corruption(name: &str, offsets: &[usize]) {
                         }
                     }
                 }
+                // Every byte is under a checksum: the damage is reported somewhere.
                 let problems = db.check().unwrap();
-                if bad > 0 {
-                    assert!(!problems.is_empty(), "{name}@{off}: check missed a damaged block");
-                }
+                assert!(!problems.is_empty(), "{name}@{off}: check missed the damage (gets failing: {bad})");
             }
         }
     }
@@ -327,7 +324,6 @@ fn damaged_sstable_and_manifest_bytes_are_typed_errors() {
     // Every byte of the manifest's single snapshot record (the file is rewritten at open).
     let moffs: Vec<usize> = (0..mlen).collect();
     damaged_file_gives_corruption(&manifest, &moffs);
-    assert!(Path::new(&manifest).extension().is_none());
 }
 
 /// Background threads on (flushes run in the middle of compactions): one writer overwrites

@@ -46,7 +46,7 @@
 
 use parking_lot::Mutex;
 
-use crate::error::{Error, Result};
+use crate::error::Result;
 use crate::format::crc;
 use crate::pm::heap::{alloc_or_grow, Heap};
 use crate::pm::Region;
@@ -181,8 +181,12 @@ impl PTree {
     /// Repair what a crash left (module docs) and count the keys. Space the repair
     /// unlinks stays allocated until the next open rebuilds the heap.
     pub fn recover(&mut self, region: &Region, heap: &Mutex<Heap>) -> Result<()> {
-        self.repair(region, heap)?;
-        self.len = self.count_leaf_entries(region)?;
+        let leaves = self.repair(region, heap)?;
+        let mut n = 0;
+        for l in leaves {
+            n += Self::node_entries(region, l)?.len() as u64;
+        }
+        self.len = n;
         Ok(())
     }
 
@@ -494,8 +498,8 @@ impl PTree {
         Err(r.corruption(self.root, "B+-tree deeper than 64 levels"))
     }
 
-    /// Crash repair (module docs).
-    fn repair(&mut self, r: &Region, heap: &Mutex<Heap>) -> Result<()> {
+    /// Crash repair (module docs). Returns the leaf chain.
+    fn repair(&mut self, r: &Region, heap: &Mutex<Heap>) -> Result<Vec<u64>> {
         // 1. Canonical slots and FAIR truncation, on every node of every level.
         for n in self.level_chains(r)? {
             self.canonicalize(r, n)?;
@@ -508,7 +512,7 @@ impl PTree {
         if descent_leaves != chain || root_sibling != 0 {
             self.rebuild_inner(r, heap, &chain)?;
         }
-        Ok(())
+        Ok(chain)
     }
 
     /// Remove adjacent duplicates, zero the tail, and drop entries `>=` the sibling's low key.
@@ -602,14 +606,6 @@ impl PTree {
         out.sort_unstable();
         out.dedup();
         Ok(out)
-    }
-
-    fn count_leaf_entries(&self, r: &Region) -> Result<u64> {
-        let mut n = 0;
-        for l in self.leaf_chain(r)? {
-            n += Self::node_entries(r, l)?.len() as u64;
-        }
-        Ok(n)
     }
 
     /// Verify every node and record checksum and the key order; returns problems found.
@@ -780,11 +776,6 @@ fn lower_bound(r: &Region, e: &[u64], key: &[u8]) -> Result<usize> {
     Ok(match find(r, e, key)? {
         Ok(i) | Err(i) => i,
     })
-}
-
-/// Wrap a decoding problem found outside a region call.
-pub fn corrupt(r: &Region, addr: u64, d: &str) -> Error {
-    r.corruption(addr, d.to_string())
 }
 
 #[cfg(test)]

@@ -86,7 +86,6 @@ pub struct TableMeta {
 #[derive(Debug)]
 pub struct TableBuilder {
     file: Box<dyn FsFile>,
-    path: PathBuf,
     block_size: usize,
     bloom_bits: u32,
     block: Vec<u8>,
@@ -102,7 +101,6 @@ impl TableBuilder {
     pub fn create(fs: &dyn Fs, path: &Path, block_size: usize, bloom_bits_per_key: u32) -> Result<Self> {
         Ok(TableBuilder {
             file: fs.create(path)?,
-            path: path.to_path_buf(),
             block_size: block_size.max(64),
             bloom_bits: bloom_bits_per_key,
             block: Vec::with_capacity(block_size + 1024),
@@ -196,11 +194,6 @@ impl TableBuilder {
         self.file.append(&b)?;
         self.offset += b.len() as u64;
         Ok(h)
-    }
-
-    /// The path being written.
-    pub fn path(&self) -> &Path {
-        &self.path
     }
 }
 
@@ -454,11 +447,6 @@ impl Table {
         if !self.filter.may_contain(bloom::hash(key)) {
             return Ok(None);
         }
-        self.get_no_filter(key)
-    }
-
-    /// Point lookup without consulting the bloom filter, with the block it was found in.
-    pub fn get_no_filter(&self, key: &[u8]) -> Result<Option<(Kind, Vec<u8>)>> {
         Ok(self.find(key)?.map(|(k, v, _)| (k, v)))
     }
 

@@ -265,3 +265,13 @@ pub fn tempdir() -> tempfile::TempDir {
     let base = if Path::new("/dev/shm").is_dir() { "/dev/shm" } else { "/tmp" };
     tempfile::Builder::new().prefix("tierkv-test").tempdir_in(base).unwrap()
 }
+
+/// Lowercase hex of `b` (golden-bytes tests).
+pub fn hex(b: &[u8]) -> String {
+    b.iter().map(|x| format!("{x:02x}")).collect()
+}
+
+/// `n` zero bytes in hex (golden-bytes tests).
+pub fn zeros(n: usize) -> String {
+    "00".repeat(n)
+}

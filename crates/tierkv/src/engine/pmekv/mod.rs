@@ -136,7 +136,7 @@ struct Inner {
     state: RwLock<State>,
     user_bytes: AtomicU64,
     checkpoints: AtomicU64,
-    poisoned: Mutex<Option<String>>,
+    poisoned: crate::engine::Poison,
     bg_stop: Mutex<bool>,
     bg_cv: Condvar,
     background: bool,
@@ -200,7 +200,7 @@ fn background_loop(inner: Arc<Inner>, interval: Duration) {
                 return;
             }
         }
-        if inner.poisoned.lock().is_some() {
+        if inner.poisoned.is_set() {
             return;
         }
         let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| inner.checkpoint_background()));
@@ -214,17 +214,11 @@ fn background_loop(inner: Arc<Inner>, interval: Duration) {
 
 impl Inner {
     fn poison(&self, why: String) {
-        let mut p = self.poisoned.lock();
-        if p.is_none() {
-            *p = Some(why);
-        }
+        self.poisoned.set(why);
     }
 
     fn check_poisoned(&self) -> Result<()> {
-        match &*self.poisoned.lock() {
-            Some(why) => Err(Error::Poisoned(why.clone())),
-            None => Ok(()),
-        }
+        self.poisoned.check()
     }
 
     /// Run `f`; if it fails, poison the store (used after the commit point, where a failure
@@ -731,10 +725,7 @@ impl Engine for Pmekv {
 
     fn close(&self) -> Result<()> {
         self.stop_background();
-        let poisoned = self.inner.poisoned.lock().clone();
-        if let Some(why) = poisoned {
-            return Err(Error::Poisoned(why));
-        }
+        self.inner.check_poisoned()?;
         let mut st = self.inner.state.write();
         self.inner.checkpoint_exclusive(&mut st)?;
         self.inner.region.sync_all()?;

@@ -270,7 +270,7 @@ fn recover(region: Region, sb: Superblock, capacity: usize, background: bool) ->
         state: RwLock::new(st),
         user_bytes: AtomicU64::new(0),
         checkpoints: AtomicU64::new(0),
-        poisoned: Mutex::new(None),
+        poisoned: crate::engine::Poison::default(),
         bg_stop: Mutex::new(false),
         bg_cv: Condvar::new(),
         background,

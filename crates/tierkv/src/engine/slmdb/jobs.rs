@@ -129,6 +129,17 @@ impl TableIter {
     }
 }
 
+/// What the MANIFEST records of a table just written: every key live.
+fn file_meta(meta: &TableMeta) -> FileMeta {
+    FileMeta {
+        total: meta.entries,
+        live: meta.entries,
+        size: meta.size,
+        smallest: meta.smallest.clone(),
+        largest: meta.largest.clone(),
+    }
+}
+
 /// Tree changes for the keys written to `file` (with their source files, for a merge).
 fn items_of(meta: &TableMeta, file: u64, keys: Vec<(Vec<u8>, Option<u64>)>) -> Result<Vec<Item>> {
     keys.into_iter()
@@ -139,6 +150,11 @@ fn items_of(meta: &TableMeta, file: u64, keys: Vec<(Vec<u8>, Option<u64>)>) -> R
             Ok(Item { key, new: Some(Loc { file, offset: h.offset, size: h.size }), src })
         })
         .collect()
+}
+
+/// The files of `entries` that `pick` selects (a log's inputs or outputs).
+fn log_files(entries: &[LogEntry], pick: impl Fn(&LogEntry) -> Option<u64>) -> Vec<u64> {
+    entries.iter().filter_map(pick).collect()
 }
 
 impl Inner {
@@ -299,16 +315,23 @@ impl Inner {
             first.insert(0, LogEntry::Output(*f));
         }
         let mut log = self.begin_log(Job::Flush(imm.gen), &first)?;
-        let mut new_file: Option<(u64, TableMeta)> = None;
+        // The file this flush adds, as the MANIFEST will record it.
+        let mut added: Option<(u64, FileMeta)> = None;
         let applied = self.pipeline(&mut log, &logged, |tx| {
             let mut items: Vec<Item> = Vec::with_capacity(entries.len());
             let mut output = None;
             if let Some((f, t)) = &existing {
+                let mut m = FileMeta { total: t.entries(), live: t.entries(), size: t.size(), ..FileMeta::default() };
                 t.for_each(|e, h| {
+                    if items.is_empty() {
+                        m.smallest = e.key.to_vec();
+                    }
+                    m.largest = e.key.to_vec();
                     let new = Some(Loc { file: *f, offset: h.offset, size: h.size });
                     items.push(Item { key: e.key.to_vec(), new, src: None });
                     Ok(())
                 })?;
+                added = Some((*f, m));
             } else if puts > 0 {
                 // File creation: the newest put of every key, in key order.
                 let n = self.alloc_file();
@@ -321,7 +344,7 @@ impl Inner {
                 let meta = self.finish_table(n, b)?;
                 items = items_of(&meta, n, keys)?;
                 output = Some(n);
-                new_file = Some((n, meta));
+                added = Some((n, file_meta(&meta)));
             }
             items.extend(deletes.iter().map(|k| Item { key: k.clone(), new: None, src: None }));
             items.sort_by(|a, b| a.key.cmp(&b.key));
@@ -331,30 +354,6 @@ impl Inner {
             *decr.entry(f).or_insert(0) += d;
         }
         // Commit: the MANIFEST edit.
-        let added: Option<(u64, FileMeta)> = match (&new_file, &existing) {
-            (Some((n, m)), _) => Some((
-                *n,
-                FileMeta {
-                    total: m.entries,
-                    live: m.entries,
-                    size: m.size,
-                    smallest: m.smallest.clone(),
-                    largest: m.largest.clone(),
-                },
-            )),
-            (None, Some((n, t))) => {
-                let (mut smallest, mut largest) = (Vec::new(), Vec::new());
-                t.for_each(|e, _| {
-                    if smallest.is_empty() && largest.is_empty() {
-                        smallest = e.key.to_vec();
-                    }
-                    largest = e.key.to_vec();
-                    Ok(())
-                })?;
-                Some((*n, FileMeta { total: t.entries(), live: t.entries(), size: t.size(), smallest, largest }))
-            }
-            (None, None) => None,
-        };
         self.commit(imm.gen, added, &decr, &[], &[])?;
         // Release the log and the Immutable MemTable.
         self.update_root(|r| {
@@ -541,16 +540,7 @@ impl Inner {
                 if let Some(inf) = self.inflight.lock().as_mut() {
                     inf.outputs.insert(n);
                 }
-                outputs.push((
-                    n,
-                    FileMeta {
-                        total: meta.entries,
-                        live: meta.entries,
-                        size: meta.size,
-                        smallest: meta.smallest.clone(),
-                        largest: meta.largest.clone(),
-                    },
-                ));
+                outputs.push((n, file_meta(&meta)));
                 let items = items_of(&meta, n, keys)?;
                 tx.send(Batch { output: Some(n), items })
                     .map_err(|_| Error::Poisoned("B+-tree insertion thread stopped".into()))
@@ -699,20 +689,16 @@ impl Inner {
         if root.log != 0 {
             let (entries, segs) = complog::read(&self.region, root.log)?;
             if let Some(LogEntry::Begin(Job::Compaction)) = entries.first() {
-                let inputs: Vec<u64> = entries
-                    .iter()
-                    .filter_map(|e| match e {
-                        LogEntry::Input(f) => Some(*f),
-                        _ => None,
-                    })
-                    .collect();
-                let outputs: HashSet<u64> = entries
-                    .iter()
-                    .filter_map(|e| match e {
-                        LogEntry::Output(f) => Some(*f),
-                        _ => None,
-                    })
-                    .collect();
+                let inputs = log_files(&entries, |e| match e {
+                    LogEntry::Input(f) => Some(*f),
+                    _ => None,
+                });
+                let outputs: HashSet<u64> = log_files(&entries, |e| match e {
+                    LogEntry::Output(f) => Some(*f),
+                    _ => None,
+                })
+                .into_iter()
+                .collect();
                 let committed = {
                     let vs = self.version.lock();
                     inputs.iter().all(|f| !vs.version.files.contains_key(f))
@@ -760,10 +746,12 @@ impl Inner {
                         self.region
                             .corruption(root.flush_log, "compaction log names a flush of a MemTable that is gone")
                     })?;
-                    let out = entries.iter().find_map(|e| match e {
+                    let out = log_files(&entries, |e| match e {
                         LogEntry::Output(f) => Some(*f),
                         _ => None,
-                    });
+                    })
+                    .first()
+                    .copied();
                     let moved: Vec<LogEntry> =
                         entries.iter().filter(|e| matches!(e, LogEntry::Moved(..))).cloned().collect();
                     if let Some(f) = out {

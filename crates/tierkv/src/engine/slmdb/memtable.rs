@@ -135,6 +135,11 @@ fn read_node_impl(r: &Region, addr: u64, verify: bool) -> Result<Node<'_>> {
     Ok(Node { next, seq, batch_n, batch_i, kind, key, value })
 }
 
+/// DRAM one upper-level entry takes: the key's bytes, its `Vec` header and the slot.
+fn index_entry_bytes(key: &[u8]) -> u64 {
+    (key.len() + std::mem::size_of::<Vec<u8>>() + std::mem::size_of::<Slot>()) as u64
+}
+
 #[derive(Debug, Clone, Copy)]
 struct Slot {
     newest: u64,
@@ -152,8 +157,9 @@ pub struct Memtable {
     pub gen: u64,
     index: RwLock<BTreeMap<Vec<u8>, Slot>>,
     used: AtomicU64,
-    /// Bytes of user data (keys and values) inserted.
-    pub user_bytes: AtomicU64,
+    /// DRAM held by the upper levels: key bytes plus one map entry per key (the map's own
+    /// node overhead is not counted).
+    index_bytes: AtomicU64,
 }
 
 /// The value of the node at `addr` (`None` for a delete).
@@ -181,7 +187,7 @@ impl Memtable {
             gen,
             index: RwLock::new(BTreeMap::new()),
             used: AtomicU64::new(64),
-            user_bytes: AtomicU64::new(0),
+            index_bytes: AtomicU64::new(0),
         }
     }
 
@@ -270,6 +276,7 @@ impl Memtable {
                     Some(s) => s.oldest = node,
                     None => {
                         idx.insert(n.key.to_vec(), Slot { newest: node, oldest: node });
+                        m.index_bytes.fetch_add(index_entry_bytes(n.key), Ordering::Relaxed);
                     }
                 }
             }
@@ -286,6 +293,11 @@ impl Memtable {
     /// True if nodes of `bytes` more bytes fit.
     pub fn fits(&self, bytes: u64) -> bool {
         self.used() + bytes <= self.size
+    }
+
+    /// DRAM bytes held by the upper levels (see the field).
+    pub fn index_bytes(&self) -> u64 {
+        self.index_bytes.load(Ordering::Relaxed)
     }
 
     /// Distinct keys.
@@ -315,11 +327,11 @@ impl Memtable {
             r.store_u64_atomic(pred_word, node)?;
             r.persist(pred_word, 8);
             self.used.store(node + size - self.addr, Ordering::Relaxed);
-            self.user_bytes.fetch_add((op.key.len() + op.value.len()) as u64, Ordering::Relaxed);
             match idx.get_mut(op.key) {
                 Some(s) => s.newest = node,
                 None => {
                     idx.insert(op.key.to_vec(), Slot { newest: node, oldest: node });
+                    self.index_bytes.fetch_add(index_entry_bytes(op.key), Ordering::Relaxed);
                 }
             }
         }

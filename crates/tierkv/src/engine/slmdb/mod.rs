@@ -177,7 +177,7 @@ struct Inner {
     flushed_cv: Condvar,
     flushed_mu: Mutex<()>,
     leaf_cursor: Mutex<Vec<u8>>,
-    poisoned: Mutex<Option<String>>,
+    poisoned: crate::engine::Poison,
     user_bytes: AtomicU64,
     next_log_id: AtomicU64,
     counters: Counters,
@@ -248,7 +248,7 @@ fn worker_loop(inner: Arc<Inner>) {
             w.compact = false;
             r
         };
-        if inner.poisoned.lock().is_some() {
+        if inner.poisoned.is_set() {
             inner.flushed_cv.notify_all();
             return;
         }
@@ -403,7 +403,7 @@ fn open_inner(ctx: &EngineCtx) -> Result<Inner> {
         flushed_cv: Condvar::new(),
         flushed_mu: Mutex::new(()),
         leaf_cursor: Mutex::new(Vec::new()),
-        poisoned: Mutex::new(None),
+        poisoned: crate::engine::Poison::default(),
         user_bytes: AtomicU64::new(0),
         next_log_id: AtomicU64::new(rand::random::<u64>() | 1),
         counters: Counters::default(),
@@ -446,19 +446,14 @@ fn rebuild_heap(region: &Region, heap: &Mutex<Heap>, mut used: Vec<(u64, u64)>) 
         }
     }
     let mut h = heap.lock();
+    let mut covered = 0;
     for i in 0..region.pool_count() {
         let start = if i == 0 { layout::HEAP_START } else { region.addr(i, POOL_HEADER_LEN) };
         let end = region.addr(i + 1, 0);
         let in_pool: Vec<(u64, u64)> = used.iter().copied().filter(|&(a, _)| a >= start && a < end).collect();
+        covered += in_pool.len();
         h.add_space(start, end, &in_pool).map_err(|(a, _)| region.corruption(a, "PM object outside the heap"))?;
     }
-    let covered: usize = (0..region.pool_count())
-        .map(|i| {
-            let start = if i == 0 { layout::HEAP_START } else { region.addr(i, POOL_HEADER_LEN) };
-            let end = region.addr(i + 1, 0);
-            used.iter().filter(|&&(a, _)| a >= start && a < end).count()
-        })
-        .sum();
     if covered != used.len() {
         return Err(region.corruption(0, "a PM object lies outside every pool's heap"));
     }
@@ -467,17 +462,11 @@ fn rebuild_heap(region: &Region, heap: &Mutex<Heap>, mut used: Vec<(u64, u64)>) 
 
 impl Inner {
     fn poison(&self, why: String) {
-        let mut p = self.poisoned.lock();
-        if p.is_none() {
-            *p = Some(why);
-        }
+        self.poisoned.set(why);
     }
 
     fn check_poisoned(&self) -> Result<()> {
-        match &*self.poisoned.lock() {
-            Some(why) => Err(Error::Poisoned(why.clone())),
-            None => Ok(()),
-        }
+        self.poisoned.check()
     }
 
     /// Write the root with `f` applied into the other slot and persist it.
@@ -518,17 +507,22 @@ impl Inner {
         }
     }
 
+    /// The newest MemTable entry of `key` (MemTable, then Immutable MemTable): `Some(None)`
+    /// for a delete, `None` when neither holds the key.
+    fn mem_get(&self, key: &[u8]) -> Result<Option<Option<Vec<u8>>>> {
+        let mem = self.mem.read();
+        if let Some(v) = mem.active.get(&self.region, key)? {
+            return Ok(Some(v));
+        }
+        match &mem.imm {
+            Some(imm) => imm.get(&self.region, key),
+            None => Ok(None),
+        }
+    }
+
     fn get_impl(&self, key: &[u8]) -> Result<Option<Vec<u8>>> {
-        {
-            let mem = self.mem.read();
-            if let Some(v) = mem.active.get(&self.region, key)? {
-                return Ok(v);
-            }
-            if let Some(imm) = &mem.imm {
-                if let Some(v) = imm.get(&self.region, key)? {
-                    return Ok(v);
-                }
-            }
+        if let Some(v) = self.mem_get(key)? {
+            return Ok(v);
         }
         let tree = self.tree.read();
         match tree.get(&self.region, key)? {
@@ -539,18 +533,10 @@ impl Inner {
 
     /// True when `key` exists (memtables, then the tree: no disk read).
     fn exists(&self, key: &[u8]) -> Result<bool> {
-        {
-            let mem = self.mem.read();
-            if let Some(v) = mem.active.get(&self.region, key)? {
-                return Ok(v.is_some());
-            }
-            if let Some(imm) = &mem.imm {
-                if let Some(v) = imm.get(&self.region, key)? {
-                    return Ok(v.is_some());
-                }
-            }
+        match self.mem_get(key)? {
+            Some(v) => Ok(v.is_some()),
+            None => Ok(self.tree.read().get(&self.region, key)?.is_some()),
         }
-        Ok(self.tree.read().get(&self.region, key)?.is_some())
     }
 
     fn write_impl(&self, ops: &[BatchOp], cond: Cond) -> Result<bool> {
@@ -590,12 +576,14 @@ impl Inner {
     /// Make the full MemTable immutable and start a new one (waiting for the previous
     /// Immutable MemTable's flush first). Caller holds the writer lock.
     fn rotate(&self, need: u64) -> Result<()> {
+        if self.opts.background && self.mem.read().imm.is_some() {
+            self.counters.write_stalls.fetch_add(1, Ordering::Relaxed);
+        }
         loop {
             if self.mem.read().imm.is_none() {
                 break;
             }
             if self.opts.background {
-                self.counters.write_stalls.fetch_add(1, Ordering::Relaxed);
                 let mut g = self.flushed_mu.lock();
                 if self.mem.read().imm.is_some() {
                     self.work.lock().flush = true;
@@ -729,9 +717,7 @@ impl Inner {
     }
 
     fn close_impl(&self) -> Result<()> {
-        if let Some(why) = self.poisoned.lock().clone() {
-            return Err(Error::Poisoned(why));
-        }
+        self.check_poisoned()?;
         // A clean shutdown leaves the MemTables in PM (they are persistent; no WAL to
         // replay) and syncs PM for power-loss durability on non-DAX media.
         let _c = self.compaction_job.lock();
@@ -754,10 +740,14 @@ impl Inner {
             )
         };
         let keys = self.tree.read().len();
-        let (mem_keys, mem_bytes) = {
+        let (mem_keys, mem_bytes, mem_index) = {
             let m = self.mem.read();
             let imm = m.imm.as_ref();
-            (m.active.keys() as u64 + imm.map_or(0, |i| i.keys() as u64), m.active.used() + imm.map_or(0, |i| i.used()))
+            (
+                m.active.keys() as u64 + imm.map_or(0, |i| i.keys() as u64),
+                m.active.used() + imm.map_or(0, |i| i.used()),
+                m.active.index_bytes() + imm.map_or(0, |i| i.index_bytes()),
+            )
         };
         let heap = self.heap.lock();
         let c = &self.counters;
@@ -799,7 +789,7 @@ impl Inner {
             write_amp_disk: 0.0,
             keys,
             // The index is in PM; DRAM holds the MemTables' volatile upper levels.
-            dram_index_bytes: mem_keys * 64,
+            dram_index_bytes: mem_index,
             design,
         }
     }
