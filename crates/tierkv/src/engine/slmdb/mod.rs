@@ -57,7 +57,8 @@
 //!   input, output live counts are settled at its commit, and each job has its own log in
 //!   the root. A writer that fills the MemTable while the Immutable one is still being
 //!   flushed waits (a stall).
-//! - An 8 MiB block cache (LevelDB's default) holds verified data blocks.
+//! - SSTables are memory-mapped where the file system allows (as LevelDB maps its tables);
+//!   elsewhere an 8 MiB block cache (LevelDB's default) holds verified data blocks.
 //! - MemTable reads trust nodes (all verified at recovery; `check` verifies them again).
 //! - The PM heap has no persistent metadata (as in `pmekv`): it is rebuilt at open, so space
 //!   allocated but not yet linked at a crash is reclaimed.
