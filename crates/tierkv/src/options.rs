@@ -30,17 +30,21 @@ pub enum Preset {
     /// SLM-DB (FAST '19): PM skiplist MemTable without a WAL, persistent B+-tree in PM over
     /// one level of SSTables on disk, selective compaction. See [`crate::engine::slmdb`].
     Slmdb,
+    /// HPDK (`papers/hpdk.txt`): DRAM B+-tree over one level of key-address SSTables in PM,
+    /// values in PM value-log pools, live-item-rate merge.
+    Hpdk,
 }
 
 impl Preset {
     /// Every preset this build hosts.
-    pub const ALL: &'static [Preset] = &[Preset::Pmekv, Preset::Slmdb];
+    pub const ALL: &'static [Preset] = &[Preset::Pmekv, Preset::Slmdb, Preset::Hpdk];
 
     /// The preset's command-line / on-disk name.
     pub fn name(self) -> &'static str {
         match self {
             Preset::Pmekv => "pmekv",
             Preset::Slmdb => "slmdb",
+            Preset::Hpdk => "hpdk",
         }
     }
 
@@ -49,6 +53,7 @@ impl Preset {
         match self {
             Preset::Pmekv => 5,
             Preset::Slmdb => 1,
+            Preset::Hpdk => 2,
         }
     }
 
@@ -171,6 +176,55 @@ impl Default for SlmdbOptions {
 }
 
 /// How to open a store. Build with [`Options::new`] and the chained setters.
+/// Options of the `hpdk` preset (`papers/hpdk.txt`). Defaults are the paper's.
+#[derive(Debug, Clone)]
+pub struct HpdkOptions {
+    /// Bytes of key-address entries a DRAM MemTable holds before it becomes immutable and is
+    /// flushed (paper §V-A: 4 MB, LevelDB's default).
+    pub memtable_size: u64,
+    /// Size of one value-log pool in PM (paper §III-D: 128 MB). *Creation-only.* At most
+    /// 4 GiB (a value address holds a 4-byte offset).
+    pub vlog_pool_size: u64,
+    /// fsync the WAL of key-address pairs after every write (paper §IV-B: off by default, as
+    /// LevelDB). Off, an acknowledged write survives a process crash; on, also power loss.
+    pub sync_wal: bool,
+    /// An SSTable whose live-item rate falls below this joins the merge candidate set
+    /// (paper §V-A: 0.5).
+    pub live_rate_threshold: f64,
+    /// Candidate-set size at which a merge runs (the paper leaves the value open).
+    pub merge_trigger: usize,
+    /// Data block size of the key-address SSTables.
+    pub block_size: usize,
+    /// Bloom filter bits per key in the SSTables (0 = none, LevelDB's default). Only the
+    /// `use_btree = false` ablation reads SSTables on a GET.
+    pub bloom_bits_per_key: u32,
+    /// Keep the DRAM B+-tree (false = the paper's HPDK-NT ablation: a GET searches the level,
+    /// newest table first; no merges, since merges validate items through the tree).
+    pub use_btree: bool,
+    /// Run the live-item-rate merge (false = the paper's HPDK-NGC ablation).
+    pub enable_merge: bool,
+    /// Run flushes and merges on background threads (false: in the writing thread, for
+    /// deterministic tests).
+    pub background: bool,
+}
+
+impl Default for HpdkOptions {
+    fn default() -> Self {
+        Self {
+            memtable_size: 4 << 20,
+            vlog_pool_size: 128 << 20,
+            sync_wal: false,
+            live_rate_threshold: 0.5,
+            merge_trigger: 4,
+            block_size: 4096,
+            bloom_bits_per_key: 0,
+            use_btree: true,
+            enable_merge: true,
+            background: true,
+        }
+    }
+}
+
 #[derive(Clone)]
 pub struct Options {
     /// The design to run. Default [`Preset::Pmekv`] (the only preset this build hosts).
@@ -203,6 +257,8 @@ pub struct Options {
     pub pmekv: PmekvOptions,
     /// Options of the `slmdb` preset.
     pub slmdb: SlmdbOptions,
+    /// Options of the `hpdk` preset.
+    pub hpdk: HpdkOptions,
     /// File-system seam (tests inject [`crate::fs::FaultFs`]). Default: the real file system.
     pub fs: Option<Arc<dyn Fs>>,
     /// Simulated PM device (tests). When set, PM lives in the crash simulator instead of
@@ -225,6 +281,7 @@ impl fmt::Debug for Options {
             .field("max_value_size", &self.max_value_size)
             .field("pmekv", &self.pmekv)
             .field("slmdb", &self.slmdb)
+            .field("hpdk", &self.hpdk)
             .field("fs", &self.fs.as_ref().map(|_| "custom"))
             .field("pm_device", &self.pm_device.as_ref().map(|_| "simulated"))
             .finish()
@@ -246,6 +303,7 @@ impl Default for Options {
             max_value_size: MAX_VALUE_SIZE,
             pmekv: PmekvOptions::default(),
             slmdb: SlmdbOptions::default(),
+            hpdk: HpdkOptions::default(),
             fs: None,
             pm_device: None,
         }
@@ -318,6 +376,11 @@ impl Options {
         self
     }
     /// Set [`Options::fs`].
+    /// Set the `hpdk` preset's options.
+    pub fn hpdk(mut self, v: HpdkOptions) -> Self {
+        self.hpdk = v;
+        self
+    }
     pub fn fs(mut self, fs: Arc<dyn Fs>) -> Self {
         self.fs = Some(fs);
         self
@@ -372,6 +435,25 @@ impl Options {
         }
         if s.max_merge_files < 1 || s.seq_subrange_keys < 1 || s.output_file_size < 4096 {
             return bad("slmdb: max_merge_files and seq_subrange_keys must be >= 1, output_file_size >= 4096".into());
+        }
+        let h = &self.hpdk;
+        if h.memtable_size < (16 << 10) {
+            return bad(format!("hpdk.memtable_size {} must be at least 16 KiB", h.memtable_size));
+        }
+        if h.vlog_pool_size < (64 << 10) || h.vlog_pool_size > (4 << 30) {
+            return bad(format!("hpdk.vlog_pool_size {} not in 64 KiB..=4 GiB", h.vlog_pool_size));
+        }
+        if self.preset == Preset::Hpdk && h.vlog_pool_size > self.pm_pool_size - (1 << 19) {
+            return bad(format!(
+                "hpdk.vlog_pool_size {} does not fit in a PM pool of {} bytes (raise pm_pool_size)",
+                h.vlog_pool_size, self.pm_pool_size
+            ));
+        }
+        if !(256..=(1 << 20)).contains(&h.block_size) {
+            return bad(format!("hpdk.block_size {} not in 256..=1 MiB", h.block_size));
+        }
+        if !(0.0..=1.0).contains(&h.live_rate_threshold) || h.merge_trigger < 1 {
+            return bad("hpdk: live_rate_threshold must be in 0..=1 and merge_trigger >= 1".into());
         }
         Ok(())
     }

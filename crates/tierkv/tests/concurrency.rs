@@ -11,7 +11,7 @@ use std::sync::Arc;
 use common::*;
 use rand::rngs::SmallRng;
 use rand::{Rng, SeedableRng};
-use tierkv::{Db, Options, PmekvOptions, Preset, SlmdbOptions, WriteBatch};
+use tierkv::{Db, HpdkOptions, Options, PmekvOptions, Preset, SlmdbOptions, WriteBatch};
 
 fn opts(preset: Preset) -> Options {
     Options::new()
@@ -30,6 +30,13 @@ fn opts(preset: Preset) -> Options {
             block_size: 512,
             output_file_size: 16 << 10,
             ..SlmdbOptions::default()
+        })
+        // HPDK with its flush and merge threads, small MemTables and value pools.
+        .hpdk(HpdkOptions {
+            memtable_size: 64 << 10,
+            vlog_pool_size: 1 << 20,
+            block_size: 512,
+            ..HpdkOptions::default()
         })
 }
 
@@ -125,7 +132,7 @@ fn writers_and_readers_agree_with_the_model() {
         assert_matches(&db, &model, &format!("{preset} after concurrent run"));
         // The background work of each design really ran while the threads did.
         let what = match preset {
-            Preset::Slmdb => "flushes",
+            Preset::Slmdb | Preset::Hpdk => "flushes",
             _ => "checkpoints",
         };
         let n = db.stats().design.get(what).copied().unwrap_or(0);

@@ -5,6 +5,7 @@
 //! [`Engine`]. A preset is a composition of the shared parts (`pm`, `fs`, `index`, `format`)
 //! behind this trait.
 
+pub mod hpdk;
 pub mod pmekv;
 pub mod slmdb;
 
@@ -130,5 +131,6 @@ pub fn open(preset: Preset, ctx: EngineCtx) -> Result<Arc<dyn Engine>> {
     match preset {
         Preset::Pmekv => Ok(Arc::new(pmekv::Pmekv::open(ctx)?)),
         Preset::Slmdb => Ok(Arc::new(slmdb::Slmdb::open(ctx)?)),
+        Preset::Hpdk => Ok(Arc::new(hpdk::Hpdk::open(ctx)?)),
     }
 }

@@ -624,3 +624,44 @@ fn map_file(file: &std::fs::File, len: u64) -> Result<Mapping> {
     }
     Ok(Mapping { ptr: p as *mut u8, len })
 }
+
+/// An immutable extent of a region seen through the file seam, so the shared readers (the
+/// SSTable reader) work on data kept in PM. Reads are views of the mapping, never copies
+/// ([`crate::fs::FsFile::mapped`]).
+#[derive(Debug)]
+pub struct PmFile {
+    region: std::sync::Arc<Region>,
+    addr: u64,
+    len: u64,
+}
+
+impl PmFile {
+    /// The extent `[addr, addr+len)` of `region`; it must lie inside one pool.
+    pub fn new(region: std::sync::Arc<Region>, addr: u64, len: u64) -> Result<PmFile> {
+        let n = usize::try_from(len).map_err(|_| region.corruption(addr, "PM extent too large"))?;
+        region.slice_checked(addr, n, "PM extent")?;
+        Ok(PmFile { region, addr, len })
+    }
+}
+
+impl crate::fs::FsFile for PmFile {
+    fn append(&mut self, _data: &[u8]) -> std::io::Result<()> {
+        Err(std::io::Error::new(std::io::ErrorKind::PermissionDenied, "PM extents are immutable"))
+    }
+    fn read_at(&self, off: u64, buf: &mut [u8]) -> std::io::Result<usize> {
+        let data = self.mapped().unwrap_or(&[]);
+        let start = usize::try_from(off).unwrap_or(usize::MAX).min(data.len());
+        let n = buf.len().min(data.len() - start);
+        buf[..n].copy_from_slice(&data[start..start + n]);
+        Ok(n)
+    }
+    fn sync(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+    fn len(&self) -> std::io::Result<u64> {
+        Ok(self.len)
+    }
+    fn mapped(&self) -> Option<&[u8]> {
+        self.region.slice(self.addr, self.len as usize)
+    }
+}

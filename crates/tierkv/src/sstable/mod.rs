@@ -81,11 +81,29 @@ pub struct TableMeta {
     pub entry_block: Vec<u32>,
 }
 
+/// Where a builder's bytes go: a file, or memory (tables that live in PM are built in
+/// DRAM and copied into their extent in one piece).
+#[derive(Debug)]
+enum Sink {
+    File(Box<dyn FsFile>),
+    Mem(Vec<u8>),
+}
+
+impl Sink {
+    fn append(&mut self, data: &[u8]) -> Result<()> {
+        match self {
+            Sink::File(f) => f.append(data)?,
+            Sink::Mem(v) => v.extend_from_slice(data),
+        }
+        Ok(())
+    }
+}
+
 /// Writes a table through the file seam. Call [`TableBuilder::add`] in strictly increasing
 /// key order, then [`TableBuilder::finish`] (which fsyncs).
 #[derive(Debug)]
 pub struct TableBuilder {
-    file: Box<dyn FsFile>,
+    file: Sink,
     block_size: usize,
     bloom_bits: u32,
     block: Vec<u8>,
@@ -99,8 +117,18 @@ pub struct TableBuilder {
 impl TableBuilder {
     /// Create `path` (truncating it).
     pub fn create(fs: &dyn Fs, path: &Path, block_size: usize, bloom_bits_per_key: u32) -> Result<Self> {
-        Ok(TableBuilder {
-            file: fs.create(path)?,
+        Ok(Self::with_sink(Sink::File(fs.create(path)?), block_size, bloom_bits_per_key))
+    }
+
+    /// A builder whose table is assembled in memory; [`TableBuilder::finish_mem`] returns
+    /// the bytes.
+    pub fn in_memory(block_size: usize, bloom_bits_per_key: u32) -> Self {
+        Self::with_sink(Sink::Mem(Vec::new()), block_size, bloom_bits_per_key)
+    }
+
+    fn with_sink(file: Sink, block_size: usize, bloom_bits_per_key: u32) -> Self {
+        TableBuilder {
+            file,
             block_size: block_size.max(64),
             bloom_bits: bloom_bits_per_key,
             block: Vec::with_capacity(block_size + 1024),
@@ -109,7 +137,7 @@ impl TableBuilder {
             hashes: Vec::new(),
             offset: 0,
             meta: TableMeta::default(),
-        })
+        }
     }
 
     /// Bytes written so far (closed blocks) plus the open block.
@@ -168,6 +196,23 @@ impl TableBuilder {
 
     /// Write index, filter and footer, fsync, and return what the table holds.
     pub fn finish(mut self) -> Result<TableMeta> {
+        self.finish_body()?;
+        if let Sink::File(f) = &mut self.file {
+            f.sync()?;
+        }
+        Ok(self.meta)
+    }
+
+    /// Finish an [`TableBuilder::in_memory`] table: what it holds and its bytes.
+    pub fn finish_mem(mut self) -> Result<(TableMeta, Vec<u8>)> {
+        self.finish_body()?;
+        match self.file {
+            Sink::Mem(v) => Ok((self.meta, v)),
+            Sink::File(_) => Err(Error::InvalidArgument("finish_mem on a file-backed table builder".into())),
+        }
+    }
+
+    fn finish_body(&mut self) -> Result<()> {
         self.close_block()?;
         let mut idx = Vec::new();
         for (k, h) in &self.index {
@@ -182,9 +227,8 @@ impl TableBuilder {
         let footer = encode_footer(index_h, filter_h, self.meta.entries);
         self.file.append(&footer)?;
         self.offset += footer.len() as u64;
-        self.file.sync()?;
         self.meta.size = self.offset;
-        Ok(self.meta)
+        Ok(())
     }
 
     fn write_block(&mut self, mut b: Vec<u8>) -> Result<Handle> {
@@ -316,8 +360,17 @@ impl Table {
         Table::load(fs, path).map(Arc::new)
     }
 
+    /// Open a table over an already opened `file` (e.g. a PM extent, [`crate::pm::PmFile`]);
+    /// `path` names it in errors.
+    pub fn open_file(file: Box<dyn FsFile>, path: &Path) -> Result<Arc<Table>> {
+        Table::load_file(file, path).map(Arc::new)
+    }
+
     fn load(fs: &dyn Fs, path: &Path) -> Result<Table> {
-        let file = fs.open_immutable(path)?;
+        Table::load_file(fs.open_immutable(path)?, path)
+    }
+
+    fn load_file(file: Box<dyn FsFile>, path: &Path) -> Result<Table> {
         let size = file.len()?;
         let bad = |off: u64, d: &str| Error::corruption(path, off, d.to_string());
         if size < FOOTER_LEN as u64 {

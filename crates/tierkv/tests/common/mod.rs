@@ -10,7 +10,7 @@ use rand::rngs::SmallRng;
 use rand::{Rng, SeedableRng};
 use tierkv::fs::FaultFs;
 use tierkv::pm::sim::SimDevice;
-use tierkv::{Db, Options, PmekvOptions, Preset, SlmdbOptions, WriteBatch};
+use tierkv::{Db, HpdkOptions, Options, PmekvOptions, Preset, SlmdbOptions, WriteBatch};
 
 /// Every preset; a new preset joins every generic test by being in `Preset::ALL`.
 pub fn presets() -> &'static [Preset] {
@@ -37,6 +37,22 @@ pub fn sim_options(preset: Preset, dev: &SimDevice, fs: &FaultFs) -> Options {
             writeback_interval_ms: 0,
         })
         .slmdb(slmdb_small())
+        .hpdk(hpdk_small())
+}
+
+/// HPDK scaled down so that small tests flush, merge and reuse value pools: 16 KiB
+/// MemTables, 64 KiB value pools, 256-byte blocks, a merge at 2 candidates, a synced WAL
+/// (the crash tests drop unsynced file data: power loss), everything in the calling thread.
+pub fn hpdk_small() -> HpdkOptions {
+    HpdkOptions {
+        memtable_size: 16 << 10,
+        vlog_pool_size: 64 << 10,
+        block_size: 256,
+        merge_trigger: 2,
+        sync_wal: true,
+        background: false,
+        ..HpdkOptions::default()
+    }
 }
 
 /// SLM-DB scaled down so that small tests flush, compact and split tree nodes: 64 KiB

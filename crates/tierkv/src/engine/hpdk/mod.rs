@@ -1,0 +1,706 @@
+//! The `hpdk` preset: HPDK (Liu et al., IEEE TC 2024, `papers/hpdk.txt`).
+//!
+//! # What runs here
+//! - **Value log in PM** (§III-D) — [`vlog`]: values are appended to value-log pools (PM
+//!   extents of `vlog_pool_size`, 128 MiB by default), one pool open for writes at a time;
+//!   a record is `size u32 | value | crc u32`; a value's address is a 2-byte pool number and
+//!   a 4-byte offset. Each pool counts its live items; a pool whose count reaches zero is
+//!   reused when the open pool fills.
+//! - **Write path** (§IV-A): value → value log (persisted) → address; the key-address pair →
+//!   WAL (a file; fsynced only with `sync_wal`, as in the paper and LevelDB) → DRAM MemTable
+//!   of key → address. A full MemTable becomes the Immutable MemTable, which a background
+//!   thread flushes.
+//! - **Level compression** (§III-B): a flush writes the Immutable MemTable's key-address
+//!   pairs as one SSTable (the shared format, [`crate::sstable`]) into its own PM extent —
+//!   one table per PM "pool", as the paper's PMDK pools — in a single level 0; there is no
+//!   level-to-level compaction. The MANIFEST ([`crate::manifest`]) records each table with
+//!   its total and live item counts and the merge candidate set.
+//! - **DRAM B+-tree** (§III-C, Fig. 3) — [`crate::index::bplus`]: the newest key → {6-byte
+//!   value address, 2-byte SSTable pool number}, updated during the flush; deletes remove the
+//!   key. A GET reads MemTable → Immutable MemTable → tree → value log, never an SSTable.
+//! - **Live-item-rate dynamic merge** (§III-E, Algorithm 1) — [`jobs`]: a table whose live
+//!   rate falls below `live_rate_threshold` (0.5) joins the candidate set; at
+//!   `merge_trigger` candidates a background merge frees fully dead tables, merge-sorts the
+//!   rest, keeps the items whose tree entry still points at them (address *and* table),
+//!   writes them to a new table and repoints the tree. Flushes that overwrite a merged item
+//!   before the merge installs are recorded and settled at install (`InstallMergeResult`).
+//!   A merge log file makes a crash mid-merge restart it.
+//! - **Recovery** (§IV-B): MANIFEST + the newest usable B+-tree recovery file (written by
+//!   every merge and at clean shutdown) + replay of the tables newer than it + WAL replay.
+//!   Value pools' write positions come from the recovery file and a scan of what follows;
+//!   live counts are recounted from the tree.
+//! - **Ablations** (Fig. 7): `use_btree = false` is HPDK-NT (a GET searches the level, newest
+//!   table first), `enable_merge = false` is HPDK-NGC.
+//! - **Scans**: the two MemTables merged with a B+-tree iterator; values read from the log.
+//!
+//! # Choices where the paper is silent or we differ
+//! - The value log and the tables share one PM heap ([`crate::pm::heap`]); a two-level
+//!   directory in pool 0 (docs/format/hpdk.md) names each value pool's extent and
+//!   generation and each table's extent and number. The heap has no metadata of its own: it
+//!   is rebuilt at open from the directories.
+//! - A pool is reused only when no tree entry and no MemTable entry refers to it, and only
+//!   after the flush that removed the last reference is committed in the MANIFEST — so no
+//!   state a crash can return to still needs its bytes. A record's checksum covers the
+//!   pool's generation, so a reused pool's old records never verify as new ones.
+//! - The recovery file is written *before* the merge's MANIFEST commit and lists the tables
+//!   it was taken against; at open the newest file whose table list equals the MANIFEST's
+//!   tables up to the file's `covered` number is used. A merge drops tombstones, so a
+//!   recovery without the matching file could resurrect deleted keys: no usable file is
+//!   `Corruption`. A new store writes an empty one.
+//! - Tables carry tombstones (needed to replay tables newer than the recovery file); a
+//!   tombstone is never live, so a table of deletes is an immediate merge candidate.
+//! - Recovered WAL entries are flushed to a table during open, and the WALs removed.
+//! - Clean shutdown flushes the MemTables and writes the recovery file, so restart replays
+//!   nothing (the paper's "normal exit").
+//! - HPDK-NT keeps no tree, so its flushes count no live items and it runs no merge (the
+//!   merge validates items through the tree) and reuses no pool.
+//! - Readers hold the MemTable or tree read lock while they copy a value out of PM, so a
+//!   pool cannot be reused under them.
+//! - The merge candidate-set threshold is not given in the paper; we use 4.
+
+pub mod jobs;
+pub mod layout;
+pub mod vlog;
+
+use std::collections::{BTreeMap, HashMap};
+use std::ops::Bound;
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::thread::JoinHandle;
+
+use parking_lot::{Condvar, Mutex, RwLock};
+
+use crate::batch::BatchOp;
+use crate::engine::{Cond, Engine, EngineCtx};
+use crate::error::{Error, Result};
+use crate::fs::{CountingFs, Fs, FsFile};
+use crate::index::bplus::BPlusTree;
+use crate::manifest::{Manifest, Version};
+use crate::options::HpdkOptions;
+use crate::pm::heap::Heap;
+use crate::pm::Region;
+use crate::sstable::{Kind, Table};
+use crate::stats::Stats;
+use vlog::Vlog;
+
+/// MemTable value of a deletion.
+pub(crate) const TOMB: u64 = u64::MAX;
+/// Entries per B+-tree node.
+const TREE_NODE: usize = 64;
+/// DRAM bytes charged per MemTable entry besides its key (address, map node).
+const MEM_ENTRY_OVERHEAD: u64 = 48;
+
+/// A DRAM MemTable of key → value address (or [`TOMB`]), with the WAL generation that
+/// logs it and how many of its entries point into each value pool.
+#[derive(Debug)]
+pub(crate) struct Mem {
+    pub(crate) map: RwLock<BTreeMap<Vec<u8>, u64>>,
+    pub(crate) bytes: AtomicU64,
+    pub(crate) gen: u64,
+    pub(crate) refs: Mutex<HashMap<u16, u64>>,
+}
+
+impl Mem {
+    fn new(gen: u64) -> Mem {
+        Mem { map: RwLock::new(BTreeMap::new()), bytes: AtomicU64::new(0), gen, refs: Mutex::new(HashMap::new()) }
+    }
+
+    fn insert(&self, key: &[u8], a: u64) {
+        let mut m = self.map.write();
+        if m.insert(key.to_vec(), a).is_none() {
+            self.bytes.fetch_add(key.len() as u64 + MEM_ENTRY_OVERHEAD, Ordering::Relaxed);
+        }
+        if a != TOMB {
+            *self.refs.lock().entry(layout::split_vaddr(a).0).or_insert(0) += 1;
+        }
+    }
+}
+
+#[derive(Debug)]
+pub(crate) struct MemState {
+    pub(crate) active: Arc<Mem>,
+    pub(crate) imm: Option<Arc<Mem>>,
+}
+
+/// A table of level 0, placed in PM.
+#[derive(Debug)]
+pub(crate) struct PmTable {
+    pub(crate) number: u64,
+    pub(crate) slot: u16,
+    pub(crate) addr: u64,
+    pub(crate) size: u64,
+    pub(crate) table: Arc<Table>,
+}
+
+/// The MANIFEST and its version.
+#[derive(Debug)]
+pub(crate) struct VersionState {
+    pub(crate) version: Version,
+    pub(crate) manifest: Manifest,
+}
+
+/// The merge in flight: its output table, and its items that flushes overwrote before it
+/// installed.
+#[derive(Debug)]
+pub(crate) struct Inflight {
+    pub(crate) slot: u16,
+    pub(crate) pending_decr: u64,
+}
+
+/// The writer's state: the open WAL.
+#[derive(Debug)]
+pub(crate) struct Writer {
+    pub(crate) wal: Box<dyn FsFile>,
+    pub(crate) wal_gen: u64,
+}
+
+#[derive(Debug, Default)]
+pub(crate) struct Work {
+    pub(crate) flush: bool,
+    pub(crate) merge: bool,
+    pub(crate) stop: bool,
+    pub(crate) restart: Option<Vec<u64>>,
+}
+
+/// Figures reported in `Stats::design`.
+#[derive(Debug, Default)]
+pub(crate) struct Counters {
+    pub(crate) flushes: AtomicU64,
+    pub(crate) merges: AtomicU64,
+    pub(crate) merge_inputs: AtomicU64,
+    pub(crate) dead_tables_freed: AtomicU64,
+    pub(crate) items_kept: AtomicU64,
+    pub(crate) items_dropped: AtomicU64,
+    pub(crate) install_conflicts: AtomicU64,
+    pub(crate) dumps: AtomicU64,
+    pub(crate) write_stalls: AtomicU64,
+    pub(crate) nt_tables_probed: AtomicU64,
+}
+
+pub(crate) struct Inner {
+    pub(crate) region: Arc<Region>,
+    pub(crate) heap: Mutex<Heap>,
+    pub(crate) fs: CountingFs,
+    pub(crate) dir: PathBuf,
+    pub(crate) opts: HpdkOptions,
+    pub(crate) writer: Mutex<Writer>,
+    pub(crate) mem: RwLock<MemState>,
+    /// key → value address << 16 | table slot.
+    pub(crate) tree: RwLock<BPlusTree<u64>>,
+    pub(crate) vlog: Vlog,
+    pub(crate) version: Mutex<VersionState>,
+    /// Tables by slot (committed ones, and the merge output in flight).
+    pub(crate) tables: RwLock<HashMap<u16, Arc<PmTable>>>,
+    /// Serialises flushes; a merge takes it to number its output and to install.
+    pub(crate) flush_job: Mutex<()>,
+    pub(crate) merge_job: Mutex<()>,
+    pub(crate) inflight: Mutex<Option<Inflight>>,
+    pub(crate) work: Mutex<Work>,
+    pub(crate) work_cv: Condvar,
+    pub(crate) flushed_cv: Condvar,
+    pub(crate) flushed_mu: Mutex<()>,
+    pub(crate) poisoned: crate::engine::Poison,
+    pub(crate) user_bytes: AtomicU64,
+    pub(crate) counters: Counters,
+}
+
+/// Pack a tree value: value address and table slot.
+pub(crate) fn tv(addr: u64, slot: u16) -> u64 {
+    (addr << 16) | u64::from(slot)
+}
+
+/// Unpack a tree value.
+pub(crate) fn untv(v: u64) -> (u64, u16) {
+    (v >> 16, v as u16)
+}
+
+/// File name of WAL generation `g`.
+pub fn wal_name(g: u64) -> String {
+    format!("wal-{g:06}.log")
+}
+
+/// File name of the recovery file covering tables up to `n`.
+pub fn dump_name(n: u64) -> String {
+    format!("BTREE-{n:06}")
+}
+
+/// File name of the merge log.
+pub const MERGE_LOG: &str = "MERGE.log";
+
+/// The HPDK engine. See the module docs.
+pub struct Hpdk {
+    inner: Arc<Inner>,
+    workers: Mutex<Vec<JoinHandle<()>>>,
+}
+
+impl std::fmt::Debug for Hpdk {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Hpdk").field("region", &self.inner.region).finish()
+    }
+}
+
+impl Hpdk {
+    /// Open (or create, when `ctx.fresh`) an HPDK store.
+    pub fn open(ctx: EngineCtx) -> Result<Hpdk> {
+        let (inner, restart) = jobs::open_inner(&ctx)?;
+        let inner = Arc::new(inner);
+        inner.flush_imm()?;
+        let mut workers = Vec::new();
+        if inner.opts.background {
+            inner.work.lock().restart = restart;
+            for (name, merge) in [("tierkv-hpdk-flush", false), ("tierkv-hpdk-merge", true)] {
+                let i = inner.clone();
+                workers.push(std::thread::Builder::new().name(name.into()).spawn(move || worker_loop(i, merge))?);
+            }
+            inner.work_cv.notify_all();
+        } else if let Some(inputs) = restart {
+            inner.merge_tables(&inputs)?;
+        }
+        Ok(Hpdk { inner, workers: Mutex::new(workers) })
+    }
+
+    fn stop_workers(&self) {
+        self.inner.work.lock().stop = true;
+        self.inner.work_cv.notify_all();
+        for h in self.workers.lock().drain(..) {
+            let _ = h.join();
+        }
+    }
+}
+
+impl Drop for Hpdk {
+    fn drop(&mut self) {
+        self.stop_workers();
+    }
+}
+
+fn worker_loop(inner: Arc<Inner>, merger: bool) {
+    loop {
+        let restart = {
+            let mut w = inner.work.lock();
+            loop {
+                if w.stop {
+                    return;
+                }
+                if merger && (w.merge || w.restart.is_some()) {
+                    w.merge = false;
+                    break w.restart.take();
+                }
+                if !merger && w.flush {
+                    w.flush = false;
+                    break None;
+                }
+                inner.work_cv.wait(&mut w);
+            }
+        };
+        if inner.poisoned.is_set() {
+            inner.flushed_cv.notify_all();
+            return;
+        }
+        let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| -> Result<()> {
+            if merger {
+                if let Some(inputs) = restart {
+                    inner.merge_tables(&inputs)?;
+                }
+                inner.maybe_merge(false)
+            } else {
+                inner.flush_imm()
+            }
+        }));
+        match r {
+            Ok(Ok(())) => {}
+            Ok(Err(e)) => {
+                inner.poisoned.set(format!("background {} failed: {e}", if merger { "merge" } else { "flush" }))
+            }
+            Err(_) => inner.poisoned.set(format!("background {} panicked", if merger { "merge" } else { "flush" })),
+        }
+        inner.flushed_cv.notify_all();
+    }
+}
+
+impl Inner {
+    pub(crate) fn signal(&self, f: impl FnOnce(&mut Work)) {
+        f(&mut self.work.lock());
+        self.work_cv.notify_all();
+    }
+
+    /// The newest MemTable entry of `key`, read while the MemTable lock is held: `Some(None)`
+    /// for a delete.
+    fn mem_get(&self, key: &[u8]) -> Result<Option<Option<Vec<u8>>>> {
+        let mem = self.mem.read();
+        let hit = mem.active.map.read().get(key).copied();
+        let hit = match hit {
+            Some(a) => Some(a),
+            None => mem.imm.as_ref().and_then(|m| m.map.read().get(key).copied()),
+        };
+        match hit {
+            None => Ok(None),
+            Some(TOMB) => Ok(Some(None)),
+            Some(a) => Ok(Some(Some(self.vlog.read(&self.region, a)?))),
+        }
+    }
+
+    fn get_impl(&self, key: &[u8]) -> Result<Option<Vec<u8>>> {
+        if let Some(v) = self.mem_get(key)? {
+            return Ok(v);
+        }
+        if self.opts.use_btree {
+            let tree = self.tree.read();
+            return match tree.get(key) {
+                Some(&v) => Ok(Some(self.vlog.read(&self.region, untv(v).0)?)),
+                None => Ok(None),
+            };
+        }
+        // HPDK-NT: search level 0, newest table first.
+        match self.level_get(key)? {
+            Some(a) => Ok(Some(self.vlog.read(&self.region, a)?)),
+            None => Ok(None),
+        }
+    }
+
+    /// HPDK-NT's lookup: the newest table holding `key` decides.
+    fn level_get(&self, key: &[u8]) -> Result<Option<u64>> {
+        let tables = self.level_newest_first();
+        for t in tables {
+            self.counters.nt_tables_probed.fetch_add(1, Ordering::Relaxed);
+            if let Some((kind, v)) = t.table.get(key)? {
+                return match kind {
+                    Kind::Delete => Ok(None),
+                    Kind::Put => layout::vaddr_from(&v)
+                        .map(Some)
+                        .ok_or_else(|| Error::corruption(t.table.path(), 0, "malformed value address")),
+                };
+            }
+        }
+        Ok(None)
+    }
+
+    /// Committed tables, newest first.
+    fn level_newest_first(&self) -> Vec<Arc<PmTable>> {
+        let numbers: Vec<u64> = self.version.lock().version.files.keys().rev().copied().collect();
+        let by_number: HashMap<u64, Arc<PmTable>> =
+            self.tables.read().values().map(|t| (t.number, t.clone())).collect();
+        numbers.iter().filter_map(|n| by_number.get(n).cloned()).collect()
+    }
+
+    /// True when `key` exists (no value read).
+    fn exists(&self, key: &[u8]) -> Result<bool> {
+        {
+            let mem = self.mem.read();
+            let hit = mem.active.map.read().get(key).copied();
+            let hit = hit.or_else(|| mem.imm.as_ref().and_then(|m| m.map.read().get(key).copied()));
+            if let Some(a) = hit {
+                return Ok(a != TOMB);
+            }
+        }
+        if self.opts.use_btree {
+            Ok(self.tree.read().get(key).is_some())
+        } else {
+            Ok(self.level_get(key)?.is_some())
+        }
+    }
+
+    fn write_impl(&self, ops: &[BatchOp], cond: Cond) -> Result<bool> {
+        self.poisoned.check()?;
+        let mut w = self.writer.lock();
+        if let (Some(first), Cond::Absent | Cond::Present) = (ops.first(), cond) {
+            if self.exists(first.key())? != (cond == Cond::Present) {
+                return Ok(false);
+            }
+        }
+        if ops.is_empty() {
+            return Ok(true);
+        }
+        let values: Vec<&[u8]> = ops
+            .iter()
+            .filter_map(|o| match o {
+                BatchOp::Put { value, .. } => Some(value.as_slice()),
+                BatchOp::Delete { .. } => None,
+            })
+            .collect();
+        // 1. Values into the value log, persisted.
+        let addrs = self.vlog.append(self, &values)?;
+        let mut it = addrs.into_iter();
+        let wops: Vec<(&[u8], Option<u64>)> = ops
+            .iter()
+            .map(|o| match o {
+                BatchOp::Put { key, .. } => (key.as_slice(), it.next()),
+                BatchOp::Delete { key } => (key.as_slice(), None),
+            })
+            .collect();
+        // 2. Key-address pairs into the WAL (one record: the batch replays whole or not).
+        let rec = layout::encode_wal(&wops);
+        if let Err(e) = w.wal.append(&rec).and_then(|_| if self.opts.sync_wal { w.wal.sync() } else { Ok(()) }) {
+            // The record may be partly in the file: later records would follow garbage.
+            self.poisoned.set(format!("WAL write failed: {e}"));
+            return Err(e.into());
+        }
+        // 3. The MemTable.
+        {
+            let mem = self.mem.read();
+            for (k, a) in &wops {
+                mem.active.insert(k, a.unwrap_or(TOMB));
+            }
+        }
+        let user: u64 = ops
+            .iter()
+            .map(|o| match o {
+                BatchOp::Put { key, value } => (key.len() + value.len()) as u64,
+                BatchOp::Delete { key } => key.len() as u64,
+            })
+            .sum();
+        self.user_bytes.fetch_add(user, Ordering::Relaxed);
+        if self.mem.read().active.bytes.load(Ordering::Relaxed) >= self.opts.memtable_size {
+            self.rotate(&mut w)?;
+        }
+        Ok(true)
+    }
+
+    /// Make the active MemTable immutable (waiting for the previous one's flush) and start a
+    /// new MemTable and WAL. Caller holds the writer lock.
+    pub(crate) fn rotate(&self, w: &mut Writer) -> Result<()> {
+        if self.mem.read().imm.is_some() {
+            if self.opts.background {
+                self.counters.write_stalls.fetch_add(1, Ordering::Relaxed);
+            }
+            loop {
+                if self.mem.read().imm.is_none() {
+                    break;
+                }
+                if self.opts.background {
+                    let mut g = self.flushed_mu.lock();
+                    if self.mem.read().imm.is_some() {
+                        self.signal(|w| w.flush = true);
+                        self.flushed_cv.wait_for(&mut g, std::time::Duration::from_millis(50));
+                    }
+                    drop(g);
+                    self.poisoned.check()?;
+                } else {
+                    self.flush_imm()?;
+                }
+            }
+        }
+        let gen = w.wal_gen + 1;
+        let path = self.dir.join(wal_name(gen));
+        let wal = self.fs.create(&path)?;
+        if self.opts.sync_wal {
+            self.fs.sync_dir(&self.dir)?;
+        }
+        w.wal = wal;
+        w.wal_gen = gen;
+        {
+            let mut mem = self.mem.write();
+            let old = std::mem::replace(&mut mem.active, Arc::new(Mem::new(gen)));
+            mem.imm = Some(old);
+        }
+        if self.opts.background {
+            self.signal(|w| w.flush = true);
+        } else {
+            self.flush_imm()?;
+            self.maybe_merge(false)?;
+        }
+        Ok(())
+    }
+
+    /// Up to `max` live entries in the bounds: the B+-tree iterator merged with both
+    /// MemTables (newest wins, deletes hide older versions); values read from the log.
+    fn scan_impl(&self, start: Bound<&[u8]>, end: Bound<&[u8]>, max: usize) -> Result<Vec<(Vec<u8>, Vec<u8>)>> {
+        let in_end = |k: &[u8]| match end {
+            Bound::Included(e) => k <= e,
+            Bound::Excluded(e) => k < e,
+            Bound::Unbounded => true,
+        };
+        let mem = self.mem.read();
+        let tree = self.tree.read();
+        let mut out = Vec::new();
+        let mut from: Bound<Vec<u8>> = start.map(|k| k.to_vec());
+        loop {
+            let fb = from.as_ref().map(|k| k.as_slice());
+            let n = (max - out.len()).max(16);
+            let tree_part: Vec<(Vec<u8>, u64)> = if self.opts.use_btree {
+                tree.range_from(fb)
+                    .take_while(|(k, _)| in_end(k))
+                    .take(n)
+                    .map(|(k, v)| (k.to_vec(), untv(*v).0))
+                    .collect()
+            } else {
+                self.level_range(fb, &in_end, n)?
+            };
+            // Entries past the last key of a full batch may be missing from it: merge up to
+            // there, then continue after it.
+            let horizon = (tree_part.len() == n).then(|| tree_part.last().map(|e| e.0.clone())).flatten();
+            let within = |k: &[u8]| horizon.as_deref().is_none_or(|h| k <= h);
+            // Newest source last: it overwrites.
+            let mut merged: BTreeMap<Vec<u8>, u64> = tree_part.into_iter().collect();
+            let b = (fb, end);
+            if let Some(imm) = &mem.imm {
+                merged.extend(
+                    imm.map.read().range::<[u8], _>(b).take_while(|(k, _)| within(k)).map(|(k, v)| (k.clone(), *v)),
+                );
+            }
+            merged.extend(
+                mem.active.map.read().range::<[u8], _>(b).take_while(|(k, _)| within(k)).map(|(k, v)| (k.clone(), *v)),
+            );
+            for (k, a) in merged {
+                if a != TOMB {
+                    let v = self.vlog.read(&self.region, a)?;
+                    out.push((k, v));
+                    if out.len() >= max {
+                        return Ok(out);
+                    }
+                }
+            }
+            match horizon {
+                Some(h) => from = Bound::Excluded(h),
+                None => return Ok(out),
+            }
+        }
+    }
+
+    /// HPDK-NT's range read: every table's entries in range, newest table winning.
+    fn level_range(
+        &self,
+        start: Bound<&[u8]>,
+        in_end: &dyn Fn(&[u8]) -> bool,
+        n: usize,
+    ) -> Result<Vec<(Vec<u8>, u64)>> {
+        let after_start = |k: &[u8]| match start {
+            Bound::Included(s) => k >= s,
+            Bound::Excluded(s) => k > s,
+            Bound::Unbounded => true,
+        };
+        let mut m: BTreeMap<Vec<u8>, u64> = BTreeMap::new();
+        for t in self.level_newest_first() {
+            t.table.for_each(|e, h| {
+                if after_start(e.key) && in_end(e.key) && !m.contains_key(e.key) {
+                    let a = match e.kind {
+                        Kind::Delete => TOMB,
+                        Kind::Put => layout::vaddr_from(e.value)
+                            .ok_or_else(|| Error::corruption(t.table.path(), h.offset, "malformed value address"))?,
+                    };
+                    m.insert(e.key.to_vec(), a);
+                }
+                Ok(())
+            })?;
+        }
+        // Deleted keys are dropped here: a MemTable merged later cannot revive them, since
+        // it only adds newer versions.
+        Ok(m.into_iter().filter(|e| e.1 != TOMB).take(n).collect())
+    }
+
+    fn stats_impl(&self) -> Stats {
+        let pm = self.region.stats();
+        let (files, live, total, cands, bytes) = {
+            let v = self.version.lock();
+            let f = &v.version.files;
+            (
+                f.len() as u64,
+                f.values().map(|m| m.live).sum::<u64>(),
+                f.values().map(|m| m.total).sum::<u64>(),
+                v.version.candidates.len() as u64,
+                f.values().map(|m| m.size).sum::<u64>(),
+            )
+        };
+        let (keys, tree_bytes) = {
+            let t = self.tree.read();
+            (t.len() as u64, t.dram_bytes() as u64)
+        };
+        let (mem_keys, mem_bytes) = {
+            let m = self.mem.read();
+            let imm = m.imm.as_ref();
+            let imm_keys = imm.map_or(0, |i| i.map.read().len() as u64);
+            let active_keys = m.active.map.read().len() as u64;
+            (
+                active_keys + imm_keys,
+                m.active.bytes.load(Ordering::Relaxed) + imm.map_or(0, |i| i.bytes.load(Ordering::Relaxed)),
+            )
+        };
+        let vs = self.vlog.stats();
+        let heap = self.heap.lock();
+        let c = &self.counters;
+        let ld = |a: &AtomicU64| a.load(Ordering::Relaxed);
+        let mut design = BTreeMap::new();
+        for (k, v) in [
+            ("sstables", files),
+            ("sstable_bytes", bytes),
+            ("live_items_in_sstables", live),
+            ("total_items_in_sstables", total),
+            ("merge_candidates", cands),
+            ("memtable_keys", mem_keys),
+            ("memtable_bytes", mem_bytes),
+            ("tree_keys", keys),
+            ("flushes", ld(&c.flushes)),
+            ("merges", ld(&c.merges)),
+            ("merge_input_tables", ld(&c.merge_inputs)),
+            ("merge_dead_tables_freed", ld(&c.dead_tables_freed)),
+            ("merge_items_kept", ld(&c.items_kept)),
+            ("merge_items_dropped", ld(&c.items_dropped)),
+            ("merge_install_conflicts", ld(&c.install_conflicts)),
+            ("recovery_files_written", ld(&c.dumps)),
+            ("write_stalls", ld(&c.write_stalls)),
+            ("nt_tables_probed", ld(&c.nt_tables_probed)),
+            ("value_pools", vs.pools),
+            ("value_pools_reused", vs.reused),
+            ("value_pool_live_items", vs.live),
+            ("value_records_written", vs.records),
+            ("pm_heap_bytes", heap.total()),
+            ("pm_heap_free_bytes", heap.free_bytes()),
+        ] {
+            design.insert(k.to_string(), v);
+        }
+        Stats {
+            preset: "hpdk".into(),
+            user_bytes_written: ld(&self.user_bytes),
+            pm_bytes_written: pm.lines_persisted * crate::pm::LINE,
+            pm,
+            disk_bytes_written: 0,
+            disk_bytes_read: 0,
+            write_amp_pm: 0.0,
+            write_amp_disk: 0.0,
+            keys: keys + mem_keys,
+            dram_index_bytes: tree_bytes + mem_bytes,
+            design,
+        }
+    }
+}
+
+impl Engine for Hpdk {
+    fn get(&self, key: &[u8]) -> Result<Option<Vec<u8>>> {
+        self.inner.get_impl(key)
+    }
+
+    fn write(&self, ops: &[BatchOp], cond: Cond) -> Result<bool> {
+        self.inner.write_impl(ops, cond)
+    }
+
+    fn scan_chunk(&self, start: Bound<&[u8]>, end: Bound<&[u8]>, max: usize) -> Result<Vec<(Vec<u8>, Vec<u8>)>> {
+        self.inner.scan_impl(start, end, max)
+    }
+
+    fn flush(&self) -> Result<()> {
+        self.inner.poisoned.check()?;
+        let mut w = self.inner.writer.lock();
+        self.inner.flush_all(&mut w)
+    }
+
+    fn compact(&self) -> Result<()> {
+        self.inner.poisoned.check()?;
+        let mut w = self.inner.writer.lock();
+        self.inner.flush_all(&mut w)?;
+        self.inner.maybe_merge(true)
+    }
+
+    fn stats(&self) -> Stats {
+        self.inner.stats_impl()
+    }
+
+    fn check(&self) -> Result<Vec<String>> {
+        self.inner.check_impl()
+    }
+
+    fn close(&self) -> Result<()> {
+        self.stop_workers();
+        self.inner.close_impl()
+    }
+}
