@@ -6,7 +6,7 @@ use std::path::{Path, PathBuf};
 
 use parking_lot::{Mutex, RwLock};
 use tierkv::pm::{Backing, Region, RegionConfig, LINE, POOL_HEADER_LEN};
-use tierkv::{Db, Options, Preset, SlmdbOptions};
+use tierkv::{Db, HpdkOptions, Options, Preset, SlmdbOptions};
 
 /// Result of engine calls (errors are reported, not recovered).
 pub type Result<T> = std::result::Result<T, String>;
@@ -93,10 +93,22 @@ pub fn open(spec: &EngineSpec) -> Result<Box<dyn BenchEngine>> {
     };
     let preset: Preset = base.parse().map_err(|e: tierkv::Error| e.to_string())?;
     let mut opts = Options::new().preset(preset).pm_path(&spec.pm_dir).pm_sync(spec.durable);
-    if let Some(s) = schemes {
-        opts.slmdb = slmdb_schemes(preset, s)?;
+    match schemes {
+        Some(s) if preset == Preset::Hpdk => opts.hpdk = hpdk_variant(s)?,
+        Some(s) => opts.slmdb = slmdb_schemes(preset, s)?,
+        None => {}
     }
     Ok(Box::new(Tierkv::open(spec.name.clone(), opts, &spec.dir)?))
+}
+
+/// HPDK's Fig. 7 ablations for an engine named `hpdk/<variant>`: `nt` (no DRAM B+-tree: a
+/// GET searches the level) or `ngc` (no live-item-rate merge).
+pub fn hpdk_variant(s: &str) -> Result<HpdkOptions> {
+    match s {
+        "nt" => Ok(HpdkOptions { use_btree: false, ..HpdkOptions::default() }),
+        "ngc" => Ok(HpdkOptions { enable_merge: false, ..HpdkOptions::default() }),
+        _ => Err(format!("unknown hpdk variant `{s}` (known: nt, ngc)")),
+    }
 }
 
 /// SLM-DB's compaction candidate selection schemes for an engine named `slmdb/<schemes>`

@@ -1,0 +1,277 @@
+//! HPDK's own mechanisms: the live-item-rate merge picks exactly the tables under the
+//! threshold and leaves the tree pointing only at live items; fully dead tables are freed
+//! without a rewrite (and deleted keys stay deleted after a crash); value pools are reused
+//! once all their items die; value-log damage is a typed error; a crash at every persist
+//! point of a merge recovers; the NT / NGC ablations answer like the full design.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+mod common;
+
+use common::*;
+use tierkv::fs::FaultFs;
+use tierkv::pm::sim::SimDevice;
+use tierkv::{Db, HpdkOptions, Preset};
+
+fn opts(dev: &SimDevice, fs: &FaultFs, o: HpdkOptions) -> tierkv::Options {
+    sim_options(Preset::Hpdk, dev, fs).hpdk(o)
+}
+
+/// No automatic merge: the tests decide when it runs.
+fn manual() -> HpdkOptions {
+    HpdkOptions { merge_trigger: 1000, memtable_size: 1 << 20, ..hpdk_small() }
+}
+
+fn d(db: &Db, k: &str) -> u64 {
+    db.stats().design.get(k).copied().unwrap_or_else(|| panic!("no design stat {k}"))
+}
+
+fn key(i: u32) -> Vec<u8> {
+    format!("key{i:05}").into_bytes()
+}
+
+fn val(i: u32, round: u32) -> Vec<u8> {
+    format!("value-{i}-{round}-{}", "x".repeat(40)).into_bytes()
+}
+
+fn put_range(db: &Db, m: &mut Model, r: std::ops::Range<u32>, round: u32) {
+    for i in r {
+        db.put(key(i), val(i, round)).unwrap();
+        m.insert(key(i), val(i, round));
+    }
+    db.flush().unwrap();
+}
+
+/// Four tables: #1 (100 items, 40 live after #2 overwrites 60: rate 0.4 → candidate), #2
+/// (60 live), #3 (100 items, 60 live after #4: rate 0.6 → not a candidate), #4 (40 live).
+fn four_tables(db: &Db) -> Model {
+    let mut m = Model::new();
+    put_range(db, &mut m, 0..100, 0);
+    put_range(db, &mut m, 0..60, 1);
+    put_range(db, &mut m, 200..300, 0);
+    put_range(db, &mut m, 200..240, 1);
+    m
+}
+
+#[test]
+fn merge_picks_exactly_the_tables_below_the_live_rate_and_keeps_only_live_items() {
+    let (dev, fs) = (SimDevice::new(), FaultFs::new());
+    let db = Db::open(dir(), opts(&dev, &fs, manual())).unwrap();
+    let m = four_tables(&db);
+    assert_eq!(d(&db, "sstables"), 4);
+    assert_eq!(d(&db, "total_items_in_sstables"), 300);
+    assert_eq!(d(&db, "live_items_in_sstables"), 200);
+    assert_eq!(d(&db, "merge_candidates"), 1, "only table #1 is under 0.5");
+    db.compact().unwrap();
+    assert_eq!(d(&db, "merges"), 1);
+    assert_eq!(d(&db, "merge_input_tables"), 1, "table #3 (rate 0.6) was not merged");
+    assert_eq!(d(&db, "merge_items_kept"), 40, "the 40 items #2 did not overwrite");
+    assert_eq!(d(&db, "merge_items_dropped"), 60);
+    assert_eq!(d(&db, "sstables"), 4, "#1 replaced by the merge output");
+    assert_eq!(d(&db, "total_items_in_sstables"), 240);
+    assert_eq!(d(&db, "live_items_in_sstables"), 200);
+    assert_eq!(d(&db, "merge_candidates"), 0);
+    // `check` compares every table's live count with the tree entries pointing at it and
+    // reads every value the tree points at.
+    assert_eq!(db.check().unwrap(), Vec::<String>::new());
+    assert_matches(&db, &m, "after the merge");
+    db.simulate_process_crash();
+    let db = Db::open(dir(), opts(&dev.simulate_crash(1, 0.0), &fs.crash(), manual())).unwrap();
+    assert_matches(&db, &m, "after a crash following the merge");
+    assert_eq!(db.check().unwrap(), Vec::<String>::new());
+}
+
+#[test]
+fn fully_dead_tables_are_freed_and_deleted_keys_stay_deleted() {
+    let (dev, fs) = (SimDevice::new(), FaultFs::new());
+    let db = Db::open(dir(), opts(&dev, &fs, manual())).unwrap();
+    let mut m = Model::new();
+    put_range(&db, &mut m, 0..50, 0);
+    put_range(&db, &mut m, 100..110, 0);
+    for i in 0..50 {
+        db.delete(key(i)).unwrap();
+        m.remove(&key(i));
+    }
+    db.flush().unwrap();
+    // #1: 50 items, none live; #3: 50 tombstones (never live).
+    assert_eq!(d(&db, "merge_candidates"), 2);
+    db.compact().unwrap();
+    assert_eq!(d(&db, "merge_dead_tables_freed"), 2);
+    assert_eq!(d(&db, "merge_items_kept"), 0);
+    assert_eq!(d(&db, "sstables"), 1);
+    assert_matches(&db, &m, "after freeing dead tables");
+    // The tombstones are gone with their table: recovery must not bring the keys back.
+    db.simulate_process_crash();
+    let db = Db::open(dir(), opts(&dev.simulate_crash(2, 0.5), &fs.crash(), manual())).unwrap();
+    assert_matches(&db, &m, "after a crash");
+    db.close().unwrap();
+    drop(db);
+    let db = Db::open(dir(), opts(&dev, &fs, manual())).unwrap();
+    assert_matches(&db, &m, "after a clean reopen");
+}
+
+#[test]
+fn value_pools_are_reused_once_all_their_items_die() {
+    let (dev, fs) = (SimDevice::new(), FaultFs::new());
+    let o = HpdkOptions { memtable_size: 16 << 10, vlog_pool_size: 64 << 10, ..manual() };
+    let db = Db::open(dir(), opts(&dev, &fs, o.clone())).unwrap();
+    let mut m = Model::new();
+    // 20 keys x 1 KiB, overwritten 30 times: ~600 KiB of values through 64 KiB pools.
+    for round in 0..30u32 {
+        for i in 0..20u32 {
+            let v = vec![b'a' + (round % 26) as u8; 1000 + i as usize];
+            db.put(key(i), &v).unwrap();
+            m.insert(key(i), v);
+        }
+        db.flush().unwrap();
+    }
+    let pools = d(&db, "value_pools");
+    let reused = d(&db, "value_pools_reused");
+    assert!(reused > 0, "no pool was reused");
+    assert!(pools <= 3, "{pools} pools for 20 live values of 1 KiB: dead pools were not reused");
+    assert_matches(&db, &m, "after pool reuse");
+    assert_eq!(db.check().unwrap(), Vec::<String>::new());
+    db.simulate_process_crash();
+    let db = Db::open(dir(), opts(&dev.simulate_crash(3, 0.3), &fs.crash(), o)).unwrap();
+    assert_matches(&db, &m, "after a crash");
+}
+
+#[test]
+fn value_log_damage_is_a_typed_error() {
+    let (dev, fs) = (SimDevice::new(), FaultFs::new());
+    let db = Db::open(dir(), opts(&dev, &fs, manual())).unwrap();
+    db.put(b"a", b"FIND-ME-IN-THE-VALUE-LOG").unwrap();
+    db.put(b"b", b"another value").unwrap();
+    db.close().unwrap();
+    drop(db);
+    let mut hit = None;
+    for p in 0..dev.pool_count() {
+        let img = dev.durable_image(p).unwrap();
+        if let Some(off) = img.windows(24).position(|w| w == b"FIND-ME-IN-THE-VALUE-LOG") {
+            hit = Some((p, off));
+        }
+    }
+    let (pool, off) = hit.expect("value not found in PM");
+    let copy = dev.simulate_crash(0, 0.0);
+    assert!(copy.poke(pool, off + 3, b"#"));
+    let db = Db::open(dir(), opts(&copy, &fs, manual())).unwrap();
+    let e = db.get(b"a").unwrap_err();
+    assert!(e.is_corruption(), "{e}");
+    assert!(e.to_string().contains("checksum"), "{e}");
+    assert_eq!(db.get(b"b").unwrap().as_deref(), Some(&b"another value"[..]));
+    let problems = db.check().unwrap();
+    assert_eq!(problems.len(), 1, "{problems:?}");
+    drop(db);
+    // A damaged size field points the record past the pool: also corruption, no panic.
+    let copy = dev.simulate_crash(0, 0.0);
+    assert!(copy.poke(pool, off - 4, &[0xff, 0xff, 0xff, 0x7f]));
+    let db = Db::open(dir(), opts(&copy, &fs, manual())).unwrap();
+    assert!(db.get(b"a").unwrap_err().is_corruption());
+}
+
+#[test]
+fn crash_at_every_persist_point_of_a_merge() {
+    // Fences the merge takes, counted on a dry run.
+    let build = || {
+        let (dev, fs) = (SimDevice::new(), FaultFs::new());
+        let f = fs.clone();
+        dev.on_freeze(move || f.freeze());
+        let db = Db::open(dir(), opts(&dev, &fs, manual())).unwrap();
+        let m = four_tables(&db);
+        (dev, fs, db, m)
+    };
+    let (dev, _fs, db, _) = build();
+    let before = dev.fences();
+    db.compact().unwrap();
+    let total = dev.fences() - before;
+    assert!(total >= 3, "a merge persists its table, its slot and frees its input");
+    for n in 1..=total {
+        for frac in [0.0, 1.0] {
+            let (dev, fs, db, m) = build();
+            dev.crash_before_fence(dev.fences() + n);
+            let _ = db.compact();
+            assert!(dev.crashed(), "fence {n} not reached");
+            db.simulate_process_crash();
+            let dev = dev.simulate_crash(n, frac);
+            let fs = fs.crash();
+            let db = Db::open(dir(), opts(&dev, &fs, manual())).unwrap_or_else(|e| panic!("fence {n}: {e}"));
+            assert_matches(&db, &m, &format!("crash at merge fence {n} evict {frac}"));
+            assert_eq!(db.check().unwrap(), Vec::<String>::new(), "fence {n}");
+            // The merge happened, or was restarted at open, or its inputs are still there
+            // as candidates; either way another compact leaves no candidate.
+            db.compact().unwrap();
+            assert_eq!(d(&db, "merge_candidates"), 0, "fence {n}");
+            assert_matches(&db, &m, &format!("fence {n}: after compacting again"));
+        }
+    }
+    eprintln!("{total} merge fences crashed at, twice each");
+}
+
+#[test]
+fn restart_after_clean_close_replays_nothing_and_after_a_crash_replays_newer_tables() {
+    let (dev, fs) = (SimDevice::new(), FaultFs::new());
+    let db = Db::open(dir(), opts(&dev, &fs, manual())).unwrap();
+    let m = four_tables(&db);
+    db.close().unwrap();
+    drop(db);
+    let db = Db::open(dir(), opts(&dev, &fs, manual())).unwrap();
+    assert_eq!(d(&db, "flushes"), 0, "a clean restart replays no WAL");
+    assert_matches(&db, &m, "clean restart");
+    let mut m2 = m.clone();
+    db.put(b"zz-unflushed", b"only in the WAL").unwrap();
+    m2.insert(b"zz-unflushed".to_vec(), b"only in the WAL".to_vec());
+    db.simulate_process_crash();
+    let db = Db::open(dir(), opts(&dev.simulate_crash(4, 0.0), &fs.crash(), manual())).unwrap();
+    assert_eq!(d(&db, "flushes"), 1, "the WAL was replayed and flushed at open");
+    assert_matches(&db, &m2, "after crash");
+}
+
+#[test]
+fn ablations_answer_like_the_full_design() {
+    for (name, o) in [
+        ("nt", HpdkOptions { use_btree: false, ..hpdk_small() }),
+        ("ngc", HpdkOptions { enable_merge: false, ..hpdk_small() }),
+    ] {
+        let (dev, fs) = (SimDevice::new(), FaultFs::new());
+        let db = Db::open(dir(), opts(&dev, &fs, o.clone())).unwrap();
+        let mut m = Model::new();
+        for s in workload(7, 600, 60, false) {
+            let want = model_apply(&mut m, &s);
+            if s.writes() {
+                assert_eq!(db_apply(&db, &s).unwrap(), want, "{name}: {s:?}");
+            } else if matches!(s, Step::Flush) {
+                db.flush().unwrap();
+            }
+        }
+        db.flush().unwrap();
+        assert_matches(&db, &m, name);
+        assert!(d(&db, "sstables") > 1, "{name}: the level has several tables");
+        assert_eq!(d(&db, "merges"), 0, "{name}: no merge runs");
+        if name == "nt" {
+            assert_eq!(d(&db, "tree_keys"), 0, "HPDK-NT keeps no tree");
+            assert!(d(&db, "nt_tables_probed") > 0);
+        }
+        db.close().unwrap();
+        drop(db);
+        // Switching the ablation off again rebuilds the tree from the tables.
+        let db = Db::open(dir(), opts(&dev, &fs, hpdk_small())).unwrap();
+        assert_matches(&db, &m, &format!("{name} reopened as full hpdk"));
+    }
+}
+
+#[test]
+fn a_pool_referenced_only_by_the_memtable_is_not_reused() {
+    let (dev, fs) = (SimDevice::new(), FaultFs::new());
+    let db = Db::open(dir(), opts(&dev, &fs, manual())).unwrap();
+    let mut m = Model::new();
+    // 200 KiB of distinct values through 64 KiB pools, nothing flushed: every pool holds
+    // live values known only to the MemTable.
+    for i in 0..200u32 {
+        let v = vec![b'a' + (i % 26) as u8; 1024];
+        db.put(key(i), &v).unwrap();
+        m.insert(key(i), v);
+    }
+    assert_eq!(d(&db, "flushes"), 0);
+    assert_eq!(d(&db, "value_pools_reused"), 0);
+    assert!(d(&db, "value_pools") >= 4);
+    assert_matches(&db, &m, "unflushed values across pools");
+}
