@@ -54,7 +54,8 @@ struct BenchFlags {
     /// Engines, comma separated (default: every preset and `limit`, plus leveldb and
     /// rocksdb when built with them). `slmdb/<schemes>` runs SLM-DB with only the listed
     /// compaction candidate selection schemes: `none` or a `+`-joined subset of `live`,
-    /// `leaf`, `seq` (e.g. `slmdb/live+leaf`), for the paper's §6.5 ablation.
+    /// `leaf`, `seq` (e.g. `slmdb/live+leaf`), for the paper's §6.5 ablation. `hpdk/nt`
+    /// (no DRAM B+-tree) and `hpdk/ngc` (no merge) are HPDK's Fig. 7 ablations.
     #[arg(long)]
     engines: Option<String>,
     /// Workloads in order, comma separated: fillseq, fillrandom, overwrite, readrandom,
