@@ -275,3 +275,73 @@ fn a_pool_referenced_only_by_the_memtable_is_not_reused() {
     assert!(d(&db, "value_pools") >= 4);
     assert_matches(&db, &m, "unflushed values across pools");
 }
+
+#[test]
+fn background_merges_race_with_flushes_and_readers() {
+    use std::sync::atomic::{AtomicBool, Ordering};
+    use std::sync::Arc;
+    let t = tempdir();
+    let o = tierkv::Options::new().preset(Preset::Hpdk).pm_pool_size(8 << 20).hpdk(HpdkOptions {
+        memtable_size: 16 << 10,
+        vlog_pool_size: 256 << 10,
+        block_size: 512,
+        merge_trigger: 2,
+        ..HpdkOptions::default()
+    });
+    let db = Arc::new(Db::open(t.path(), o.clone()).unwrap());
+    let stop = Arc::new(AtomicBool::new(false));
+    // Values name their key and round, so a reader can tell a torn or misdirected read.
+    let reader = {
+        let (db, stop) = (db.clone(), stop.clone());
+        std::thread::spawn(move || {
+            let mut reads = 0u64;
+            while !stop.load(Ordering::Relaxed) {
+                for i in (0..800u32).step_by(7) {
+                    if let Some(v) = db.get(&key(i)).unwrap() {
+                        let want = format!("{}-", String::from_utf8_lossy(&key(i)));
+                        assert!(v.starts_with(want.as_bytes()), "{} read {:?}", i, String::from_utf8_lossy(&v));
+                        reads += 1;
+                    }
+                }
+            }
+            reads
+        })
+    };
+    let writers: Vec<_> = (0..2u32)
+        .map(|w| {
+            let db = db.clone();
+            std::thread::spawn(move || {
+                let mut m = Model::new();
+                for round in 0..25u32 {
+                    for i in (w * 400)..(w * 400 + 400) {
+                        let v = format!("{}-{round}-{}", String::from_utf8_lossy(&key(i)), "p".repeat(30)).into_bytes();
+                        db.put(&key(i), &v).unwrap();
+                        m.insert(key(i), v);
+                    }
+                }
+                m
+            })
+        })
+        .collect();
+    let mut m = Model::new();
+    for w in writers {
+        m.extend(w.join().unwrap());
+    }
+    stop.store(true, Ordering::Relaxed);
+    assert!(reader.join().unwrap() > 0);
+    db.flush().unwrap();
+    assert!(d(&db, "merges") > 0, "no background merge ran");
+    eprintln!(
+        "merges {} flushes {} install conflicts {} stalls {}",
+        d(&db, "merges"),
+        d(&db, "flushes"),
+        d(&db, "merge_install_conflicts"),
+        d(&db, "write_stalls")
+    );
+    assert_matches(&db, &m, "after the race");
+    assert_eq!(db.check().unwrap(), Vec::<String>::new());
+    Arc::try_unwrap(db).unwrap().close().unwrap();
+    let db = Db::open(t.path(), o).unwrap();
+    assert_matches(&db, &m, "after reopen");
+    assert_eq!(db.check().unwrap(), Vec::<String>::new());
+}
