@@ -76,7 +76,7 @@ pub fn parse_engines(s: &str) -> Result<Vec<String>, String> {
             let e = e.trim().to_string();
             if let Some((base, schemes)) = e.split_once('/') {
                 let preset: tierkv::Preset = base.parse().map_err(|err: tierkv::Error| err.to_string())?;
-                engine::slmdb_schemes(preset, schemes)?;
+                engine::apply_variant(&mut tierkv::Options::new(), preset, schemes)?;
                 return Ok(e);
             }
             if known.contains(&e) {

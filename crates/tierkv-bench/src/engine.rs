@@ -93,12 +93,20 @@ pub fn open(spec: &EngineSpec) -> Result<Box<dyn BenchEngine>> {
     };
     let preset: Preset = base.parse().map_err(|e: tierkv::Error| e.to_string())?;
     let mut opts = Options::new().preset(preset).pm_path(&spec.pm_dir).pm_sync(spec.durable);
-    match schemes {
-        Some(s) if preset == Preset::Hpdk => opts.hpdk = hpdk_variant(s)?,
-        Some(s) => opts.slmdb = slmdb_schemes(preset, s)?,
-        None => {}
+    if let Some(s) = schemes {
+        apply_variant(&mut opts, preset, s)?;
     }
     Ok(Box::new(Tierkv::open(spec.name.clone(), opts, &spec.dir)?))
+}
+
+/// Apply the variant `s` of an engine named `<preset>/<s>` to `opts`: SLM-DB's scheme list
+/// ([`slmdb_schemes`]) or HPDK's ablation ([`hpdk_variant`]).
+pub fn apply_variant(opts: &mut Options, preset: Preset, s: &str) -> Result<()> {
+    match preset {
+        Preset::Hpdk => opts.hpdk = hpdk_variant(s)?,
+        _ => opts.slmdb = slmdb_schemes(preset, s)?,
+    }
+    Ok(())
 }
 
 /// HPDK's Fig. 7 ablations for an engine named `hpdk/<variant>`: `nt` (no DRAM B+-tree: a

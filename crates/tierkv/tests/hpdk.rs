@@ -297,7 +297,7 @@ fn background_merges_race_with_flushes_and_readers() {
             let mut reads = 0u64;
             while !stop.load(Ordering::Relaxed) {
                 for i in (0..800u32).step_by(7) {
-                    if let Some(v) = db.get(&key(i)).unwrap() {
+                    if let Some(v) = db.get(key(i)).unwrap() {
                         let want = format!("{}-", String::from_utf8_lossy(&key(i)));
                         assert!(v.starts_with(want.as_bytes()), "{} read {:?}", i, String::from_utf8_lossy(&v));
                         reads += 1;
@@ -315,7 +315,7 @@ fn background_merges_race_with_flushes_and_readers() {
                 for round in 0..25u32 {
                     for i in (w * 400)..(w * 400 + 400) {
                         let v = format!("{}-{round}-{}", String::from_utf8_lossy(&key(i)), "p".repeat(30)).into_bytes();
-                        db.put(&key(i), &v).unwrap();
+                        db.put(key(i), &v).unwrap();
                         m.insert(key(i), v);
                     }
                 }
@@ -344,4 +344,37 @@ fn background_merges_race_with_flushes_and_readers() {
     let db = Db::open(t.path(), o).unwrap();
     assert_matches(&db, &m, "after reopen");
     assert_eq!(db.check().unwrap(), Vec::<String>::new());
+}
+
+#[test]
+fn unsynced_wal_survives_a_process_crash_and_synced_wal_survives_power_loss() {
+    for sync_wal in [false, true] {
+        let (dev, fs) = (SimDevice::new(), FaultFs::new());
+        let o = HpdkOptions { sync_wal, ..manual() };
+        let db = Db::open(dir(), opts(&dev, &fs, o.clone())).unwrap();
+        let mut m = Model::new();
+        put_range(&db, &mut m, 0..50, 0);
+        for i in 50..80 {
+            db.put(key(i), val(i, 0)).unwrap();
+            m.insert(key(i), val(i, 0));
+        }
+        db.simulate_process_crash();
+        // A process crash: PM keeps every persisted line, the page cache keeps every
+        // written (even unsynced) byte.
+        let dev = dev.simulate_crash(5, 0.5);
+        let db = Db::open(dir(), opts(&dev, &fs, o.clone())).unwrap();
+        assert_matches(&db, &m, &format!("process crash, sync_wal {sync_wal}"));
+        db.simulate_process_crash();
+        // Power loss: unsynced file data is gone too. Only a synced WAL keeps the unflushed
+        // writes; without it, the store still opens with a prefix of them.
+        let db = Db::open(dir(), opts(&dev.simulate_crash(6, 0.5), &fs.crash(), o)).unwrap();
+        let got = dump(&db);
+        if sync_wal {
+            assert_eq!(got, m, "power loss with sync_wal");
+        } else {
+            for i in 0..50 {
+                assert!(got.contains_key(&key(i)), "flushed key {i} lost");
+            }
+        }
+    }
 }

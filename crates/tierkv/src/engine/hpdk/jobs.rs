@@ -10,8 +10,8 @@ use parking_lot::{Condvar, Mutex, RwLock};
 use super::layout::{self, Dump, Slot, TSlot};
 use super::vlog::{scan_pool, PoolCount, PoolInfo, State, Vlog};
 use super::{
-    dump_name, tv, untv, wal_name, Counters, Inflight, Inner, Mem, MemState, PmTable, VersionState, Work, Writer,
-    MERGE_LOG, TOMB, TREE_NODE,
+    dump_name, tv, untv, wal_name, Counters, Inner, Mem, MemState, PmTable, VersionState, Work, Writer, MERGE_LOG,
+    TOMB, TREE_NODE,
 };
 use crate::engine::EngineCtx;
 use crate::error::{Error, Result};
@@ -136,7 +136,6 @@ impl Inner {
                 self.vlog.tree_refs(&incr_pools);
             }
             let tables = self.tables.read();
-            let mut inflight = self.inflight.lock();
             let mut v = self.version.lock();
             let mut after = v.version.clone();
             after.files.insert(
@@ -144,17 +143,15 @@ impl Inner {
                 FileMeta { total: meta.entries, live, size: meta.size, smallest: meta.smallest, largest: meta.largest },
             );
             edits.push(Edit::AddFile(number, after.files[&number].clone()));
+            // A merge output not installed yet is not in the version: its live count is
+            // taken from the tree when it installs.
             for (slot, n) in decr_tables {
                 let Some(old) = tables.get(&slot) else { continue };
-                if let Some(f) = inflight.as_mut().filter(|f| f.slot == slot) {
-                    f.pending_decr += n;
-                    self.counters.install_conflicts.fetch_add(n, Ordering::Relaxed);
-                } else if let Some(m) = after.files.get_mut(&old.number) {
+                if let Some(m) = after.files.get_mut(&old.number) {
                     m.live = m.live.saturating_sub(n);
                     edits.push(Edit::SetLive(old.number, m.live));
                 }
             }
-            drop(inflight);
             drop(tables);
             after.counter = imm.gen;
             after.candidates = candidates(&after, self.opts.live_rate_threshold).into_iter().collect();
@@ -252,7 +249,6 @@ impl Inner {
             }
             let (meta, bytes) = b.finish_mem()?;
             let t = self.place_table(number, &bytes)?;
-            *self.inflight.lock() = Some(Inflight { slot: t.slot, pending_decr: 0 });
             // Lines 16-17: write to the new table while updating the tree's table part.
             for chunk in kept.chunks(CHUNK) {
                 let mut tree = self.tree.write();
@@ -270,7 +266,15 @@ impl Inner {
         // Line 21: InstallMergeResult, with the writes that raced with the merge settled.
         {
             let _f = self.flush_job.lock();
-            let pending = self.inflight.lock().take().map_or(0, |f| f.pending_decr);
+            // The install-time check: flushes that ran during the merge may have overwritten
+            // items it moved. No flush runs now, so the tree says exactly which of the
+            // output's items are live.
+            if let Some((t, fm)) = &mut out {
+                let tree = self.tree.read();
+                let now = kept.iter().filter(|(k, a, _)| tree.get(k) == Some(&tv(*a, t.slot))).count() as u64;
+                self.counters.install_conflicts.fetch_add(fm.live.saturating_sub(now), Ordering::Relaxed);
+                fm.live = now;
+            }
             let mut v = self.version.lock();
             let mut after = v.version.clone();
             let mut edits = Vec::new();
@@ -278,8 +282,7 @@ impl Inner {
                 after.files.remove(n);
                 edits.push(Edit::RemoveFile(*n));
             }
-            if let Some((_, fm)) = &mut out {
-                fm.live = fm.live.saturating_sub(pending);
+            if let Some((_, fm)) = &out {
                 after.files.insert(number, fm.clone());
                 edits.push(Edit::AddFile(number, fm.clone()));
             }
@@ -718,7 +721,6 @@ pub(crate) fn open_inner(ctx: &EngineCtx) -> Result<(Inner, Option<Vec<u64>>)> {
         tables: RwLock::new(tables),
         flush_job: Mutex::new(()),
         merge_job: Mutex::new(()),
-        inflight: Mutex::new(None),
         work: Mutex::new(Work::default()),
         work_cv: Condvar::new(),
         flushed_cv: Condvar::new(),

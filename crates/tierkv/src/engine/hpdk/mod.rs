@@ -22,8 +22,9 @@
 //!   rate falls below `live_rate_threshold` (0.5) joins the candidate set; at
 //!   `merge_trigger` candidates a background merge frees fully dead tables, merge-sorts the
 //!   rest, keeps the items whose tree entry still points at them (address *and* table),
-//!   writes them to a new table and repoints the tree. Flushes that overwrite a merged item
-//!   before the merge installs are recorded and settled at install (`InstallMergeResult`).
+//!   writes them to a new table and repoints the tree. Flushes may overwrite a moved item
+//!   before the merge installs; at install (`InstallMergeResult`), with no flush running, the
+//!   output's live count is taken from the tree, so such races never leave it wrong.
 //!   A merge log file makes a crash mid-merge restart it.
 //! - **Recovery** (§IV-B): MANIFEST + the newest usable B+-tree recovery file (written by
 //!   every merge and at clean shutdown) + replay of the tables newer than it + WAL replay.
@@ -140,14 +141,6 @@ pub(crate) struct VersionState {
     pub(crate) manifest: Manifest,
 }
 
-/// The merge in flight: its output table, and its items that flushes overwrote before it
-/// installed.
-#[derive(Debug)]
-pub(crate) struct Inflight {
-    pub(crate) slot: u16,
-    pub(crate) pending_decr: u64,
-}
-
 /// The writer's state: the open WAL.
 #[derive(Debug)]
 pub(crate) struct Writer {
@@ -195,7 +188,6 @@ pub(crate) struct Inner {
     /// Serialises flushes; a merge takes it to number its output and to install.
     pub(crate) flush_job: Mutex<()>,
     pub(crate) merge_job: Mutex<()>,
-    pub(crate) inflight: Mutex<Option<Inflight>>,
     pub(crate) work: Mutex<Work>,
     pub(crate) work_cv: Condvar,
     pub(crate) flushed_cv: Condvar,
