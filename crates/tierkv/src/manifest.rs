@@ -97,6 +97,18 @@ impl Version {
         }
     }
 
+    /// (files, live keys, total keys, candidates, file bytes) over every file.
+    pub fn summary(&self) -> (u64, u64, u64, u64, u64) {
+        let f = &self.files;
+        (
+            f.len() as u64,
+            f.values().map(|m| m.live).sum(),
+            f.values().map(|m| m.total).sum(),
+            self.candidates.len() as u64,
+            f.values().map(|m| m.size).sum(),
+        )
+    }
+
     /// The edits that rebuild this version from nothing.
     pub fn snapshot(&self) -> Vec<Edit> {
         let mut v = vec![Edit::NextFile(self.next_file), Edit::Counter(self.counter)];

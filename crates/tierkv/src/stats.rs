@@ -32,6 +32,27 @@ pub struct Stats {
 }
 
 impl Stats {
+    /// A preset's figures: `Db::stats` adds the file seam's byte counters and the ratios.
+    pub(crate) fn engine(
+        preset: &str,
+        pm: PmStats,
+        user_bytes_written: u64,
+        keys: u64,
+        dram_index_bytes: u64,
+        design: &[(&str, u64)],
+    ) -> Stats {
+        Stats {
+            preset: preset.into(),
+            user_bytes_written,
+            pm_bytes_written: pm.lines_persisted * crate::pm::LINE,
+            pm,
+            keys,
+            dram_index_bytes,
+            design: design.iter().map(|(k, v)| (k.to_string(), *v)).collect(),
+            ..Stats::default()
+        }
+    }
+
     /// Fill in the write-amplification ratios from the byte counters.
     pub fn finish(mut self) -> Self {
         let user = self.user_bytes_written as f64;

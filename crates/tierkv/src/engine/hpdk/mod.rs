@@ -583,17 +583,7 @@ impl Inner {
 
     fn stats_impl(&self) -> Stats {
         let pm = self.region.stats();
-        let (files, live, total, cands, bytes) = {
-            let v = self.version.lock();
-            let f = &v.version.files;
-            (
-                f.len() as u64,
-                f.values().map(|m| m.live).sum::<u64>(),
-                f.values().map(|m| m.total).sum::<u64>(),
-                v.version.candidates.len() as u64,
-                f.values().map(|m| m.size).sum::<u64>(),
-            )
-        };
+        let (files, live, total, cands, bytes) = self.version.lock().version.summary();
         let (keys, tree_bytes) = {
             let t = self.tree.read();
             (t.len() as u64, t.dram_bytes() as u64)
@@ -612,8 +602,7 @@ impl Inner {
         let heap = self.heap.lock();
         let c = &self.counters;
         let ld = |a: &AtomicU64| a.load(Ordering::Relaxed);
-        let mut design = BTreeMap::new();
-        for (k, v) in [
+        let design = [
             ("sstables", files),
             ("sstable_bytes", bytes),
             ("live_items_in_sstables", live),
@@ -638,22 +627,8 @@ impl Inner {
             ("value_records_written", vs.records),
             ("pm_heap_bytes", heap.total()),
             ("pm_heap_free_bytes", heap.free_bytes()),
-        ] {
-            design.insert(k.to_string(), v);
-        }
-        Stats {
-            preset: "hpdk".into(),
-            user_bytes_written: ld(&self.user_bytes),
-            pm_bytes_written: pm.lines_persisted * crate::pm::LINE,
-            pm,
-            disk_bytes_written: 0,
-            disk_bytes_read: 0,
-            write_amp_pm: 0.0,
-            write_amp_disk: 0.0,
-            keys: keys + mem_keys,
-            dram_index_bytes: tree_bytes + mem_bytes,
-            design,
-        }
+        ];
+        Stats::engine("hpdk", pm, ld(&self.user_bytes), keys + mem_keys, tree_bytes + mem_bytes, &design)
     }
 }
 

@@ -729,17 +729,7 @@ impl Inner {
 
     fn stats_impl(&self) -> Stats {
         let pm = self.region.stats();
-        let (files, live, total, cands, disk) = {
-            let v = self.version.lock();
-            let f = &v.version.files;
-            (
-                f.len() as u64,
-                f.values().map(|m| m.live).sum::<u64>(),
-                f.values().map(|m| m.total).sum::<u64>(),
-                v.version.candidates.len() as u64,
-                f.values().map(|m| m.size).sum::<u64>(),
-            )
-        };
+        let (files, live, total, cands, disk) = self.version.lock().version.summary();
         let keys = self.tree.read().len();
         let (mem_keys, mem_bytes, mem_index) = {
             let m = self.mem.read();
@@ -753,8 +743,7 @@ impl Inner {
         let heap = self.heap.lock();
         let c = &self.counters;
         let ld = |a: &AtomicU64| a.load(Ordering::Relaxed);
-        let mut design = BTreeMap::new();
-        for (k, v) in [
+        let design = [
             ("sstables", files),
             ("sstable_bytes", disk),
             ("live_keys_in_sstables", live),
@@ -775,24 +764,9 @@ impl Inner {
             ("pm_heap_bytes", heap.total()),
             ("pm_heap_free_bytes", heap.free_bytes()),
             ("block_cache_bytes", self.cache.bytes()),
-        ] {
-            design.insert(k.to_string(), v);
-        }
-        Stats {
-            preset: "slmdb".into(),
-            user_bytes_written: ld(&self.user_bytes),
-            pm_bytes_written: pm.lines_persisted * crate::pm::LINE,
-            pm,
-            // `Db::stats` adds the file seam's byte counters.
-            disk_bytes_written: 0,
-            disk_bytes_read: 0,
-            write_amp_pm: 0.0,
-            write_amp_disk: 0.0,
-            keys,
-            // The index is in PM; DRAM holds the MemTables' volatile upper levels.
-            dram_index_bytes: mem_index,
-            design,
-        }
+        ];
+        // The index is in PM; DRAM holds the MemTables' volatile upper levels.
+        Stats::engine("slmdb", pm, ld(&self.user_bytes), keys, mem_index, &design)
     }
 }
 
