@@ -204,6 +204,31 @@ fn crash_at_every_persist_point_of_a_merge() {
         }
     }
     eprintln!("{total} merge fences crashed at, twice each");
+    // The merge's file-system steps (merge log, recovery file, MANIFEST commit, removals):
+    // every operation from the n-th on fails, as if the machine stopped there; what was
+    // synced survives.
+    let mut n = 1;
+    loop {
+        let (dev, fs, db, m) = build();
+        fs.fail_after(n, tierkv::fs::FaultKind::Eio, true);
+        let r = db.compact();
+        db.simulate_process_crash();
+        if r.is_ok() {
+            break;
+        }
+        fs.clear_faults();
+        let dev = dev.simulate_crash(n, 0.5);
+        let fs = fs.crash();
+        let db = Db::open(dir(), opts(&dev, &fs, manual())).unwrap_or_else(|e| panic!("fs op {n}: {e}"));
+        assert_matches(&db, &m, &format!("merge cut at file operation {n}"));
+        assert_eq!(db.check().unwrap(), Vec::<String>::new(), "fs op {n}");
+        db.compact().unwrap();
+        assert_eq!(d(&db, "merge_candidates"), 0, "fs op {n}");
+        assert_matches(&db, &m, &format!("fs op {n}: after compacting again"));
+        n += 1;
+    }
+    assert!(n > 5, "the merge's file operations were cut at only {} points", n - 1);
+    eprintln!("{} merge file operations cut at", n - 1);
 }
 
 #[test]
