@@ -29,4 +29,5 @@ pub mod peers;
 pub mod plot;
 pub mod report;
 pub mod run;
+pub mod soak;
 pub mod workload;

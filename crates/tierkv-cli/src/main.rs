@@ -132,6 +132,49 @@ enum Cmd {
         #[command(flatten)]
         t: Target,
     },
+    /// kill -9 soak: a stress process (writer and reader threads, verifiable values) is
+    /// SIGKILLed at random moments; after each kill the store is reopened, every key checked
+    /// against the acknowledged writes, and `check` run. Exit 1 on the first failure.
+    Soak {
+        /// Store directory (created; must be empty). Default: a temporary directory.
+        #[arg(long)]
+        dir: Option<PathBuf>,
+        /// Preset to soak.
+        #[arg(long, default_value = "pmekv")]
+        preset: String,
+        /// Kill/reopen/verify cycles.
+        #[arg(long, default_value_t = 10)]
+        cycles: u64,
+        /// Keys in the key space.
+        #[arg(long, default_value_t = 20_000)]
+        keys: u64,
+        /// Writer threads (as many readers run beside them).
+        #[arg(long, default_value_t = 2)]
+        threads: usize,
+        /// Shortest run before a kill (ms).
+        #[arg(long, default_value_t = 100)]
+        min_ms: u64,
+        /// Longest run before a kill (ms).
+        #[arg(long, default_value_t = 1500)]
+        max_ms: u64,
+        /// Seed of the kill times and the stress streams.
+        #[arg(long, default_value_t = 301)]
+        seed: u64,
+    },
+    /// (Internal to `tierkv soak`.) Stress a store until killed.
+    #[command(name = "soak-stress", hide = true)]
+    SoakStress {
+        #[arg(long)]
+        dir: PathBuf,
+        #[arg(long)]
+        preset: String,
+        #[arg(long)]
+        keys: u64,
+        #[arg(long)]
+        threads: usize,
+        #[arg(long)]
+        seed: u64,
+    },
     /// (Internal to `tierkv bench`.) Open a benchmarked store, write, report, and wait to be
     /// killed: recovery after a real crash is timed by the parent.
     #[command(name = "bench-crash-child", hide = true)]
@@ -209,6 +252,55 @@ fn run(cli: Cli) -> Result<Outcome, Error> {
                 a.workloads = tierkv_bench::cli::parse_workloads(&w).map_err(Error::InvalidArgument)?;
             }
             tierkv_bench::cli::run(&a).map_err(|e| Error::InvalidArgument(format!("bench: {e}")))?;
+        }
+        Cmd::Soak { dir, preset, cycles, keys, threads, min_ms, max_ms, seed } => {
+            let preset: Preset = preset.parse()?;
+            let scratch = dir.is_none();
+            let dir = dir.unwrap_or_else(|| {
+                std::env::temp_dir().join(format!("tierkv-soak-{}-{preset}-{seed}", std::process::id()))
+            });
+            let cleanup = |d: &std::path::Path| {
+                if scratch {
+                    let _ = std::fs::remove_dir_all(d);
+                    let mut e = d.as_os_str().to_owned();
+                    e.push(".expected");
+                    let _ = std::fs::remove_file(e);
+                }
+            };
+            let a =
+                tierkv_bench::soak::SoakArgs { dir: dir.clone(), preset, cycles, keys, threads, min_ms, max_ms, seed };
+            let exe = std::env::current_exe()?;
+            let r = tierkv_bench::soak::soak(&exe, &a, |c, cy| {
+                println!(
+                    "{preset} cycle {c}: killed after {} ms, {} writes acknowledged, {} in flight landed, recovery {:.3} s, every key verified, check clean",
+                    cy.ran_ms, cy.acked, cy.inflight_landed, cy.recovery_s
+                );
+            });
+            match r {
+                Ok(cycles) => {
+                    cleanup(&dir);
+                    let mut rec: Vec<f64> = cycles.iter().map(|c| c.recovery_s).collect();
+                    rec.sort_by(|a, b| a.total_cmp(b));
+                    let acked: u64 = cycles.iter().map(|c| c.acked).sum();
+                    writeln!(
+                        out,
+                        "{preset}: {} kill -9 cycles survived, {acked} acknowledged writes verified, recovery {:.3}..{:.3} s (median {:.3} s)",
+                        cycles.len(),
+                        rec.first().copied().unwrap_or(0.0),
+                        rec.last().copied().unwrap_or(0.0),
+                        rec.get(rec.len() / 2).copied().unwrap_or(0.0)
+                    )?;
+                }
+                Err(e) => {
+                    eprintln!("tierkv soak: {preset}: FAILED: {e} (store kept in {})", dir.display());
+                    return Ok(Outcome::NotFound);
+                }
+            }
+        }
+        Cmd::SoakStress { dir, preset, keys, threads, seed } => {
+            let preset: Preset = preset.parse()?;
+            tierkv_bench::soak::stress_main(&dir, preset, keys, threads, seed)
+                .map_err(|e| Error::InvalidArgument(format!("soak stress: {e}")))?;
         }
         Cmd::BenchCrashChild { engine, dir, pm_dir, num, key_size, value_size, durable } => {
             let spec = tierkv_bench::engine::EngineSpec { name: engine, dir, pm_dir, durable };

@@ -133,3 +133,35 @@ fn bench_measures_recovery_after_a_killed_child() {
         assert!(!line.contains("not measured"), "{line}");
     }
 }
+
+/// The kill -9 soak, bounded for CI (`tierkv soak --cycles 100` runs the long one): every
+/// preset survives SIGKILLs of a multi-threaded writer with every acknowledged write intact.
+#[test]
+fn soak_survives_kill_9_cycles_for_every_preset() {
+    for p in tierkv::Preset::ALL {
+        let t = tmp();
+        let dir = t.path().join("store");
+        let o = tierkv(
+            &[
+                "soak",
+                "--preset",
+                p.name(),
+                "--dir",
+                dir.to_str().unwrap(),
+                "--cycles",
+                "3",
+                "--keys",
+                "3000",
+                "--min-ms",
+                "50",
+                "--max-ms",
+                "400",
+            ],
+            None,
+        );
+        let out = String::from_utf8_lossy(&o.stdout);
+        assert_eq!(code(&o), 0, "{p}: {out}\n{}", String::from_utf8_lossy(&o.stderr));
+        assert_eq!(out.matches("every key verified, check clean").count(), 3, "{out}");
+        assert!(out.contains("3 kill -9 cycles survived"), "{out}");
+    }
+}
