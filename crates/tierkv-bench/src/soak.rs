@@ -71,7 +71,7 @@ fn mix(i: u64, seq: u64) -> u64 {
 
 /// Is operation `seq` of key `i` a delete? (One in eight; never the first.)
 pub fn is_delete(i: u64, seq: u64) -> bool {
-    seq > 1 && mix(i, seq) % 8 == 0
+    seq > 1 && mix(i, seq).is_multiple_of(8)
 }
 
 /// The value of operation `seq` of key `i`: `key | seq | padding | crc`, 24..=600 bytes.
