@@ -94,6 +94,22 @@ impl Inner {
     /// Flush the Immutable MemTable, if any (§III-C): one SSTable into PM, the entries into
     /// the B+-tree, then the MANIFEST commit.
     pub(crate) fn flush_imm(&self) -> Result<()> {
+        self.poison_on_error("flush", || self.flush_imm_inner())
+    }
+
+    /// Run a background job; a failure poisons the store (as LevelDB's background error):
+    /// its in-memory state may no longer match what is durable, so no write is accepted
+    /// until a reopen recovers from the durable state.
+    pub(crate) fn poison_on_error(&self, what: &str, job: impl FnOnce() -> Result<()>) -> Result<()> {
+        self.poisoned.check()?;
+        let r = job();
+        if let Err(e) = &r {
+            self.poisoned.set(format!("{what} failed: {e}"));
+        }
+        r
+    }
+
+    fn flush_imm_inner(&self) -> Result<()> {
         let _job = self.flush_job.lock();
         let Some(imm) = self.mem.read().imm.clone() else { return Ok(()) };
         let entries: Vec<(Vec<u8>, u64)> = imm.map.read().iter().map(|(k, a)| (k.clone(), *a)).collect();
@@ -194,6 +210,10 @@ impl Inner {
 
     /// Algorithm 1 over `inputs` (table numbers).
     pub(crate) fn merge_tables(&self, inputs: &[u64]) -> Result<()> {
+        self.poison_on_error("merge", || self.merge_tables_inner(inputs))
+    }
+
+    fn merge_tables_inner(&self, inputs: &[u64]) -> Result<()> {
         let _job = self.merge_job.lock();
         let by_number: HashMap<u64, Arc<PmTable>> =
             self.tables.read().values().map(|t| (t.number, t.clone())).collect();

@@ -276,6 +276,22 @@ impl Inner {
 
     /// Flush the Immutable MemTable, if any.
     pub(super) fn flush_imm(&self) -> Result<()> {
+        self.poison_on_error("flush", || self.flush_imm_inner())
+    }
+
+    /// Run a background job; a failure poisons the store (as LevelDB's background error):
+    /// its in-memory state may no longer match what is durable, so no write is accepted
+    /// until a reopen recovers from the durable state.
+    pub(super) fn poison_on_error(&self, what: &str, job: impl FnOnce() -> Result<()>) -> Result<()> {
+        self.check_poisoned()?;
+        let r = job();
+        if let Err(e) = &r {
+            self.poison(format!("{what} failed: {e}"));
+        }
+        r
+    }
+
+    fn flush_imm_inner(&self) -> Result<()> {
         let _job = self.flush_job.lock();
         let Some(imm) = self.mem.read().imm.clone() else { return Ok(()) };
         self.run_flush(&imm, None)
@@ -489,6 +505,10 @@ impl Inner {
     /// A compaction round: a leaf scan, then merge the picked candidates; with `force`,
     /// repeat until no candidate is left.
     pub(super) fn maybe_compact(&self, force: bool) -> Result<()> {
+        self.poison_on_error("compaction", || self.maybe_compact_inner(force))
+    }
+
+    fn maybe_compact_inner(&self, force: bool) -> Result<()> {
         let _job = self.compaction_job.lock();
         if self.opts.enable_leaf_scan {
             self.leaf_scan()?;
@@ -508,6 +528,10 @@ impl Inner {
 
     /// Compact `inputs` (restart after a crash).
     pub(super) fn compact_files(&self, inputs: &[u64]) -> Result<()> {
+        self.poison_on_error("compaction", || self.compact_files_inner(inputs))
+    }
+
+    fn compact_files_inner(&self, inputs: &[u64]) -> Result<()> {
         let _job = self.compaction_job.lock();
         let live: Vec<u64> = {
             let vs = self.version.lock();
