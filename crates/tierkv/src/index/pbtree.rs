@@ -224,6 +224,12 @@ impl PTree {
 
     /// Descend to the leaf that holds `key`; returns the path (root first).
     fn descend(&self, r: &Region, key: &[u8]) -> Result<(u64, Path)> {
+        self.descend_v(r, key, false)
+    }
+
+    /// [`Self::descend`], verifying the checksum of every record compared on the way when
+    /// `verify` (a damaged key must not silently misdirect a search).
+    fn descend_v(&self, r: &Region, key: &[u8], verify: bool) -> Result<(u64, Path)> {
         let mut node = self.root;
         let mut path = Path::new();
         for _ in 0..64 {
@@ -232,7 +238,7 @@ impl PTree {
                 return Ok((node, path));
             }
             let e = Self::node_entries(r, node)?;
-            let i = upper_bound(r, &e, key)? as isize - 1;
+            let i = upper_bound(r, &e, key, verify)? as isize - 1;
             path.push((node, i));
             node = if i < 0 { h.leftmost } else { record(r, e[i as usize])?.a };
         }
@@ -240,16 +246,20 @@ impl PTree {
     }
 
     /// The location of `key`.
+    ///
+    /// A hit verifies the record it returns. A miss is confirmed by a second search that
+    /// verifies every record it compares, so a damaged key is `Corruption`, never a silently
+    /// missing key (misses pay for it; hits do not).
     pub fn get(&self, r: &Region, key: &[u8]) -> Result<Option<Loc>> {
-        let (leaf, _) = self.descend(r, key)?;
-        let e = Self::node_entries(r, leaf)?;
-        match find(r, &e, key)? {
-            Ok(i) => {
+        for verify in [false, true] {
+            let (leaf, _) = self.descend_v(r, key, verify)?;
+            let e = Self::node_entries(r, leaf)?;
+            if let Ok(i) = find(r, &e, key, verify)? {
                 let rec = record_verified(r, e[i])?;
-                Ok(Some(Loc { file: rec.a, offset: rec.b, size: rec.c }))
+                return Ok(Some(Loc { file: rec.a, offset: rec.b, size: rec.c }));
             }
-            Err(_) => Ok(None),
         }
+        Ok(None)
     }
 
     /// Map `key` to `loc`; returns the previous location.
@@ -257,7 +267,7 @@ impl PTree {
         let (leaf, path) = self.descend(r, key)?;
         let e = Self::node_entries(r, leaf)?;
         let rec = new_record(r, heap, KIND_LEAF, key, loc.file, loc.offset, loc.size)?;
-        match find(r, &e, key)? {
+        match find(r, &e, key, false)? {
             Ok(i) => {
                 let old = e[i];
                 let prev = record(r, old)?;
@@ -278,7 +288,7 @@ impl PTree {
     pub fn remove(&mut self, r: &Region, heap: &Mutex<Heap>, key: &[u8]) -> Result<Option<Loc>> {
         let (leaf, _) = self.descend(r, key)?;
         let e = Self::node_entries(r, leaf)?;
-        let Ok(i) = find(r, &e, key)? else { return Ok(None) };
+        let Ok(i) = find(r, &e, key, false)? else { return Ok(None) };
         let old = e[i];
         let prev = record(r, old)?;
         // Shift left: slot[j] = slot[j+1], persisting a line before moving to the next.
@@ -353,7 +363,7 @@ impl PTree {
         // Now insert the pending entry into the half it belongs to.
         let target = if key >= sep_key.as_slice() { new } else { node };
         let te = Self::node_entries(r, target)?;
-        let ti = upper_bound(r, &te, key)?;
+        let ti = upper_bound(r, &te, key, false)?;
         shift_insert(r, target, &te, ti, rec)
     }
 
@@ -367,7 +377,9 @@ impl PTree {
         end: Option<&[u8]>,
         max: usize,
     ) -> Result<Vec<(Vec<u8>, Loc)>> {
-        let (mut leaf, _) = self.descend(r, start)?;
+        // The start is found with verified records: a damaged key must not make the scan
+        // silently skip entries.
+        let (mut leaf, _) = self.descend_v(r, start, true)?;
         let mut out = Vec::new();
         let mut first = true;
         let mut hops = 0u64;
@@ -375,9 +387,9 @@ impl PTree {
             let e = Self::node_entries(r, leaf)?;
             let from = if first {
                 if exclusive {
-                    upper_bound(r, &e, start)?
+                    upper_bound(r, &e, start, true)?
                 } else {
-                    lower_bound(r, &e, start)?
+                    lower_bound(r, &e, start, true)?
                 }
             } else {
                 0
@@ -524,7 +536,7 @@ impl PTree {
             let sh = self.header(r, sib)?;
             if sh.low != 0 {
                 let low = record(r, sh.low)?.key.to_vec();
-                let keep = lower_bound(r, &e, &low)?;
+                let keep = lower_bound(r, &e, &low, true)?;
                 e.truncate(keep);
             }
         }
@@ -750,11 +762,12 @@ fn shift_insert(r: &Region, node: u64, e: &[u64], i: usize, rec: u64) -> Result<
 }
 
 /// Index of `key` in entries `e` (Ok) or where it would be inserted (Err).
-fn find(r: &Region, e: &[u64], key: &[u8]) -> Result<std::result::Result<usize, usize>> {
+fn find(r: &Region, e: &[u64], key: &[u8], verify: bool) -> Result<std::result::Result<usize, usize>> {
     let (mut lo, mut hi) = (0usize, e.len());
     while lo < hi {
         let mid = (lo + hi) / 2;
-        match record(r, e[mid])?.key.cmp(key) {
+        let rec = if verify { record_verified(r, e[mid])? } else { record(r, e[mid])? };
+        match rec.key.cmp(key) {
             std::cmp::Ordering::Less => lo = mid + 1,
             std::cmp::Ordering::Greater => hi = mid,
             std::cmp::Ordering::Equal => return Ok(Ok(mid)),
@@ -764,16 +777,16 @@ fn find(r: &Region, e: &[u64], key: &[u8]) -> Result<std::result::Result<usize, 
 }
 
 /// First index whose key is `> key`.
-fn upper_bound(r: &Region, e: &[u64], key: &[u8]) -> Result<usize> {
-    Ok(match find(r, e, key)? {
+fn upper_bound(r: &Region, e: &[u64], key: &[u8], verify: bool) -> Result<usize> {
+    Ok(match find(r, e, key, verify)? {
         Ok(i) => i + 1,
         Err(i) => i,
     })
 }
 
 /// First index whose key is `>= key`.
-fn lower_bound(r: &Region, e: &[u64], key: &[u8]) -> Result<usize> {
-    Ok(match find(r, e, key)? {
+fn lower_bound(r: &Region, e: &[u64], key: &[u8], verify: bool) -> Result<usize> {
+    Ok(match find(r, e, key, verify)? {
         Ok(i) | Err(i) => i,
     })
 }
@@ -819,6 +832,35 @@ mod tests {
             h.add_space(start, end, &mine).unwrap();
         }
         Mutex::new(h)
+    }
+
+    /// Regression (found by the corruption sweep): a damaged key in a leaf record made `get`
+    /// miss the key silently. A miss is now confirmed by a verified search.
+    #[test]
+    fn a_damaged_record_key_is_corruption_not_a_miss() {
+        let dev = SimDevice::new();
+        let r = region(&dev, true);
+        let heap = heap_for(&r, vec![]);
+        let mut t = PTree::create(&r, &heap, ANCHOR).unwrap();
+        for i in 0..200u64 {
+            let k = format!("key{i:06}").into_bytes();
+            t.put(&r, &heap, &k, Loc { file: i, offset: 0, size: 1 }).unwrap();
+        }
+        let (leaf, _) = t.descend(&r, b"key000100").unwrap();
+        let e = PTree::node_entries(&r, leaf).unwrap();
+        let hit = e.iter().copied().find(|a| record(&r, *a).unwrap().key == b"key000100").unwrap();
+        // Flip the key's last byte: `key000100` becomes `key000101`'s twin.
+        let at = hit + REC_HEADER + 8;
+        let b = r.slice(at, 1).unwrap()[0];
+        // SAFETY: single-threaded test; nothing else uses the region.
+        unsafe { r.write(at, &[b ^ 1]).unwrap() };
+        assert!(t.get(&r, b"key000100").unwrap_err().is_corruption());
+        // The twin key reads its own record, or meets the damaged one: never a wrong value.
+        match t.get(&r, b"key000101") {
+            Ok(l) => assert_eq!(l.map(|l| l.file), Some(101)),
+            Err(e) => assert!(e.is_corruption()),
+        }
+        assert_eq!(t.get(&r, b"key000150").unwrap().map(|l| l.file), Some(150), "other keys still read");
     }
 
     #[derive(Debug, Clone)]
