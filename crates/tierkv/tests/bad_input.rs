@@ -168,3 +168,24 @@ fn injected_fs_faults_surface_as_errors_at_open() {
         }
     }
 }
+
+#[test]
+fn a_store_of_a_newer_format_version_is_refused_by_name() {
+    for &preset in presets() {
+        let dev = SimDevice::new();
+        let fs = FaultFs::new();
+        let db = Db::open(dir(), sim_options(preset, &dev, &fs)).unwrap();
+        db.put(b"k", b"v").unwrap();
+        db.close().unwrap();
+        drop(db);
+        // A well-formed OPTIONS record (valid checksum) written by a newer tierkv.
+        let path = dir().join("OPTIONS");
+        let mut rec = tierkv::fs::Fs::read_all(&fs, &path).unwrap();
+        rec[8..12].copy_from_slice(&2u32.to_le_bytes());
+        let c = tierkv::format::crc::masked(&rec[0..28]);
+        rec[28..32].copy_from_slice(&c.to_le_bytes());
+        tierkv::fs::Fs::write_atomic(&fs, &path, &rec).unwrap();
+        let e = Db::open(dir(), sim_options(preset, &dev, &fs)).unwrap_err();
+        assert!(e.to_string().contains("unsupported OPTIONS version 2"), "{preset}: {e}");
+    }
+}
