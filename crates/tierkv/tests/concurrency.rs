@@ -142,3 +142,107 @@ fn writers_and_readers_agree_with_the_model() {
         assert_matches(&db, &model, &format!("{preset} after reopen"));
     }
 }
+
+/// Per-key linearizability on single-writer registers, sampled: each writer owns its keys
+/// and publishes, per key, the highest version it has *started* (before the write) and the
+/// highest *acknowledged* (after). A reader that reads key `k` must see a version between
+/// the acknowledged version it observed before the read and the started version it observes
+/// after it, and never an older version than one it saw before (reads do not go back in
+/// time), while flushes, merges, compactions and write-back run in the background. Deletes
+/// are versions too (odd multiples of 7 delete), so "absent" is checked like a value.
+#[test]
+fn sampled_keys_are_linearizable_registers() {
+    use std::sync::atomic::AtomicU64;
+    const KEYS: usize = 64;
+    const WRITERS: usize = 2;
+    let is_del = |v: u64| v % 7 == 0 && v % 2 == 1;
+    for &preset in presets() {
+        let t = tempdir();
+        let db = Arc::new(Db::open(t.path(), opts(preset)).unwrap());
+        let started: Arc<Vec<AtomicU64>> = Arc::new((0..KEYS).map(|_| AtomicU64::new(0)).collect());
+        let acked: Arc<Vec<AtomicU64>> = Arc::new((0..KEYS).map(|_| AtomicU64::new(0)).collect());
+        let stop = Arc::new(AtomicBool::new(false));
+        let key = |i: usize| format!("lin{i:03}").into_bytes();
+        let writers: Vec<_> = (0..WRITERS)
+            .map(|w| {
+                let (db, started, acked) = (db.clone(), started.clone(), acked.clone());
+                std::thread::spawn(move || {
+                    let mut rng = SmallRng::seed_from_u64(w as u64);
+                    // Filler keys make the MemTables fill and the background work run.
+                    for n in 0..6000u64 {
+                        let i = rng.random_range(0..KEYS / WRITERS) * WRITERS + w;
+                        let v = started[i].load(Ordering::Relaxed) + 1;
+                        started[i].store(v, Ordering::SeqCst);
+                        let k = format!("lin{i:03}").into_bytes();
+                        if is_del(v) {
+                            db.delete(&k).unwrap();
+                        } else {
+                            db.put(&k, val(&k, v as u32, 40)).unwrap();
+                        }
+                        acked[i].store(v, Ordering::SeqCst);
+                        let f = format!("fill{w}-{:05}", n % 3000).into_bytes();
+                        db.put(&f, val(&f, n as u32, 200)).unwrap();
+                    }
+                })
+            })
+            .collect();
+        let readers: Vec<_> = (0..2)
+            .map(|r| {
+                let (db, started, acked, stop) = (db.clone(), started.clone(), acked.clone(), stop.clone());
+                std::thread::spawn(move || {
+                    let mut rng = SmallRng::seed_from_u64(100 + r);
+                    let mut seen = [0u64; KEYS];
+                    let mut reads = 0u64;
+                    while !stop.load(Ordering::Relaxed) {
+                        let i = rng.random_range(0..KEYS);
+                        let k = key(i);
+                        let lo = acked[i].load(Ordering::SeqCst);
+                        let got = db.get(&k).unwrap();
+                        let hi = started[i].load(Ordering::SeqCst);
+                        let version = match got {
+                            Some(v) => {
+                                let s = String::from_utf8_lossy(&v).into_owned();
+                                let body = s
+                                    .strip_prefix(&format!("lin{i:03}#"))
+                                    .unwrap_or_else(|| panic!("foreign value {s}"));
+                                let n: u64 = body.split('#').next().unwrap().parse().unwrap();
+                                assert_eq!(v, val(&k, n as u32, 40), "torn value");
+                                assert!(!is_del(n), "key {i}: a value for delete version {n}");
+                                assert!(
+                                    lo <= n && n <= hi,
+                                    "key {i}: read version {n}, acknowledged {lo}, started {hi}"
+                                );
+                                assert!(n >= seen[i], "key {i}: read went back from version {} to {n}", seen[i]);
+                                n
+                            }
+                            // Absent: some delete version in [max(acknowledged, seen), started],
+                            // or nothing acknowledged or seen yet.
+                            None => {
+                                let from = lo.max(seen[i]).max(1);
+                                match (from..=hi).rev().find(|v| is_del(*v)) {
+                                    Some(d) => d,
+                                    None if lo == 0 && seen[i] == 0 => 0,
+                                    None => panic!(
+                                        "key {i}: absent, but no delete in [{from}, {hi}] (acknowledged {lo}, seen {})",
+                                        seen[i]
+                                    ),
+                                }
+                            }
+                        };
+                        seen[i] = seen[i].max(version);
+                        reads += 1;
+                    }
+                    reads
+                })
+            })
+            .collect();
+        for w in writers {
+            w.join().unwrap();
+        }
+        stop.store(true, Ordering::Relaxed);
+        let reads: u64 = readers.into_iter().map(|r| r.join().unwrap()).sum();
+        assert!(reads > 1000, "{preset}: only {reads} checked reads");
+        assert!(db.check().unwrap().is_empty());
+        eprintln!("{preset}: {reads} linearizability-checked reads");
+    }
+}
