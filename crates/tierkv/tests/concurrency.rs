@@ -155,7 +155,7 @@ fn sampled_keys_are_linearizable_registers() {
     use std::sync::atomic::AtomicU64;
     const KEYS: usize = 64;
     const WRITERS: usize = 2;
-    let is_del = |v: u64| v % 7 == 0 && v % 2 == 1;
+    let is_del = |v: u64| v.is_multiple_of(7) && v % 2 == 1;
     for &preset in presets() {
         let t = tempdir();
         let db = Arc::new(Db::open(t.path(), opts(preset)).unwrap());
