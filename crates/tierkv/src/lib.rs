@@ -40,6 +40,7 @@ pub mod options_file;
 pub mod pm;
 pub mod sstable;
 pub mod stats;
+pub mod testing;
 
 pub use batch::{BatchOp, WriteBatch};
 pub use db::Db;

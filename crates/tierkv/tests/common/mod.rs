@@ -4,13 +4,12 @@
 use std::collections::BTreeMap;
 use std::ops::Bound;
 use std::path::{Path, PathBuf};
-use std::sync::Arc;
 
 use rand::rngs::SmallRng;
 use rand::{Rng, SeedableRng};
 use tierkv::fs::FaultFs;
 use tierkv::pm::sim::SimDevice;
-use tierkv::{Db, HpdkOptions, Options, PmekvOptions, Preset, SlmdbOptions, WriteBatch};
+use tierkv::{Db, Options, Preset, WriteBatch};
 
 /// Every preset; a new preset joins every generic test by being in `Preset::ALL`.
 pub fn presets() -> &'static [Preset] {
@@ -22,50 +21,14 @@ pub fn dir() -> PathBuf {
     PathBuf::from("/db")
 }
 
-/// Small, deterministic options on a simulated device and file system.
+/// Small, deterministic options on a simulated device and file system (shared with the fuzz
+/// targets: [`tierkv::testing`]).
 pub fn sim_options(preset: Preset, dev: &SimDevice, fs: &FaultFs) -> Options {
-    Options::new()
-        .preset(preset)
-        .pm_device(dev.clone())
-        .fs(Arc::new(fs.clone()))
-        .pm_pool_size(1 << 20)
-        .max_value_size(16 << 10)
-        .pmekv(PmekvOptions {
-            node_capacity: 8,
-            kv_log_size: 256 << 10,
-            key_log_size: 256 << 10,
-            writeback_interval_ms: 0,
-        })
-        .slmdb(slmdb_small())
-        .hpdk(hpdk_small())
+    tierkv::testing::sim_options(preset, dev, fs)
 }
 
-/// HPDK scaled down so that small tests flush, merge and reuse value pools: 16 KiB
-/// MemTables, 64 KiB value pools, 256-byte blocks, a merge at 2 candidates, a synced WAL
-/// (the crash tests drop unsynced file data: power loss), everything in the calling thread.
-pub fn hpdk_small() -> HpdkOptions {
-    HpdkOptions {
-        memtable_size: 16 << 10,
-        vlog_pool_size: 64 << 10,
-        block_size: 256,
-        merge_trigger: 2,
-        sync_wal: true,
-        background: false,
-        ..HpdkOptions::default()
-    }
-}
-
-/// SLM-DB scaled down so that small tests flush, compact and split tree nodes: 64 KiB
-/// MemTables, 256-byte blocks, 4 KiB compaction outputs, everything in the calling thread.
-pub fn slmdb_small() -> SlmdbOptions {
-    SlmdbOptions {
-        memtable_size: 64 << 10,
-        block_size: 256,
-        output_file_size: 4096,
-        background: false,
-        ..SlmdbOptions::default()
-    }
-}
+#[allow(unused_imports)]
+pub use tierkv::testing::{hpdk_small, slmdb_small};
 
 /// The reference model.
 pub type Model = BTreeMap<Vec<u8>, Vec<u8>>;

@@ -1,0 +1,54 @@
+//! Small, deterministic options on the PM crash simulator and the fault-injecting file
+//! system, shared by the test suites and the fuzz targets. Not for production use: the sizes
+//! are chosen so that short workloads flush, merge, compact and split nodes.
+
+use std::sync::Arc;
+
+use crate::fs::FaultFs;
+use crate::options::{HpdkOptions, Options, PmekvOptions, Preset, SlmdbOptions};
+use crate::pm::sim::SimDevice;
+
+/// Every preset scaled down, on `dev` and `fs`: 1 MiB PM pools, values up to 16 KiB.
+pub fn sim_options(preset: Preset, dev: &SimDevice, fs: &FaultFs) -> Options {
+    Options::new()
+        .preset(preset)
+        .pm_device(dev.clone())
+        .fs(Arc::new(fs.clone()))
+        .pm_pool_size(1 << 20)
+        .max_value_size(16 << 10)
+        .pmekv(PmekvOptions {
+            node_capacity: 8,
+            kv_log_size: 256 << 10,
+            key_log_size: 256 << 10,
+            writeback_interval_ms: 0,
+        })
+        .slmdb(slmdb_small())
+        .hpdk(hpdk_small())
+}
+
+/// HPDK scaled down so that small tests flush, merge and reuse value pools: 16 KiB
+/// MemTables, 64 KiB value pools, 256-byte blocks, a merge at 2 candidates, a synced WAL
+/// (the crash tests drop unsynced file data: power loss), everything in the calling thread.
+pub fn hpdk_small() -> HpdkOptions {
+    HpdkOptions {
+        memtable_size: 16 << 10,
+        vlog_pool_size: 64 << 10,
+        block_size: 256,
+        merge_trigger: 2,
+        sync_wal: true,
+        background: false,
+        ..HpdkOptions::default()
+    }
+}
+
+/// SLM-DB scaled down so that small tests flush, compact and split tree nodes: 64 KiB
+/// MemTables, 256-byte blocks, 4 KiB compaction outputs, everything in the calling thread.
+pub fn slmdb_small() -> SlmdbOptions {
+    SlmdbOptions {
+        memtable_size: 64 << 10,
+        block_size: 256,
+        output_file_size: 4096,
+        background: false,
+        ..SlmdbOptions::default()
+    }
+}
