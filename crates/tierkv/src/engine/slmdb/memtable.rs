@@ -112,10 +112,15 @@ pub fn read_node_trusted(r: &Region, addr: u64) -> Result<Node<'_>> {
 }
 
 fn read_node_impl(r: &Region, addr: u64, verify: bool) -> Result<Node<'_>> {
-    let h = r.slice_checked(addr, NODE_HEADER as usize, "memtable node")?;
-    let mut c = Cursor::new(h);
     let bad = |d: &str| r.corruption(addr, d.to_string());
-    let (next, seq) = (c.u64().ok_or_else(|| bad("short node"))?, c.u64().ok_or_else(|| bad("short node"))?);
+    // `next` is linked by writers with an 8-byte atomic store while readers walk the list:
+    // it is read atomically, and the plain view starts after it (ThreadSanitizer found the
+    // mixed access).
+    r.slice_checked(addr, NODE_HEADER as usize, "memtable node")?;
+    let next = r.load_u64_atomic(addr)?;
+    let h = r.slice_checked(addr + 8, NODE_HEADER as usize - 8, "memtable node")?;
+    let mut c = Cursor::new(h);
+    let seq = c.u64().ok_or_else(|| bad("short node"))?;
     let batch_n = c.u32().ok_or_else(|| bad("short node"))?;
     let batch_i = c.u32().ok_or_else(|| bad("short node"))?;
     let klen = c.u32().ok_or_else(|| bad("short node"))? as usize;
@@ -129,7 +134,7 @@ fn read_node_impl(r: &Region, addr: u64, verify: bool) -> Result<Node<'_>> {
     let all = r.slice_checked(addr, NODE_HEADER as usize + klen + vlen, "memtable node")?;
     let key = all.get(NODE_HEADER as usize..NODE_HEADER as usize + klen).unwrap_or(&[]);
     let value = all.get(NODE_HEADER as usize + klen..).unwrap_or(&[]);
-    if kind > KIND_DEL || (verify && crc::masked_parts(&[h.get(8..36).unwrap_or(&[]), key, value]) != stored) {
+    if kind > KIND_DEL || (verify && crc::masked_parts(&[h.get(0..28).unwrap_or(&[]), key, value]) != stored) {
         return Err(bad("memtable node checksum mismatch"));
     }
     Ok(Node { next, seq, batch_n, batch_i, kind, key, value })
