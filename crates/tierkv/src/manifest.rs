@@ -20,7 +20,7 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};
 
 use crate::error::{Error, Result};
-use crate::format::{crc, Cursor};
+use crate::format::Cursor;
 use crate::fs::{Fs, FsFile};
 
 /// Manifest file magic (first record's payload starts after an 8-byte file header).
@@ -202,14 +202,7 @@ pub fn decode_edits(p: &[u8]) -> std::result::Result<Vec<Edit>, String> {
     Ok(out)
 }
 
-/// Frame a payload: `len u32 | masked crc32c(payload) u32 | payload`.
-pub fn frame(payload: &[u8]) -> Vec<u8> {
-    let mut r = Vec::with_capacity(8 + payload.len());
-    r.extend_from_slice(&(payload.len() as u32).to_le_bytes());
-    r.extend_from_slice(&crc::masked(payload).to_le_bytes());
-    r.extend_from_slice(payload);
-    r
-}
+pub use crate::format::frame;
 
 /// The live manifest, open for appending.
 #[derive(Debug)]
@@ -302,27 +295,13 @@ pub fn parse(data: &[u8]) -> std::result::Result<(Version, bool), (u64, String)>
         return Err((0, "bad manifest magic".into()));
     }
     let mut v = Version::default();
-    let mut off = 8usize;
-    let mut records = 0;
-    let mut torn = false;
-    while off < data.len() {
-        let mut c = Cursor::new(data.get(off..).unwrap_or(&[]));
-        torn = true;
-        let (Some(len), Some(stored)) = (c.u32(), c.u32()) else { break }; // torn header
-        let Some(payload) = c.bytes(len as usize) else { break }; // torn payload
-        let end = off + 8 + len as usize;
-        if crc::masked(payload) != stored {
-            if end == data.len() {
-                break; // a torn last record
-            }
-            return Err((off as u64, "manifest record checksum mismatch".into()));
-        }
-        let edits = decode_edits(payload).map_err(|d| (off as u64, d))?;
+    let (records, torn) = crate::format::read_frames(data.get(8..).unwrap_or(&[]))
+        .map_err(|(off, d)| (off + 8, format!("manifest {d}")))?;
+    for (off, payload) in &records {
+        let edits = decode_edits(payload).map_err(|d| (off + 8, d))?;
         v.apply(&edits);
-        records += 1;
-        off = end;
-        torn = false;
     }
+    let records = records.len();
     if records == 0 {
         return Err((8, "manifest holds no complete record".into()));
     }

@@ -37,68 +37,62 @@ fn build(preset: Preset) -> (SimDevice, FaultFs, Model) {
 
 /// Outcome of reading a damaged store: `true` when the damage was reported somewhere.
 fn verify(preset: Preset, dev: &SimDevice, fs: &FaultFs, m: &Model, ctx: &str) -> bool {
-    let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-        let db = match Db::open(dir(), sim_options(preset, dev, fs)) {
-            Err(e) => {
-                assert!(e.is_corruption(), "{ctx}: open failed with a non-corruption error: {e}");
-                return true;
-            }
-            Ok(db) => db,
-        };
-        let mut reported = false;
-        for (k, v) in m {
-            match db.get(k) {
-                Ok(Some(got)) => assert_eq!(&got, v, "{ctx}: wrong value for {}", tierkv::escape(k)),
-                Ok(None) => panic!("{ctx}: key {} silently lost", tierkv::escape(k)),
-                Err(e) => {
-                    assert!(e.is_corruption(), "{ctx}: get failed with {e}");
-                    reported = true;
-                }
-            }
+    let db = match Db::open(dir(), sim_options(preset, dev, fs)) {
+        Err(e) => {
+            assert!(e.is_corruption(), "{ctx}: open failed with a non-corruption error: {e}");
+            return true;
         }
-        match db.scan(..) {
+        Ok(db) => db,
+    };
+    let mut reported = false;
+    for (k, v) in m {
+        match db.get(k) {
+            Ok(Some(got)) => assert_eq!(&got, v, "{ctx}: wrong value for {}", tierkv::escape(k)),
+            Ok(None) => panic!("{ctx}: key {} silently lost", tierkv::escape(k)),
             Err(e) => {
-                assert!(e.is_corruption(), "{ctx}: scan failed with {e}");
+                assert!(e.is_corruption(), "{ctx}: get failed with {e}");
                 reported = true;
             }
-            Ok(it) => {
-                let mut n = 0;
-                for item in it {
-                    match item {
-                        Ok((k, v)) => {
-                            assert_eq!(m.get(&k), Some(&v), "{ctx}: scan returned a wrong entry");
-                            n += 1;
-                        }
-                        Err(e) => {
-                            assert!(e.is_corruption(), "{ctx}: scan failed with {e}");
-                            reported = true;
-                            n = m.len();
-                            break;
-                        }
+        }
+    }
+    match db.scan(..) {
+        Err(e) => {
+            assert!(e.is_corruption(), "{ctx}: scan failed with {e}");
+            reported = true;
+        }
+        Ok(it) => {
+            let mut n = 0;
+            for item in it {
+                match item {
+                    Ok((k, v)) => {
+                        assert_eq!(m.get(&k), Some(&v), "{ctx}: scan returned a wrong entry");
+                        n += 1;
+                    }
+                    Err(e) => {
+                        assert!(e.is_corruption(), "{ctx}: scan failed with {e}");
+                        reported = true;
+                        n = m.len();
+                        break;
                     }
                 }
-                assert_eq!(n, m.len(), "{ctx}: scan silently skipped entries");
             }
+            assert_eq!(n, m.len(), "{ctx}: scan silently skipped entries");
         }
-        match db.check() {
-            Ok(p) => {
-                if reported {
-                    assert!(!p.is_empty(), "{ctx}: reads failed but check found nothing");
-                }
-                reported |= !p.is_empty();
-            }
-            Err(e) => {
-                assert!(e.is_corruption(), "{ctx}: check failed with {e}");
-                reported = true;
-            }
-        }
-        drop(db);
-        reported
-    }));
-    match r {
-        Ok(rep) => rep,
-        Err(p) => std::panic::resume_unwind(p),
     }
+    match db.check() {
+        Ok(p) => {
+            if reported {
+                assert!(!p.is_empty(), "{ctx}: reads failed but check found nothing");
+            }
+            reported |= !p.is_empty();
+        }
+        Err(e) => {
+            assert!(e.is_corruption(), "{ctx}: check failed with {e}");
+            reported = true;
+        }
+    }
+    drop(db);
+    reported
 }
 
 /// Offsets to damage in a region of `len` bytes: the first and last 64 bytes densely, the

@@ -61,6 +61,42 @@ pub fn align_up(v: u64, align: u64) -> u64 {
     (v + align - 1) & !(align - 1)
 }
 
+/// Frame a record payload: `len u32 | masked crc32c(payload) u32 | payload` (the MANIFEST's
+/// records, HPDK's WAL records).
+pub fn frame(payload: &[u8]) -> Vec<u8> {
+    let mut r = Vec::with_capacity(8 + payload.len());
+    r.extend_from_slice(&(payload.len() as u32).to_le_bytes());
+    r.extend_from_slice(&crc::masked(payload).to_le_bytes());
+    r.extend_from_slice(payload);
+    r
+}
+
+/// Framed records with their offsets, and whether a torn last record was dropped.
+pub type Frames<'a> = (Vec<(u64, &'a [u8])>, bool);
+
+/// The framed records of `data` (each with its offset), and whether a torn last record was
+/// dropped: one that runs past the end, or whose checksum fails and that ends exactly at the
+/// end (a crash interrupted the append). Any other bad record is `Err((offset, detail))`.
+pub fn read_frames(data: &[u8]) -> Result<Frames<'_>, (u64, String)> {
+    let mut out = Vec::new();
+    let mut off = 0usize;
+    while off < data.len() {
+        let mut c = Cursor::new(data.get(off..).unwrap_or(&[]));
+        let (Some(len), Some(stored)) = (c.u32(), c.u32()) else { return Ok((out, true)) };
+        let Some(payload) = c.bytes(len as usize) else { return Ok((out, true)) };
+        let end = off + 8 + len as usize;
+        if crc::masked(payload) != stored {
+            if end == data.len() {
+                return Ok((out, true));
+            }
+            return Err((off as u64, "record checksum mismatch".into()));
+        }
+        out.push((off as u64, payload));
+        off = end;
+    }
+    Ok((out, false))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

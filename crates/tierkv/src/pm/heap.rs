@@ -132,6 +132,32 @@ pub fn alloc_or_grow(heap: &mut Heap, region: &super::Region, size: u64) -> crat
     }
 }
 
+/// Rebuild a heap that has no metadata of its own (the presets rebuild theirs at open):
+/// every pool's space — from `first_start` in pool 0, after the header in the others — minus
+/// the `used` extents. Overlapping extents, or one outside every pool's heap, are corruption.
+pub fn rebuild(region: &super::Region, first_start: u64, mut used: Vec<(u64, u64)>) -> crate::Result<Heap> {
+    used.sort_unstable();
+    used.dedup();
+    for w in used.windows(2) {
+        if w[0].0 + w[0].1 > w[1].0 {
+            return Err(region.corruption(w[1].0, "two PM objects overlap"));
+        }
+    }
+    let mut h = Heap::new();
+    let mut covered = 0;
+    for i in 0..region.pool_count() {
+        let start = if i == 0 { first_start } else { region.addr(i, super::POOL_HEADER_LEN) };
+        let end = region.addr(i + 1, 0);
+        let in_pool: Vec<(u64, u64)> = used.iter().copied().filter(|&(a, _)| a >= start && a < end).collect();
+        covered += in_pool.len();
+        h.add_space(start, end, &in_pool).map_err(|(a, _)| region.corruption(a, "PM object outside the heap"))?;
+    }
+    if covered != used.len() {
+        return Err(region.corruption(0, "a PM object lies outside every pool's heap"));
+    }
+    Ok(h)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

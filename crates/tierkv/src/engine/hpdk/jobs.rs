@@ -18,8 +18,8 @@ use crate::error::{Error, Result};
 use crate::fs::Fs;
 use crate::index::bplus::BPlusTree;
 use crate::manifest::{Edit, FileMeta, Manifest, Version};
-use crate::pm::heap::{alloc_or_grow, Heap};
-use crate::pm::{PmFile, Region, POOL_HEADER_LEN};
+use crate::pm::heap::alloc_or_grow;
+use crate::pm::{PmFile, Region};
 use crate::sstable::{Kind, Table, TableBuilder};
 
 /// Tree updates applied per write-lock hold.
@@ -112,7 +112,9 @@ impl Inner {
     fn flush_imm_inner(&self) -> Result<()> {
         let _job = self.flush_job.lock();
         let Some(imm) = self.mem.read().imm.clone() else { return Ok(()) };
-        let entries: Vec<(Vec<u8>, u64)> = imm.map.read().iter().map(|(k, a)| (k.clone(), *a)).collect();
+        // The Immutable MemTable no longer changes: read it in place.
+        let map = imm.map.read();
+        let entries: Vec<(&Vec<u8>, u64)> = map.iter().map(|(k, a)| (k, *a)).collect();
         let mut edits = Vec::new();
         let mut decr_pools: BTreeMap<u16, i64> = BTreeMap::new();
         if !entries.is_empty() {
@@ -483,8 +485,6 @@ pub(crate) fn open_inner(ctx: &EngineCtx) -> Result<(Inner, Option<Vec<u64>>)> {
     let fs: &dyn Fs = &ctx.fs;
     let dir = &ctx.dir;
     let mut opts = ctx.opts.hpdk.clone();
-    let heap = Mutex::new(Heap::new());
-    let bad_layout = || region.corruption(0, "PM layout overlaps itself");
     if ctx.fresh {
         for name in fs.list(dir)? {
             if dump_number(&name).is_some()
@@ -509,7 +509,7 @@ pub(crate) fn open_inner(ctx: &EngineCtx) -> Result<(Inner, Option<Vec<u64>>)> {
     let mut pools: Vec<Option<PoolInfo>> = Vec::new();
     let mut tslots: Vec<TSlot> = Vec::new();
     let mut used: Vec<(u64, u64)> = Vec::new();
-    for (base, _) in [(layout::VDIR_ADDR, 0), (layout::TDIR_ADDR, 1)] {
+    for base in [layout::VDIR_ADDR, layout::TDIR_ADDR] {
         let all = region.slice_checked(base, (layout::DIR_SLOTS * layout::SLOT_LEN) as usize, "directory")?;
         for (i, b) in all.chunks(layout::SLOT_LEN as usize).enumerate() {
             match layout::decode_slot(b, i as u16) {
@@ -564,21 +564,7 @@ pub(crate) fn open_inner(ctx: &EngineCtx) -> Result<(Inner, Option<Vec<u64>>)> {
         }
     }
     // Heap: every pool's space minus the extents in use.
-    used.sort_unstable();
-    for w in used.windows(2) {
-        if w[0].0 + w[0].1 > w[1].0 {
-            return Err(region.corruption(w[1].0, "two PM extents overlap"));
-        }
-    }
-    {
-        let mut h = heap.lock();
-        for i in 0..region.pool_count() {
-            let start = if i == 0 { layout::HEAP_START } else { region.addr(i, POOL_HEADER_LEN) };
-            let end = region.addr(i + 1, 0);
-            let inside: Vec<(u64, u64)> = used.iter().copied().filter(|&(a, _)| a >= start && a < end).collect();
-            h.add_space(start, end, &inside).map_err(|_| bad_layout())?;
-        }
-    }
+    let heap = Mutex::new(crate::pm::heap::rebuild(&region, layout::HEAP_START, used)?);
     // Merge log.
     let mut restart = None;
     let mlog = dir.join(MERGE_LOG);
@@ -646,8 +632,10 @@ pub(crate) fn open_inner(ctx: &EngineCtx) -> Result<(Inner, Option<Vec<u64>>)> {
         for (no, gen, u, t) in d.pools {
             dump_pools.insert(no, (gen, u, t));
         }
-        for (n, t) in by_number.iter().filter(|(n, _)| **n > d.covered).collect::<BTreeMap<_, _>>() {
-            let _ = n;
+        // Newer tables in number order (= age order: see the merge's numbering).
+        let newer: BTreeMap<u64, &Arc<PmTable>> =
+            by_number.iter().filter(|(n, _)| **n > d.covered).map(|(n, t)| (*n, t)).collect();
+        for t in newer.values() {
             t.table.for_each(|e, h| {
                 match e.kind {
                     Kind::Put => {

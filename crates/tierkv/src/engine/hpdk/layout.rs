@@ -196,8 +196,7 @@ pub type WalOp = (Vec<u8>, Option<u64>);
 /// all): `len u32 | crc u32 | payload`, payload = `count u32` then per op `kind u8 | klen u16
 /// | key | [address 6 bytes]`.
 pub fn encode_wal(ops: &[(&[u8], Option<u64>)]) -> Vec<u8> {
-    let mut p = Vec::with_capacity(8 + ops.iter().map(|o| o.0.len() + 9).sum::<usize>());
-    p.extend_from_slice(&[0u8; 8]);
+    let mut p = Vec::with_capacity(4 + ops.iter().map(|o| o.0.len() + 9).sum::<usize>());
     p.extend_from_slice(&(ops.len() as u32).to_le_bytes());
     for (k, a) in ops {
         p.push(u8::from(a.is_none()));
@@ -207,36 +206,14 @@ pub fn encode_wal(ops: &[(&[u8], Option<u64>)]) -> Vec<u8> {
             p.extend_from_slice(&vaddr_bytes(*a));
         }
     }
-    let len = (p.len() - 8) as u32;
-    let c = crc::masked(&p[8..]);
-    p[..4].copy_from_slice(&len.to_le_bytes());
-    p[4..8].copy_from_slice(&c.to_le_bytes());
-    p
+    crate::format::frame(&p)
 }
 
-/// Decode a WAL file into its records' operations. A record that runs past the end, or
-/// whose checksum fails and which ends exactly at the end, is a torn tail and ends the log;
-/// any other bad record is an error `(offset, detail)`.
+/// Decode a WAL file into its records' operations. A torn last record ends the log; any
+/// other bad record is an error `(offset, detail)` ([`crate::format::read_frames`]).
 pub fn decode_wal(data: &[u8]) -> Result<Vec<Vec<WalOp>>, (u64, String)> {
-    let mut out = Vec::new();
-    let mut off = 0usize;
-    while off < data.len() {
-        let Some(h) = data.get(off..off + 8) else { break };
-        let len = u32::from_le_bytes([h[0], h[1], h[2], h[3]]) as usize;
-        let stored = u32::from_le_bytes([h[4], h[5], h[6], h[7]]);
-        let Some(p) = data.get(off + 8..off + 8 + len) else { break };
-        let end = off + 8 + len;
-        if crc::masked(p) != stored {
-            if end == data.len() {
-                break;
-            }
-            return Err((off as u64, "WAL record checksum mismatch".into()));
-        }
-        let ops = decode_wal_payload(p).ok_or((off as u64, "malformed WAL record".to_string()))?;
-        out.push(ops);
-        off = end;
-    }
-    Ok(out)
+    let (records, _torn) = crate::format::read_frames(data).map_err(|(off, d)| (off, format!("WAL {d}")))?;
+    records.into_iter().map(|(off, p)| decode_wal_payload(p).ok_or((off, "malformed WAL record".to_string()))).collect()
 }
 
 fn decode_wal_payload(p: &[u8]) -> Option<Vec<WalOp>> {

@@ -124,6 +124,14 @@ pub(crate) struct MemState {
     pub(crate) imm: Option<Arc<Mem>>,
 }
 
+impl MemState {
+    /// The newest entry of `key`: the MemTable's, else the Immutable MemTable's.
+    fn lookup(&self, key: &[u8]) -> Option<u64> {
+        let hit = self.active.map.read().get(key).copied();
+        hit.or_else(|| self.imm.as_ref().and_then(|m| m.map.read().get(key).copied()))
+    }
+}
+
 /// A table of level 0, placed in PM.
 #[derive(Debug)]
 pub(crate) struct PmTable {
@@ -321,12 +329,7 @@ impl Inner {
     /// for a delete.
     fn mem_get(&self, key: &[u8]) -> Result<Option<Option<Vec<u8>>>> {
         let mem = self.mem.read();
-        let hit = mem.active.map.read().get(key).copied();
-        let hit = match hit {
-            Some(a) => Some(a),
-            None => mem.imm.as_ref().and_then(|m| m.map.read().get(key).copied()),
-        };
-        match hit {
+        match mem.lookup(key) {
             None => Ok(None),
             Some(TOMB) => Ok(Some(None)),
             Some(a) => Ok(Some(Some(self.vlog.read(&self.region, a)?))),
@@ -368,23 +371,19 @@ impl Inner {
         Ok(None)
     }
 
-    /// Committed tables, newest first.
+    /// Level 0, newest table first. HPDK-NT runs no merge, so the only table not yet in the
+    /// MANIFEST is the one a flush is committing, whose entries the Immutable MemTable (read
+    /// first) still holds.
     fn level_newest_first(&self) -> Vec<Arc<PmTable>> {
-        let numbers: Vec<u64> = self.version.lock().version.files.keys().rev().copied().collect();
-        let by_number: HashMap<u64, Arc<PmTable>> =
-            self.tables.read().values().map(|t| (t.number, t.clone())).collect();
-        numbers.iter().filter_map(|n| by_number.get(n).cloned()).collect()
+        let mut t: Vec<Arc<PmTable>> = self.tables.read().values().cloned().collect();
+        t.sort_unstable_by_key(|x| std::cmp::Reverse(x.number));
+        t
     }
 
     /// True when `key` exists (no value read).
     fn exists(&self, key: &[u8]) -> Result<bool> {
-        {
-            let mem = self.mem.read();
-            let hit = mem.active.map.read().get(key).copied();
-            let hit = hit.or_else(|| mem.imm.as_ref().and_then(|m| m.map.read().get(key).copied()));
-            if let Some(a) = hit {
-                return Ok(a != TOMB);
-            }
+        if let Some(a) = self.mem.read().lookup(key) {
+            return Ok(a != TOMB);
         }
         if self.opts.use_btree {
             Ok(self.tree.read().get(key).is_some())

@@ -114,6 +114,8 @@ impl Vlog {
         let mut st = self.state.lock();
         let mut out = Vec::with_capacity(values.len());
         let mut buf = Vec::new();
+        // The open pool (number and where it is), looked up again only after a switch.
+        let mut open = st.active.and_then(|no| Some((no, self.pools.read().get(no as usize).copied().flatten()?)));
         for v in values {
             let need = v.len() as u64 + RECORD_OVERHEAD;
             if need > self.pool_size {
@@ -123,24 +125,13 @@ impl Vlog {
                     self.pool_size
                 )));
             }
-            let fits = match st.active {
-                Some(p) => {
-                    let cap = self.pools.read().get(p as usize).copied().flatten().map_or(0, |i| u64::from(i.cap));
-                    st.counts.get(&p).is_some_and(|c| u64::from(c.used) + need <= cap)
-                }
-                None => false,
-            };
+            let fits = open.is_some_and(|(no, i)| {
+                st.counts.get(&no).is_some_and(|c| u64::from(c.used) + need <= u64::from(i.cap))
+            });
             if !fits {
-                self.switch_pool(inner, &mut st)?;
+                open = Some(self.switch_pool(inner, &mut st)?);
             }
-            let no = st.active.ok_or_else(|| Error::PmFull("no open value pool".into()))?;
-            let info = self
-                .pools
-                .read()
-                .get(no as usize)
-                .copied()
-                .flatten()
-                .ok_or_else(|| Error::PmFull("open value pool vanished".into()))?;
+            let (no, info) = open.ok_or_else(|| Error::PmFull("no open value pool".into()))?;
             let c = st.counts.entry(no).or_default();
             buf.clear();
             layout::encode_record(info.gen, v, &mut buf);
@@ -161,8 +152,8 @@ impl Vlog {
         Ok(out)
     }
 
-    /// Open another pool: a reusable one (no references), or a new one.
-    fn switch_pool(&self, inner: &Inner, st: &mut State) -> Result<()> {
+    /// Open another pool: a reusable one (no references), or a new one. Returns it.
+    fn switch_pool(&self, inner: &Inner, st: &mut State) -> Result<(u16, PoolInfo)> {
         let region = &inner.region;
         let active = st.active;
         let reusable = if self.reuse {
@@ -203,17 +194,18 @@ impl Vlog {
         // (and by open); readers use the DRAM pool table.
         unsafe { region.write(sa, &layout::encode_vslot(&slot))? };
         region.persist(sa, layout::SLOT_LEN);
+        let info = PoolInfo { addr, cap, gen };
         {
             let mut p = self.pools.write();
             if p.len() <= no as usize {
                 p.resize(no as usize + 1, None);
             }
-            p[no as usize] = Some(PoolInfo { addr, cap, gen });
+            p[no as usize] = Some(info);
         }
         st.counts.insert(no, PoolCount::default());
         st.active = Some(no);
         st.next_gen = gen + 1;
-        Ok(())
+        Ok((no, info))
     }
 
     /// Add `n` tree references to each pool of `d` (positive) or remove them.

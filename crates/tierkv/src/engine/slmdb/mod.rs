@@ -328,7 +328,7 @@ fn open_inner(ctx: &EngineCtx) -> Result<Inner> {
                 used.extend(segs);
             }
         }
-        rebuild_heap(&region, &heap, used)?;
+        *heap.lock() = crate::pm::heap::rebuild(&region, layout::HEAP_START, used)?;
         let mut tree = tree;
         tree.recover(&region, &heap)?;
         if !Manifest::exists(fs, &ctx.dir) {
@@ -435,30 +435,6 @@ fn pick_root(region: &Region) -> Result<(Root, usize)> {
         }
     }
     best.ok_or_else(|| region.corruption(layout::ROOT_SLOTS[0], "no valid root record in either slot"))
-}
-
-/// Rebuild the heap: every pool's space minus the `used` extents.
-fn rebuild_heap(region: &Region, heap: &Mutex<Heap>, mut used: Vec<(u64, u64)>) -> Result<()> {
-    used.sort_unstable();
-    used.dedup();
-    for w in used.windows(2) {
-        if w[0].0 + w[0].1 > w[1].0 {
-            return Err(region.corruption(w[1].0, "two PM objects overlap"));
-        }
-    }
-    let mut h = heap.lock();
-    let mut covered = 0;
-    for i in 0..region.pool_count() {
-        let start = if i == 0 { layout::HEAP_START } else { region.addr(i, POOL_HEADER_LEN) };
-        let end = region.addr(i + 1, 0);
-        let in_pool: Vec<(u64, u64)> = used.iter().copied().filter(|&(a, _)| a >= start && a < end).collect();
-        covered += in_pool.len();
-        h.add_space(start, end, &in_pool).map_err(|(a, _)| region.corruption(a, "PM object outside the heap"))?;
-    }
-    if covered != used.len() {
-        return Err(region.corruption(0, "a PM object lies outside every pool's heap"));
-    }
-    Ok(())
 }
 
 impl Inner {
