@@ -245,6 +245,7 @@ impl Limit {
             write_latency_ns: 0,
             write_bandwidth_mbps: 0,
             create: true,
+            health: Default::default(),
         })
         .map_err(|e| e.to_string())?;
         Ok(Limit {

@@ -244,16 +244,21 @@ pub fn run_with_progress(
     let before = e.usage();
     let inserted = AtomicU64::new(loaded.ycsb);
     let stop = AtomicBool::new(false);
+    // readwhilewriting: the readers start once the writer's first write is done, so that
+    // every read overlaps writing however the threads are scheduled.
+    let writing = AtomicBool::new(w != Workload::Readwhilewriting);
     let start = Instant::now();
     let (results, background) = std::thread::scope(|s| {
         let writer = (w == Workload::Readwhilewriting).then(|| {
-            let stop = &stop;
+            let (stop, writing) = (&stop, &writing);
             s.spawn(move || -> Result<u64> {
                 let mut rng = SmallRng::seed_from_u64(p.seed ^ 0x5752_4954_4552);
                 let buf = value(&mut rng, p.value_size);
                 let mut n = 0u64;
                 while !stop.load(Ordering::Relaxed) {
-                    e.put(&db_bench_key(rng.random_range(0..p.num), p.key_size), &buf)?;
+                    let r = e.put(&db_bench_key(rng.random_range(0..p.num), p.key_size), &buf);
+                    writing.store(true, Ordering::Release);
+                    r?;
                     n += 1;
                 }
                 Ok(n)
@@ -265,8 +270,13 @@ pub fn run_with_progress(
             .map(|t| {
                 let first = (0..t as u64).map(share).sum::<u64>();
                 let ops = share(t as u64);
-                let inserted = &inserted;
-                s.spawn(move || worker(e, w, p, t, first..first + ops, inserted, bar))
+                let (inserted, writing) = (&inserted, &writing);
+                s.spawn(move || {
+                    while !writing.load(Ordering::Acquire) {
+                        std::thread::yield_now();
+                    }
+                    worker(e, w, p, t, first..first + ops, inserted, bar)
+                })
             })
             .collect();
         let results: Vec<Result<Worked>> =

@@ -18,6 +18,7 @@ fn bench(c: &mut Criterion) {
         write_latency_ns: 0,
         write_bandwidth_mbps: 0,
         create: true,
+        health: Default::default(),
     })
     .unwrap();
     let instr = FlushInstr::detect();

@@ -2,6 +2,7 @@
 
 use std::ops::{Bound, RangeBounds};
 use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
 use parking_lot::RwLock;
@@ -21,6 +22,10 @@ pub struct Db {
     opts: Options,
     dir: PathBuf,
     fs: CountingFs,
+    /// A failed msync of PM (recorded by the region) fails the write that sees it first and
+    /// poisons every later one: what reached the medium is unknown.
+    pm_health: Arc<crate::pm::PmHealth>,
+    pm_failure_reported: AtomicBool,
     _lock: Box<dyn FsLock>,
 }
 
@@ -43,9 +48,10 @@ impl Db {
             }
             fs.create_dir_all(&dir)?;
         }
-        let lock = fs.lock(&dir.join("LOCK")).map_err(|e| match e.kind() {
+        let lock_path = dir.join("LOCK");
+        let lock = fs.lock(&lock_path).map_err(|e| match e.kind() {
             std::io::ErrorKind::WouldBlock => Error::Locked(dir.clone()),
-            _ => Error::Io(e),
+            _ => Error::Io(std::io::Error::new(e.kind(), format!("cannot lock {}: {e}", lock_path.display()))),
         })?;
         let path = dir.join(OPTIONS_FILE);
         let (record, fresh) = if fs.exists(&path) {
@@ -68,13 +74,29 @@ impl Db {
             fs.write_atomic(&path, &rec.encode())?;
             (rec, true)
         };
-        let ctx = EngineCtx { dir: dir.clone(), opts: opts.clone(), fs: fs.clone(), db_id: record.db_id, fresh };
+        let pm_health = opts.pm_health.clone().unwrap_or_default();
+        let ctx = EngineCtx {
+            dir: dir.clone(),
+            opts: opts.clone(),
+            fs: fs.clone(),
+            db_id: record.db_id,
+            fresh,
+            pm_health: pm_health.clone(),
+        };
         let engine = engine::open(opts.preset, ctx)?;
         if fresh {
             let ready = OptionsRecord { state: RecordState::Ready, ..record };
             fs.write_atomic(&path, &ready.encode())?;
         }
-        Ok(Db { engine: RwLock::new(Some(engine)), opts, dir, fs, _lock: lock })
+        Ok(Db {
+            engine: RwLock::new(Some(engine)),
+            opts,
+            dir,
+            fs,
+            pm_health,
+            pm_failure_reported: AtomicBool::new(false),
+            _lock: lock,
+        })
     }
 
     /// The preset recorded in `dir`, or `None` if no store exists there (real file system).
@@ -90,6 +112,24 @@ impl Db {
 
     fn engine(&self) -> Result<Arc<dyn Engine>> {
         self.engine.read().clone().ok_or(Error::Closed)
+    }
+
+    /// `Err` once PM write-back failed: an I/O error the first time, `Poisoned` after.
+    fn check_pm_health(&self) -> Result<()> {
+        let Some(why) = self.pm_health.failure() else { return Ok(()) };
+        if self.pm_failure_reported.swap(true, Ordering::AcqRel) {
+            Err(Error::Poisoned(why))
+        } else {
+            Err(Error::Io(std::io::Error::other(format!("{why}; the store refuses writes until reopened"))))
+        }
+    }
+
+    /// Hand a write to the engine; it is acknowledged only if PM write-back stayed healthy.
+    fn engine_write(&self, ops: &[BatchOp], cond: Cond) -> Result<bool> {
+        self.check_pm_health()?;
+        let r = self.engine()?.write(ops, cond);
+        self.check_pm_health()?;
+        r
     }
 
     fn check_key(&self, key: &[u8]) -> Result<()> {
@@ -126,7 +166,7 @@ impl Db {
     pub fn put(&self, key: impl AsRef<[u8]>, value: impl AsRef<[u8]>) -> Result<()> {
         let op = BatchOp::Put { key: key.as_ref().to_vec(), value: value.as_ref().to_vec() };
         self.check_op(&op)?;
-        self.engine()?.write(std::slice::from_ref(&op), Cond::None).map(|_| ())
+        self.engine_write(std::slice::from_ref(&op), Cond::None).map(|_| ())
     }
 
     /// The value of `key`, if present.
@@ -140,7 +180,7 @@ impl Db {
     pub fn delete(&self, key: impl AsRef<[u8]>) -> Result<()> {
         let op = BatchOp::Delete { key: key.as_ref().to_vec() };
         self.check_op(&op)?;
-        self.engine()?.write(std::slice::from_ref(&op), Cond::None).map(|_| ())
+        self.engine_write(std::slice::from_ref(&op), Cond::None).map(|_| ())
     }
 
     /// Set `key` only if it is absent; returns whether it was written ("insert if not
@@ -148,14 +188,14 @@ impl Db {
     pub fn insert_if_absent(&self, key: impl AsRef<[u8]>, value: impl AsRef<[u8]>) -> Result<bool> {
         let op = BatchOp::Put { key: key.as_ref().to_vec(), value: value.as_ref().to_vec() };
         self.check_op(&op)?;
-        self.engine()?.write(std::slice::from_ref(&op), Cond::Absent)
+        self.engine_write(std::slice::from_ref(&op), Cond::Absent)
     }
 
     /// Set `key` only if it is present; returns whether it was written ("insert if exists").
     pub fn update_if_present(&self, key: impl AsRef<[u8]>, value: impl AsRef<[u8]>) -> Result<bool> {
         let op = BatchOp::Put { key: key.as_ref().to_vec(), value: value.as_ref().to_vec() };
         self.check_op(&op)?;
-        self.engine()?.write(std::slice::from_ref(&op), Cond::Present)
+        self.engine_write(std::slice::from_ref(&op), Cond::Present)
     }
 
     /// Apply a batch atomically: after a crash all of it is visible or none.
@@ -166,7 +206,7 @@ impl Db {
         if batch.is_empty() {
             return Ok(());
         }
-        self.engine()?.write(&batch.ops, Cond::None).map(|_| ())
+        self.engine_write(&batch.ops, Cond::None).map(|_| ())
     }
 
     /// Entries with keys in `range`, in key order.
@@ -183,12 +223,18 @@ impl Db {
 
     /// Force the preset's pending background work (write-back, memtable flush) now.
     pub fn flush(&self) -> Result<()> {
-        self.engine()?.flush()
+        self.check_pm_health()?;
+        let r = self.engine()?.flush();
+        self.check_pm_health()?;
+        r
     }
 
     /// Force compaction / garbage collection now.
     pub fn compact(&self) -> Result<()> {
-        self.engine()?.compact()
+        self.check_pm_health()?;
+        let r = self.engine()?.compact();
+        self.check_pm_health()?;
+        r
     }
 
     /// Counters (see [`Stats`]).

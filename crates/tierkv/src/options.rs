@@ -264,6 +264,9 @@ pub struct Options {
     /// Simulated PM device (tests). When set, PM lives in the crash simulator instead of
     /// pool files and `pm_path` is ignored. Default `None`.
     pub pm_device: Option<SimDevice>,
+    /// Where a failed msync of PM is recorded; tests share one to inject msync failures
+    /// ([`crate::pm::PmHealth::fail_msync_after`]). Default `None`: a fresh record per open.
+    pub pm_health: Option<Arc<crate::pm::PmHealth>>,
 }
 
 impl fmt::Debug for Options {
@@ -284,6 +287,7 @@ impl fmt::Debug for Options {
             .field("hpdk", &self.hpdk)
             .field("fs", &self.fs.as_ref().map(|_| "custom"))
             .field("pm_device", &self.pm_device.as_ref().map(|_| "simulated"))
+            .field("pm_health", &self.pm_health.as_ref().map(|_| "shared"))
             .finish()
     }
 }
@@ -306,6 +310,7 @@ impl Default for Options {
             hpdk: HpdkOptions::default(),
             fs: None,
             pm_device: None,
+            pm_health: None,
         }
     }
 }

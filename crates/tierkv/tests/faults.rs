@@ -115,3 +115,165 @@ fn a_failed_sync_poisons_the_store_until_reopen() {
     assert!(db.put(b"a", b"b").is_err());
     assert!(matches!(db.put(b"c", b"d"), Err(tierkv::Error::Poisoned(_))));
 }
+
+/// Write distinct keys with 1 KiB values until a write fails; returns the acknowledged
+/// writes and the error.
+fn fill_until_error(db: &Db, limit: u32) -> (Model, tierkv::Error) {
+    let mut m = Model::new();
+    for i in 0..limit {
+        let (k, v) = (format!("key{i:08}"), vec![(i % 251) as u8; 1000]);
+        match db.put(&k, &v) {
+            Ok(()) => {
+                m.insert(k.into_bytes(), v);
+            }
+            Err(e) => return (m, e),
+        }
+    }
+    panic!("{}: {limit} writes of 1 KiB never filled the device", db.preset());
+}
+
+#[test]
+fn a_full_pm_device_fails_the_write_and_keeps_every_acknowledged_one() {
+    for &preset in presets() {
+        let dev = SimDevice::new();
+        dev.limit_pools(3);
+        let fs = FaultFs::new();
+        let db = Db::open(dir(), sim_options(preset, &dev, &fs)).unwrap();
+        let (m, err) = fill_until_error(&db, 200_000);
+        let ctx = format!("{preset} after {} acknowledged writes", m.len());
+        assert!(matches!(err, tierkv::Error::PmFull(_)), "{ctx}: expected PmFull, got {err}");
+        // Nothing acknowledged is lost, and the store still reads and checks clean.
+        for (k, v) in m.iter().step_by(7) {
+            assert_eq!(db.get(k).unwrap().as_ref(), Some(v), "{ctx}");
+        }
+        assert_eq!(dump(&db), m, "{ctx}: the failed write changed the store");
+        // A later write fails the same way, or is refused as poisoned when the failure hit
+        // a background step (a flush) whose in-memory state is only settled by a reopen.
+        let poisoned = match db.put(b"one-more", vec![1u8; 1000]) {
+            Err(tierkv::Error::PmFull(_)) => false,
+            Err(tierkv::Error::Poisoned(_)) => true,
+            r => panic!("{ctx}: write on a full device returned {r:?}"),
+        };
+        if !poisoned {
+            assert_eq!(db.check().unwrap(), Vec::<String>::new(), "{ctx}");
+        }
+        db.simulate_process_crash();
+        // After a crash, with room again, every acknowledged write is there and writes work.
+        let dev = dev.simulate_crash(1, 0.5);
+        dev.limit_pools(8);
+        let db = Db::open(dir(), sim_options(preset, &dev, &fs)).unwrap_or_else(|e| panic!("{ctx}: reopen: {e}"));
+        assert_eq!(dump(&db), m, "{ctx}: after reopen");
+        assert_eq!(db.check().unwrap(), Vec::<String>::new(), "{ctx}: after reopen");
+        db.put(b"after", b"room").unwrap();
+        eprintln!("{ctx}: {err} (poisoned: {poisoned})");
+    }
+}
+
+#[test]
+fn a_failed_msync_fails_the_write_and_poisons_the_store() {
+    // Real pool files with `pm_sync`: every fence msyncs. An injected msync failure fails the
+    // write that sees it with an I/O error, every later write with `Poisoned`; a reopened
+    // store has every acknowledged write and works.
+    for &preset in presets() {
+        for after in [0u64, 1, 3, 10] {
+            let tmp = tempfile::tempdir().unwrap();
+            let health = std::sync::Arc::new(tierkv::pm::PmHealth::default());
+            let mut opts = sim_options(preset, &SimDevice::new(), &FaultFs::new());
+            opts.pm_device = None;
+            opts.fs = None;
+            opts.pm_sync = true;
+            let mut m = Model::new();
+            let ctx = format!("{preset} msync fails after {after}");
+            {
+                let db = Db::open(tmp.path(), tierkv::Options { pm_health: Some(health.clone()), ..opts.clone() })
+                    .unwrap_or_else(|e| panic!("{ctx}: open: {e}"));
+                for i in 0..20u32 {
+                    db.put(format!("a{i}"), b"acknowledged").unwrap();
+                    m.insert(format!("a{i}").into_bytes(), b"acknowledged".to_vec());
+                }
+                health.fail_msync_after(after);
+                let mut first = None;
+                for i in 0..200u32 {
+                    match db.put(format!("b{i}"), b"maybe") {
+                        Ok(()) => {
+                            m.insert(format!("b{i}").into_bytes(), b"maybe".to_vec());
+                        }
+                        Err(e) => {
+                            first = Some(e);
+                            break;
+                        }
+                    }
+                }
+                let first = first.unwrap_or_else(|| panic!("{ctx}: no write failed"));
+                assert!(matches!(first, tierkv::Error::Io(_)), "{ctx}: first failure {first}");
+                assert!(matches!(db.put(b"c", b"d"), Err(tierkv::Error::Poisoned(_))), "{ctx}");
+                assert!(matches!(db.delete(b"a1"), Err(tierkv::Error::Poisoned(_))), "{ctx}");
+                // Reads still work.
+                assert_eq!(db.get(b"a3").unwrap().as_deref(), Some(&b"acknowledged"[..]), "{ctx}");
+                db.simulate_process_crash();
+            }
+            let db = Db::open(tmp.path(), opts).unwrap_or_else(|e| panic!("{ctx}: reopen: {e}"));
+            let got = dump(&db);
+            for (k, v) in &m {
+                assert_eq!(got.get(k), Some(v), "{ctx}: acknowledged write lost");
+            }
+            db.put(b"after", b"reopen").unwrap();
+            db.close().unwrap();
+        }
+    }
+}
+
+#[test]
+fn a_read_only_file_system_fails_writes_and_open_clearly() {
+    for &preset in presets() {
+        let dev = SimDevice::new();
+        let fs = FaultFs::new();
+        let db = Db::open(dir(), sim_options(preset, &dev, &fs)).unwrap();
+        let w = workload(5, 200, 60, false);
+        let mut m = Model::new();
+        for s in w.iter().filter(|s| s.writes() || matches!(s, Step::Flush)) {
+            db_apply(&db, s).unwrap();
+            model_apply(&mut m, s);
+        }
+        // The kernel remounts the file system read-only (errors=remount-ro).
+        fs.set_read_only(true);
+        let ctx = format!("{preset} on a read-only file system");
+        let mut failures = 0;
+        for i in 0..400u32 {
+            let (k, v) = (format!("ro{i:04}"), vec![7u8; 300]);
+            match db.put(&k, &v) {
+                Ok(()) => {
+                    m.insert(k.into_bytes(), v);
+                }
+                Err(e) => {
+                    assert!(!e.is_corruption(), "{ctx}: {e}");
+                    failures += 1;
+                }
+            }
+        }
+        match db.flush() {
+            Ok(()) => {}
+            Err(e) => {
+                assert!(!e.is_corruption(), "{ctx}: flush: {e}");
+                failures += 1;
+            }
+        }
+        // Reads of everything acknowledged keep working.
+        for (k, v) in m.iter().step_by(5) {
+            assert_eq!(db.get(k).unwrap().as_ref(), Some(v), "{ctx}");
+        }
+        db.simulate_process_crash();
+        // Opening on the read-only file system is a clear error naming the cause.
+        let e = Db::open(dir(), sim_options(preset, &dev, &fs)).expect_err("opened on a read-only fs");
+        assert!(e.to_string().contains("Read-only file system"), "{ctx}: {e}");
+        assert!(e.to_string().contains("/db/LOCK"), "{ctx}: {e}");
+        fs.set_read_only(false);
+        let db = Db::open(dir(), sim_options(preset, &dev.simulate_crash(9, 0.5), &fs.crash())).unwrap();
+        let got = dump(&db);
+        for (k, v) in &m {
+            assert_eq!(got.get(k), Some(v), "{ctx}: acknowledged write lost");
+        }
+        db.put(b"after", b"writable").unwrap();
+        eprintln!("{ctx}: {failures} writes refused, {} acknowledged kept", m.len());
+    }
+}

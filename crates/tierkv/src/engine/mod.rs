@@ -44,6 +44,8 @@ pub struct EngineCtx {
     pub db_id: u64,
     /// True when the store is being created (no data exists yet).
     pub fresh: bool,
+    /// Where the PM region records a failed msync ([`Db`](crate::Db) checks it).
+    pub pm_health: Arc<crate::pm::PmHealth>,
 }
 
 /// Operations every preset provides. Keys and values are already checked against limits.
@@ -123,6 +125,7 @@ pub(crate) fn open_region(ctx: &EngineCtx) -> Result<Region> {
         write_latency_ns: o.pm_write_latency_ns,
         write_bandwidth_mbps: o.pm_write_bandwidth_mbps,
         create: ctx.fresh,
+        health: ctx.pm_health.clone(),
     })
 }
 

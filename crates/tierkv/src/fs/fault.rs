@@ -58,6 +58,8 @@ struct State {
     fault: Option<(u64, FaultKind, bool)>,
     /// After a crash point: nothing more becomes durable.
     frozen: bool,
+    /// A read-only file system: every operation that would change it fails with EROFS.
+    read_only: bool,
 }
 
 impl State {
@@ -71,6 +73,15 @@ impl State {
                 }
                 return Err(kind.error());
             }
+        }
+        Ok(())
+    }
+
+    /// [`State::tick`] for an operation that changes the file system.
+    fn tick_write(&mut self) -> io::Result<()> {
+        self.tick()?;
+        if self.read_only {
+            return Err(io::Error::from_raw_os_error(libc::EROFS));
         }
         Ok(())
     }
@@ -94,6 +105,13 @@ impl FaultFs {
         let mut s = self.state.lock();
         let at = s.ops + n.max(1);
         s.fault = Some((at, kind, sticky));
+    }
+
+    /// Make the file system read-only (as a kernel remount after errors does): from now on,
+    /// creating, appending, syncing, renaming, removing and locking fail with EROFS; reads
+    /// keep working. `false` makes it writable again.
+    pub fn set_read_only(&self, on: bool) {
+        self.state.lock().read_only = on;
     }
 
     /// Stop injecting faults.
@@ -129,6 +147,7 @@ impl FaultFs {
             ops: 0,
             fault: None,
             frozen: false,
+            read_only: s.read_only,
         };
         FaultFs { state: Arc::new(Mutex::new(state)) }
     }
@@ -167,7 +186,7 @@ struct FaultFile {
 impl FsFile for FaultFile {
     fn append(&mut self, data: &[u8]) -> io::Result<()> {
         let mut s = self.state.lock();
-        s.tick()?;
+        s.tick_write()?;
         let f = s.files.get_mut(&self.id).ok_or_else(|| io::Error::from(io::ErrorKind::NotFound))?;
         f.data.extend_from_slice(data);
         Ok(())
@@ -186,7 +205,7 @@ impl FsFile for FaultFile {
     }
     fn sync(&mut self) -> io::Result<()> {
         let mut s = self.state.lock();
-        s.tick()?;
+        s.tick_write()?;
         let frozen = s.frozen;
         let f = s.files.get_mut(&self.id).ok_or_else(|| io::Error::from(io::ErrorKind::NotFound))?;
         if !frozen {
@@ -219,7 +238,7 @@ fn parent(path: &Path) -> PathBuf {
 impl Fs for FaultFs {
     fn create_dir_all(&self, path: &Path) -> io::Result<()> {
         let mut s = self.state.lock();
-        s.tick()?;
+        s.tick_write()?;
         let mut p = Some(path);
         while let Some(d) = p {
             if d.as_os_str().is_empty() {
@@ -232,7 +251,7 @@ impl Fs for FaultFs {
     }
     fn create(&self, path: &Path) -> io::Result<Box<dyn FsFile>> {
         let mut s = self.state.lock();
-        s.tick()?;
+        s.tick_write()?;
         if !s.dirs.contains(&parent(path)) {
             return Err(io::Error::from(io::ErrorKind::NotFound));
         }
@@ -254,14 +273,14 @@ impl Fs for FaultFs {
     }
     fn rename(&self, from: &Path, to: &Path) -> io::Result<()> {
         let mut s = self.state.lock();
-        s.tick()?;
+        s.tick_write()?;
         let id = s.names.remove(from).ok_or_else(|| io::Error::from(io::ErrorKind::NotFound))?;
         s.names.insert(to.to_path_buf(), id);
         Ok(())
     }
     fn remove(&self, path: &Path) -> io::Result<()> {
         let mut s = self.state.lock();
-        s.tick()?;
+        s.tick_write()?;
         s.names.remove(path).map(|_| ()).ok_or_else(|| io::Error::from(io::ErrorKind::NotFound))
     }
     fn list(&self, dir: &Path) -> io::Result<Vec<String>> {
@@ -283,7 +302,7 @@ impl Fs for FaultFs {
     }
     fn sync_dir(&self, dir: &Path) -> io::Result<()> {
         let mut s = self.state.lock();
-        s.tick()?;
+        s.tick_write()?;
         if s.frozen {
             return Ok(());
         }
@@ -296,7 +315,7 @@ impl Fs for FaultFs {
     }
     fn lock(&self, path: &Path) -> io::Result<Box<dyn FsLock>> {
         let mut s = self.state.lock();
-        s.tick()?;
+        s.tick_write()?;
         if !s.locks.insert(path.to_path_buf()) {
             return Err(io::Error::from(io::ErrorKind::WouldBlock));
         }

@@ -818,6 +818,7 @@ mod tests {
             write_latency_ns: 0,
             write_bandwidth_mbps: 0,
             create,
+            health: Default::default(),
         })
         .unwrap()
     }

@@ -20,7 +20,9 @@
 //! [`Region::flush`] writes lines back (CLWB, CLFLUSHOPT or CLFLUSH, see [`flush`]),
 //! [`Region::fence`] orders them (SFENCE); [`Region::persist`] is both. With `sync` the
 //! fence is followed by `msync` of the flushed pages, for power-loss durability on a file
-//! system without DAX.
+//! system without DAX. A fence cannot fail (the instructions it stands for cannot), so a
+//! failed msync is recorded in the region's [`PmHealth`], which the store checks before it
+//! acknowledges a write.
 
 mod counters;
 pub mod flush;
@@ -30,7 +32,7 @@ pub mod sim;
 use std::fs::OpenOptions;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
-use std::sync::OnceLock;
+use std::sync::{Arc, OnceLock};
 use std::time::{Duration, Instant};
 
 use parking_lot::Mutex;
@@ -73,6 +75,69 @@ pub struct RegionConfig {
     pub write_bandwidth_mbps: u64,
     /// Create the first pool when none exists.
     pub create: bool,
+    /// Where a failed msync is recorded (shared with the owning store).
+    pub health: Arc<PmHealth>,
+}
+
+/// Health of PM write-back to its medium, shared by a [`Region`] and the store that owns it.
+///
+/// With `sync` every fence msyncs what it flushed; a failed msync cannot be returned from the
+/// fence, so it is recorded here, sticky. As after a failed fsync, what reached the medium is
+/// then unknown (the kernel may have dropped the dirty pages), so the store refuses every
+/// further write until it is reopened ([`crate::Error::Poisoned`]).
+#[derive(Debug, Default)]
+pub struct PmHealth {
+    failed: Mutex<Option<String>>,
+    /// Fault seam: successful msyncs left before every msync fails with EIO.
+    fail_after: Mutex<Option<u64>>,
+}
+
+impl PmHealth {
+    /// The first msync failure, if any.
+    pub fn failure(&self) -> Option<String> {
+        self.failed.lock().clone()
+    }
+
+    /// Fault injection (tests): let `n` more msyncs succeed, then fail every one with EIO.
+    pub fn fail_msync_after(&self, n: u64) {
+        *self.fail_after.lock() = Some(n);
+    }
+
+    /// msync `[ptr, ptr+len)`, recording a failure.
+    ///
+    /// # Safety
+    /// `ptr..ptr+len` must be page aligned at `ptr` and inside a live mapping.
+    unsafe fn msync(&self, ptr: *mut u8, len: usize) -> std::io::Result<()> {
+        let injected = {
+            let mut f = self.fail_after.lock();
+            match f.as_mut() {
+                Some(0) => true,
+                Some(n) => {
+                    *n -= 1;
+                    false
+                }
+                None => false,
+            }
+        };
+        let r = if injected {
+            Err(std::io::Error::from_raw_os_error(libc::EIO))
+        } else {
+            // SAFETY: the caller's contract.
+            let rc = unsafe { libc::msync(ptr as *mut libc::c_void, len, libc::MS_SYNC) };
+            if rc == 0 {
+                Ok(())
+            } else {
+                Err(std::io::Error::last_os_error())
+            }
+        };
+        if let Err(e) = &r {
+            let mut f = self.failed.lock();
+            if f.is_none() {
+                *f = Some(format!("msync of PM failed: {e}"));
+            }
+        }
+        r
+    }
 }
 
 /// Counters of PM traffic.
@@ -119,6 +184,7 @@ pub struct Region {
     latency_ns: u64,
     bandwidth_bps: u64,
     throttle: Mutex<Instant>,
+    health: Arc<PmHealth>,
     /// 0: bytes stored, 1: lines persisted, 2: persist calls (fences).
     counters: counters::Counters,
 }
@@ -175,6 +241,7 @@ impl Region {
             latency_ns: cfg.write_latency_ns,
             bandwidth_bps: cfg.write_bandwidth_mbps.saturating_mul(1_000_000),
             throttle: Mutex::new(Instant::now()),
+            health: cfg.health.clone(),
             counters: counters::Counters::default(),
         };
         let existing = region.attach_existing(cfg.create)?;
@@ -258,7 +325,8 @@ impl Region {
                     dev.flush(i, 0, POOL_HEADER_LEN);
                     dev.fence();
                 } else if let Some(m) = &pool._map {
-                    m.flush()?;
+                    // SAFETY: the whole live mapping.
+                    unsafe { self.health.msync(m.ptr, m.len) }?;
                 }
             }
             self.check_header(i, &pool)?;
@@ -319,7 +387,8 @@ impl Region {
                     let header = encode_pool_header(i as u32, self.pool_size, self.db_id);
                     // SAFETY: fresh mapping of pool_size >= 64 bytes; nobody else sees it yet.
                     unsafe { std::ptr::copy_nonoverlapping(header.as_ptr(), map.ptr, 64) };
-                    map.flush()?;
+                    // SAFETY: the whole live mapping.
+                    unsafe { self.health.msync(map.ptr, map.len) }?;
                     file.sync_all()?;
                     std::fs::rename(&tmp, &path)?;
                     crate::fs::sync_dir_path(dir)?;
@@ -336,7 +405,9 @@ impl Region {
                 Pool { base, len: self.pool_size, path, _map: Some(map) }
             }
             Backing::Sim(dev) => {
-                let (idx, base) = dev.add_pool(self.pool_size as usize);
+                let (idx, base) = dev.add_pool(self.pool_size as usize).ok_or_else(|| {
+                    Error::PmFull(format!("the PM device is full ({i} pools of {} bytes)", self.pool_size))
+                })?;
                 let header = encode_pool_header(idx as u32, self.pool_size, self.db_id);
                 // SAFETY: fresh allocation of pool_size >= 64 bytes; nobody else sees it yet.
                 unsafe { std::ptr::copy_nonoverlapping(header.as_ptr(), base, 64) };
@@ -504,9 +575,9 @@ impl Region {
         let start = addr & !(page - 1);
         let end = addr + len;
         if let Some(p) = self.resolve(start, end - start) {
-            // SAFETY: page-aligned range inside a live mapping. A failing msync is reported
-            // by `sync_all` at the next commit-level sync; here it is best effort.
-            unsafe { libc::msync(p as *mut libc::c_void, (end - start) as usize, libc::MS_SYNC) };
+            // SAFETY: page-aligned range inside a live mapping. A failure is recorded in
+            // `health`, which the store checks before acknowledging a write.
+            let _ = unsafe { self.health.msync(p, (end - start) as usize) };
         }
     }
 
@@ -514,7 +585,8 @@ impl Region {
     pub fn sync_all(&self) -> Result<()> {
         for i in 0..self.pool_count() {
             if let Some(Pool { _map: Some(m), .. }) = self.pools[i].get() {
-                m.flush()?;
+                // SAFETY: the whole live mapping.
+                unsafe { self.health.msync(m.ptr, m.len) }?;
             }
         }
         Ok(())
@@ -580,18 +652,6 @@ fn reserve(file: &std::fs::File, len: u64) -> Result<()> {
 struct Mapping {
     ptr: *mut u8,
     len: usize,
-}
-
-impl Mapping {
-    fn flush(&self) -> std::io::Result<()> {
-        // SAFETY: `ptr..ptr+len` is our live mapping.
-        let rc = unsafe { libc::msync(self.ptr as *mut libc::c_void, self.len, libc::MS_SYNC) };
-        if rc == 0 {
-            Ok(())
-        } else {
-            Err(std::io::Error::last_os_error())
-        }
-    }
 }
 
 impl Drop for Mapping {

@@ -89,6 +89,8 @@ struct SimState {
     crash_at: Option<u64>,
     frozen: Option<Frozen>,
     on_freeze: Option<Box<dyn Fn() + Send>>,
+    /// Most pools the device holds (a full PM medium); `None`: unbounded.
+    max_pools: Option<usize>,
 }
 
 /// A simulated PM device for crash testing. Cheap to clone (shared handle).
@@ -126,6 +128,7 @@ impl SimDevice {
                 crash_at: None,
                 frozen: None,
                 on_freeze: None,
+                max_pools: None,
             })),
         }
     }
@@ -139,6 +142,12 @@ impl SimDevice {
     /// Freeze the device just before fence number `n` (1-based) takes effect.
     pub fn crash_before_fence(&self, n: u64) {
         self.state.lock().crash_at = Some(n);
+    }
+
+    /// Make the device full at `n` pools: the region's next grow beyond them fails with
+    /// [`crate::Error::PmFull`] (a full PM medium). Kept across [`SimDevice::simulate_crash`].
+    pub fn limit_pools(&self, n: usize) {
+        self.state.lock().max_pools = Some(n);
     }
 
     /// Fences executed so far (each one a crash point).
@@ -230,19 +239,24 @@ impl SimDevice {
                 crash_at: None,
                 frozen: None,
                 on_freeze: None,
+                max_pools: s.max_pools,
             })),
         }
     }
 
     // ---- used by the region ----
 
-    /// Add a zeroed pool of `len` bytes; returns its index and volatile base pointer.
-    pub(super) fn add_pool(&self, len: usize) -> (usize, *mut u8) {
+    /// Add a zeroed pool of `len` bytes; returns its index and volatile base pointer, or
+    /// `None` when the device is full ([`SimDevice::limit_pools`]).
+    pub(super) fn add_pool(&self, len: usize) -> Option<(usize, *mut u8)> {
         let mut s = self.state.lock();
+        if s.max_pools.is_some_and(|m| s.pools.len() >= m) {
+            return None;
+        }
         let pool = SimPool::new(len, None);
         let ptr = pool.ptr;
         s.pools.push(pool);
-        (s.pools.len() - 1, ptr)
+        Some((s.pools.len() - 1, ptr))
     }
 
     /// Base pointer and length of pool `i`.
