@@ -127,6 +127,36 @@ enum Cmd {
         #[command(flatten)]
         t: Target,
     },
+    /// Serve the store over the Redis protocol (RESP2) until SIGINT/SIGTERM, then close it
+    /// cleanly. Prints `listening on ADDR:PORT` on stdout once it accepts connections.
+    Serve {
+        #[command(flatten)]
+        t: Target,
+        /// Address to bind.
+        #[arg(long, default_value = "127.0.0.1")]
+        bind: String,
+        /// Port (0 picks a free one).
+        #[arg(long, default_value_t = 6379)]
+        port: u16,
+        /// Worker threads (0 = one per CPU).
+        #[arg(long, default_value_t = 0)]
+        threads: usize,
+        /// Close connections idle this many seconds (0 = never).
+        #[arg(long, default_value_t = 0)]
+        timeout: u64,
+        /// Most simultaneous clients.
+        #[arg(long, default_value_t = 10_000)]
+        max_clients: usize,
+        /// Longest bulk string (bytes; at most 512 MiB).
+        #[arg(long, default_value_t = 64 << 20)]
+        max_bulk_len: usize,
+        /// Most arguments in one command.
+        #[arg(long, default_value_t = 1 << 20)]
+        max_multibulk_len: usize,
+        /// Longest inline command (bytes).
+        #[arg(long, default_value_t = 64 << 10)]
+        max_inline_len: usize,
+    },
     /// Verify every checksum and index/data agreement (exit 3 if problems are found).
     Check {
         #[command(flatten)]
@@ -347,6 +377,36 @@ fn run(cli: Cli) -> Result<Outcome, Error> {
                 writeln!(out, "{}\t{}", tierkv::escape(&k), tierkv::escape(&v))?;
             }
             db.close()?;
+        }
+        Cmd::Serve {
+            t,
+            bind,
+            port,
+            threads,
+            timeout,
+            max_clients,
+            max_bulk_len,
+            max_multibulk_len,
+            max_inline_len,
+        } => {
+            if max_bulk_len > 512 << 20 {
+                return Err(Error::InvalidArgument("--max-bulk-len is at most 512 MiB (536870912)".into()));
+            }
+            let db = std::sync::Arc::new(open(&t, true)?);
+            let cfg = tierkv_server::ServerConfig {
+                bind,
+                port,
+                threads,
+                timeout_secs: timeout,
+                max_clients,
+                limits: tierkv_server::resp::Limits { max_bulk_len, max_multibulk_len, max_inline_len },
+            };
+            let preset = db.preset();
+            tierkv_server::serve_until_signal(db, &cfg, |addr| {
+                let _ = writeln!(out, "listening on {addr} (preset {preset})");
+                let _ = out.flush();
+            })
+            .map_err(|e| Error::InvalidArgument(format!("serve: {e}")))?;
         }
         Cmd::Stats { t } => {
             let db = open(&t, false)?;

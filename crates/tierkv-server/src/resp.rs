@@ -1,0 +1,395 @@
+//! RESP2 as Redis speaks it: request parsing (multibulk and inline commands) and reply
+//! encoding.
+//!
+//! The parser is incremental: [`Parser::next`] consumes complete frames from the front of a
+//! connection's input buffer and keeps a partly received multibulk (count read, some
+//! arguments read) in its own state, so a command arriving in many small reads is parsed in
+//! linear time. Limits (bulk length, argument count, inline line length) are checked when a
+//! header is read, before any payload is buffered. Protocol errors carry Redis's own messages
+//! (`Protocol error: invalid bulk length`, ...); the connection replies `-ERR <message>` and
+//! closes, as Redis does.
+
+use bytes::{Buf, Bytes, BytesMut};
+
+/// A command: its name and arguments, binary-safe.
+pub type Command = Vec<Bytes>;
+
+/// Request size limits.
+#[derive(Debug, Clone, Copy)]
+pub struct Limits {
+    /// Longest bulk string (one argument). Default 64 MiB: tierkv's own value limit, so a
+    /// longer argument could never be stored (Redis allows 512 MiB; settable up to that).
+    pub max_bulk_len: usize,
+    /// Most arguments in one multibulk command. Default 1,048,576.
+    pub max_multibulk_len: usize,
+    /// Longest inline command line, and longest multibulk/bulk header. Default 64 KiB, as
+    /// Redis (`PROTO_INLINE_MAX_SIZE`).
+    pub max_inline_len: usize,
+}
+
+impl Default for Limits {
+    fn default() -> Self {
+        Limits { max_bulk_len: 64 << 20, max_multibulk_len: 1 << 20, max_inline_len: 64 << 10 }
+    }
+}
+
+/// A protocol error: the message Redis sends after `-ERR ` before closing the connection.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ProtoError(pub String);
+
+impl ProtoError {
+    fn new(s: &str) -> ProtoError {
+        ProtoError(format!("Protocol error: {s}"))
+    }
+}
+
+/// Incremental request parser (one per connection).
+#[derive(Debug, Default)]
+pub struct Parser {
+    /// Arguments still expected by the multibulk being read.
+    remaining: usize,
+    /// Length of the bulk whose header was read.
+    bulk: Option<usize>,
+    args: Command,
+    in_multibulk: bool,
+}
+
+/// Parse a Redis integer header (`string2ll`: optional `-`, digits, no leading `+`, no spaces).
+fn parse_len(b: &[u8]) -> Option<i64> {
+    let s = std::str::from_utf8(b).ok()?;
+    if s.is_empty() || s.starts_with('+') || (s.len() > 1 && s.starts_with('0')) || s.starts_with("-0") {
+        return None;
+    }
+    s.parse::<i64>().ok()
+}
+
+fn find_crlf(buf: &[u8]) -> Option<usize> {
+    buf.iter().position(|&b| b == b'\r')
+}
+
+impl Parser {
+    /// A new parser.
+    pub fn new() -> Parser {
+        Parser::default()
+    }
+
+    /// Take the next complete command from the front of `buf`. `Ok(None)`: more input is
+    /// needed (everything usable so far has been consumed into the parser's state). Empty
+    /// commands (an empty inline line, `*0`) are skipped.
+    pub fn next(&mut self, buf: &mut BytesMut, lim: &Limits) -> Result<Option<Command>, ProtoError> {
+        loop {
+            if !self.in_multibulk {
+                if buf.is_empty() {
+                    return Ok(None);
+                }
+                if buf[0] != b'*' {
+                    match self.inline(buf, lim)? {
+                        Some(cmd) if cmd.is_empty() => continue,
+                        other => return Ok(other),
+                    }
+                }
+                let Some(cr) = find_crlf(buf) else {
+                    if buf.len() > lim.max_inline_len {
+                        return Err(ProtoError::new("too big mbulk count string"));
+                    }
+                    return Ok(None);
+                };
+                if cr + 1 >= buf.len() {
+                    return Ok(None);
+                }
+                let n = parse_len(&buf[1..cr]);
+                match n {
+                    Some(n) if n > lim.max_multibulk_len as i64 => {
+                        return Err(ProtoError::new("invalid multibulk length"))
+                    }
+                    Some(n) => {
+                        buf.advance(cr + 2);
+                        if n <= 0 {
+                            continue;
+                        }
+                        self.in_multibulk = true;
+                        self.remaining = n as usize;
+                        self.args = Vec::with_capacity(self.remaining.min(1024));
+                    }
+                    None => return Err(ProtoError::new("invalid multibulk length")),
+                }
+            }
+            while self.remaining > 0 {
+                let len = match self.bulk {
+                    Some(len) => len,
+                    None => {
+                        if buf.is_empty() {
+                            return Ok(None);
+                        }
+                        if buf[0] != b'$' {
+                            let got = buf[0] as char;
+                            return Err(ProtoError(format!("Protocol error: expected '$', got '{got}'")));
+                        }
+                        let Some(cr) = find_crlf(buf) else {
+                            if buf.len() > lim.max_inline_len {
+                                return Err(ProtoError::new("too big bulk count string"));
+                            }
+                            return Ok(None);
+                        };
+                        if cr + 1 >= buf.len() {
+                            return Ok(None);
+                        }
+                        let len = match parse_len(&buf[1..cr]) {
+                            Some(l) if l >= 0 && l as u64 <= lim.max_bulk_len as u64 => l as usize,
+                            _ => return Err(ProtoError::new("invalid bulk length")),
+                        };
+                        buf.advance(cr + 2);
+                        self.bulk = Some(len);
+                        len
+                    }
+                };
+                if buf.len() < len + 2 {
+                    // No reservation of `len` up front: memory follows the bytes that
+                    // actually arrive, so a huge length header costs nothing by itself.
+                    return Ok(None);
+                }
+                let arg = buf.split_to(len).freeze();
+                buf.advance(2); // the CRLF after the payload (not checked, as Redis)
+                self.args.push(arg);
+                self.bulk = None;
+                self.remaining -= 1;
+            }
+            self.in_multibulk = false;
+            return Ok(Some(std::mem::take(&mut self.args)));
+        }
+    }
+
+    fn inline(&mut self, buf: &mut BytesMut, lim: &Limits) -> Result<Option<Command>, ProtoError> {
+        let Some(nl) = buf.iter().position(|&b| b == b'\n') else {
+            if buf.len() > lim.max_inline_len {
+                return Err(ProtoError::new("too big inline request"));
+            }
+            return Ok(None);
+        };
+        if nl > lim.max_inline_len {
+            return Err(ProtoError::new("too big inline request"));
+        }
+        let line = buf.split_to(nl + 1);
+        let mut line = &line[..nl];
+        if line.last() == Some(&b'\r') {
+            line = &line[..line.len() - 1];
+        }
+        let args = split_args(line).ok_or_else(|| ProtoError::new("unbalanced quotes in request"))?;
+        if args.len() > lim.max_multibulk_len {
+            return Err(ProtoError::new("invalid multibulk length"));
+        }
+        Ok(Some(args.into_iter().map(Bytes::from).collect()))
+    }
+}
+
+fn hex(b: u8) -> Option<u8> {
+    (b as char).to_digit(16).map(|d| d as u8)
+}
+
+/// Split an inline command line as Redis's `sdssplitargs`: whitespace separates arguments;
+/// `"..."` takes `\n \r \t \b \a \\ \" \xHH` escapes; `'...'` takes `\'`; a closing quote
+/// must be followed by whitespace or the end. `None` on unbalanced quotes.
+pub fn split_args(line: &[u8]) -> Option<Vec<Vec<u8>>> {
+    let mut out = Vec::new();
+    let mut i = 0;
+    let n = line.len();
+    loop {
+        while i < n && line[i].is_ascii_whitespace() {
+            i += 1;
+        }
+        if i >= n {
+            return Some(out);
+        }
+        let mut cur = Vec::new();
+        let (mut inq, mut insq) = (false, false);
+        loop {
+            if inq {
+                if i >= n {
+                    return None;
+                }
+                if line[i] == b'\\' && i + 3 < n && line[i + 1] == b'x' {
+                    if let (Some(h), Some(l)) = (hex(line[i + 2]), hex(line[i + 3])) {
+                        cur.push(h * 16 + l);
+                        i += 4;
+                        continue;
+                    }
+                }
+                if line[i] == b'\\' && i + 1 < n {
+                    i += 1;
+                    cur.push(match line[i] {
+                        b'n' => b'\n',
+                        b'r' => b'\r',
+                        b't' => b'\t',
+                        b'b' => 8,
+                        b'a' => 7,
+                        c => c,
+                    });
+                } else if line[i] == b'"' {
+                    if i + 1 < n && !line[i + 1].is_ascii_whitespace() {
+                        return None;
+                    }
+                    i += 1;
+                    break;
+                } else {
+                    cur.push(line[i]);
+                }
+                i += 1;
+            } else if insq {
+                if i >= n {
+                    return None;
+                }
+                if line[i] == b'\\' && i + 1 < n && line[i + 1] == b'\'' {
+                    cur.push(b'\'');
+                    i += 2;
+                    continue;
+                } else if line[i] == b'\'' {
+                    if i + 1 < n && !line[i + 1].is_ascii_whitespace() {
+                        return None;
+                    }
+                    i += 1;
+                    break;
+                }
+                cur.push(line[i]);
+                i += 1;
+            } else {
+                if i >= n || line[i].is_ascii_whitespace() {
+                    break;
+                }
+                match line[i] {
+                    b'"' => inq = true,
+                    b'\'' => insq = true,
+                    c => cur.push(c),
+                }
+                i += 1;
+            }
+        }
+        out.push(cur);
+    }
+}
+
+/// A reply.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Reply {
+    /// `+OK`.
+    Ok,
+    /// A status line (`+...`).
+    Status(String),
+    /// An error line (`-...`): the text includes its code (`ERR ...`, `WRONGTYPE ...`).
+    Error(String),
+    /// `:n`.
+    Int(i64),
+    /// `$len` + bytes.
+    Bulk(Vec<u8>),
+    /// `$-1`.
+    Nil,
+    /// `*n` + elements.
+    Array(Vec<Reply>),
+}
+
+impl Reply {
+    /// `-ERR <msg>`.
+    pub fn err(msg: impl std::fmt::Display) -> Reply {
+        Reply::Error(format!("ERR {msg}"))
+    }
+
+    /// A bulk string from anything byte-like.
+    pub fn bulk(b: impl AsRef<[u8]>) -> Reply {
+        Reply::Bulk(b.as_ref().to_vec())
+    }
+
+    /// Append the wire form to `out`.
+    pub fn encode(&self, out: &mut Vec<u8>) {
+        match self {
+            Reply::Ok => out.extend_from_slice(b"+OK\r\n"),
+            Reply::Status(s) => line(out, b'+', s.as_bytes()),
+            Reply::Error(s) => line(out, b'-', s.as_bytes()),
+            Reply::Int(n) => line(out, b':', n.to_string().as_bytes()),
+            Reply::Bulk(b) => {
+                line(out, b'$', b.len().to_string().as_bytes());
+                out.extend_from_slice(b);
+                out.extend_from_slice(b"\r\n");
+            }
+            Reply::Nil => out.extend_from_slice(b"$-1\r\n"),
+            Reply::Array(items) => {
+                line(out, b'*', items.len().to_string().as_bytes());
+                for r in items {
+                    r.encode(out);
+                }
+            }
+        }
+    }
+}
+
+/// `<tag><text>\r\n`; CR and LF inside a status or error line become spaces (as Redis).
+fn line(out: &mut Vec<u8>, tag: u8, text: &[u8]) {
+    out.push(tag);
+    out.extend(text.iter().map(|&c| if c == b'\r' || c == b'\n' { b' ' } else { c }));
+    out.extend_from_slice(b"\r\n");
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)]
+    use super::*;
+
+    fn all(input: &[u8]) -> Result<Vec<Vec<Vec<u8>>>, ProtoError> {
+        let mut p = Parser::new();
+        let mut buf = BytesMut::from(input);
+        let mut out = Vec::new();
+        while let Some(c) = p.next(&mut buf, &Limits::default())? {
+            out.push(c.iter().map(|b| b.to_vec()).collect());
+        }
+        Ok(out)
+    }
+
+    #[test]
+    fn multibulk_inline_and_pipelines() {
+        let got = all(b"*2\r\n$3\r\nGET\r\n$1\r\nk\r\nPING\r\n*0\r\n\r\nset a \"b c\\x41\"\r\n").unwrap();
+        let want: Vec<Vec<Vec<u8>>> = vec![
+            vec![b"GET".to_vec(), b"k".to_vec()],
+            vec![b"PING".to_vec()],
+            vec![b"set".to_vec(), b"a".to_vec(), b"b cA".to_vec()],
+        ];
+        assert_eq!(got, want);
+    }
+
+    #[test]
+    fn byte_at_a_time_gives_the_same_commands() {
+        let input = b"*3\r\n$3\r\nSET\r\n$5\r\nk\r\n\x00y\r\n$0\r\n\r\n*1\r\n$4\r\nPING\r\n";
+        let mut p = Parser::new();
+        let mut buf = BytesMut::new();
+        let mut got = Vec::new();
+        for &b in input {
+            buf.extend_from_slice(&[b]);
+            while let Some(c) = p.next(&mut buf, &Limits::default()).unwrap() {
+                got.push(c);
+            }
+        }
+        assert_eq!(got.len(), 2);
+        assert_eq!(&got[0][1][..], b"k\r\n\x00y");
+        assert_eq!(&got[0][2][..], b"");
+    }
+
+    #[test]
+    fn redis_protocol_errors() {
+        let e = |i: &[u8]| all(i).unwrap_err().0;
+        assert_eq!(e(b"*x\r\n"), "Protocol error: invalid multibulk length");
+        assert_eq!(e(b"*99999999999\r\n"), "Protocol error: invalid multibulk length");
+        assert_eq!(e(b"*1\r\n$-5\r\n"), "Protocol error: invalid bulk length");
+        assert_eq!(e(b"*1\r\n$99999999999\r\n"), "Protocol error: invalid bulk length");
+        assert_eq!(e(b"*1\r\n+x\r\n"), "Protocol error: expected '$', got '+'");
+        assert_eq!(e(b"set \"a\r\n"), "Protocol error: unbalanced quotes in request");
+        assert_eq!(e(&vec![b'a'; 70_000]), "Protocol error: too big inline request");
+        let mut long = b"*".to_vec();
+        long.extend(vec![b'1'; 70_000]);
+        assert_eq!(e(&long), "Protocol error: too big mbulk count string");
+    }
+
+    #[test]
+    fn replies_encode_as_redis() {
+        let mut out = Vec::new();
+        Reply::Array(vec![Reply::Ok, Reply::Int(-3), Reply::bulk("ab"), Reply::Nil, Reply::err("x\ny")])
+            .encode(&mut out);
+        assert_eq!(out, b"*5\r\n+OK\r\n:-3\r\n$2\r\nab\r\n$-1\r\n-ERR x y\r\n");
+    }
+}
