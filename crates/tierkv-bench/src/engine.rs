@@ -32,6 +32,12 @@ pub trait BenchEngine: Send + Sync {
     fn name(&self) -> String;
     /// Insert or overwrite.
     fn put(&self, key: &[u8], value: &[u8]) -> Result<()>;
+    /// Insert a new record (YCSB's insert). Default: [`BenchEngine::put`]; engines whose
+    /// insert differs from an update (the RESP client: YCSB's binding also indexes the key)
+    /// override it.
+    fn insert(&self, key: &[u8], value: &[u8]) -> Result<()> {
+        self.put(key, value)
+    }
     /// Read; returns the value length if found (the value itself is copied out, then dropped).
     fn get(&self, key: &[u8]) -> Result<Option<usize>>;
     /// Read up to `n` entries from `start` in key order; returns how many were read.

@@ -7,7 +7,8 @@
 //! - [`child`]: recovery after a real crash (a child process killed with SIGKILL);
 //! - [`run`]: workloads, client threads, latency histograms; [`report`]: table and JSON;
 //!   [`plot`]: SVG/PNG charts;
-//!   [`cli`]: `tierkv bench`.
+//!   [`cli`]: `tierkv bench`; [`server`]: `tierkv bench --server` (RESP servers, redis-benchmark,
+//!   YCSB over RESP).
 //!
 //! Fairness (what is and is not like-for-like):
 //! - durability: by default the peers do not sync their WAL (as in the papers) and tierkv
@@ -29,5 +30,6 @@ pub mod peers;
 pub mod plot;
 pub mod report;
 pub mod run;
+pub mod server;
 pub mod soak;
 pub mod workload;

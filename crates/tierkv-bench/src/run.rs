@@ -393,7 +393,7 @@ fn worker(
         Workload::YcsbLoad => {
             for i in 0..ops {
                 let k = ycsb_key(first + i);
-                m.time(|| e.put(&k, &buf))?;
+                m.time(|| e.insert(&k, &buf))?;
                 done += 1;
             }
         }
@@ -424,7 +424,7 @@ fn worker(
                             found += u64::from(m.time(|| e.get(&k))?.is_some());
                         } else {
                             let k = ycsb_key(inserted.fetch_add(1, Ordering::Relaxed));
-                            m.time(|| e.put(&k, &buf))?;
+                            m.time(|| e.insert(&k, &buf))?;
                             count = inserted.load(Ordering::Relaxed);
                             latest.grow_to(count);
                         }
@@ -436,7 +436,7 @@ fn worker(
                             found += m.time(|| e.scan(&k, len))? as u64;
                         } else {
                             let k = ycsb_key(inserted.fetch_add(1, Ordering::Relaxed));
-                            m.time(|| e.put(&k, &buf))?;
+                            m.time(|| e.insert(&k, &buf))?;
                             count = inserted.load(Ordering::Relaxed);
                             zipf = ScrambledZipfian::new(count);
                         }

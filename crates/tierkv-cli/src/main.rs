@@ -83,6 +83,20 @@ struct BenchFlags {
     /// The papers' sweep: value sizes 100, 1024, 4096, 16384 and every workload.
     #[arg(long)]
     full: bool,
+    /// Server comparison instead: `tierkv serve` (each preset in --engines, default all)
+    /// against redis-server (AOF always, AOF everysec, no AOF) with redis-benchmark and YCSB
+    /// A-F over RESP. Needs redis-server and redis-tools (scripts/deps.sh installs them).
+    #[arg(long)]
+    server: bool,
+    /// --server: redis-benchmark requests per test (-n; also the key space, -r).
+    #[arg(long, default_value_t = 200_000)]
+    requests: u64,
+    /// --server: redis-benchmark clients (-c).
+    #[arg(long, default_value_t = 50)]
+    clients: usize,
+    /// --server: YCSB records loaded and operations per workload.
+    #[arg(long, default_value_t = 50_000)]
+    ycsb_num: u64,
 }
 
 #[derive(Subcommand, Debug)]
@@ -256,6 +270,43 @@ fn open(t: &Target, create: bool) -> Result<Db, Error> {
 fn run(cli: Cli) -> Result<Outcome, Error> {
     let mut out = std::io::stdout().lock();
     match cli.cmd {
+        Cmd::Bench(f) if f.server => {
+            let exe = std::env::current_exe()?;
+            let mut targets = Vec::new();
+            let names: Vec<String> = match &f.engines {
+                Some(e) => e.split(',').map(|s| s.trim().to_string()).collect(),
+                None => Preset::ALL.iter().map(|p| p.name().to_string()).collect(),
+            };
+            for n in names {
+                targets.push(tierkv_bench::server::Target::Tierkv(n.parse::<Preset>()?));
+            }
+            for fsync in [Some("always"), Some("everysec"), None] {
+                targets.push(tierkv_bench::server::Target::Redis(fsync));
+            }
+            let shm = std::path::Path::new("/dev/shm");
+            let dir = f.dir.clone().unwrap_or_else(std::env::temp_dir);
+            let pm_dir = f.pm_dir.clone().unwrap_or_else(|| if shm.is_dir() { shm.to_path_buf() } else { dir.clone() });
+            let a = tierkv_bench::server::ServerArgs {
+                tierkv_exe: exe,
+                targets,
+                requests: f.requests,
+                clients: f.clients,
+                pipelines: vec![1, 16],
+                value_size: f.value_size.first().copied().unwrap_or(1024),
+                ycsb_num: f.ycsb_num,
+                threads: f.threads.max(1),
+                seed: f.seed,
+                dir,
+                pm_dir,
+            };
+            let rep =
+                tierkv_bench::server::run(&a).map_err(|e| Error::InvalidArgument(format!("bench --server: {e}")))?;
+            if let Some(out) = &f.out {
+                let json = serde_json::to_string_pretty(&rep).map_err(|e| Error::InvalidArgument(e.to_string()))?;
+                std::fs::write(out, json)?;
+                eprintln!("wrote {}", out.display());
+            }
+        }
         Cmd::Bench(f) => {
             let mut a = tierkv_bench::cli::BenchArgs {
                 num: f.num,

@@ -165,3 +165,36 @@ fn soak_survives_kill_9_cycles_for_every_preset() {
         assert!(out.contains("3 kill -9 cycles survived"), "{out}");
     }
 }
+
+#[test]
+fn serve_answers_resp_and_closes_the_store_on_sigterm() {
+    use std::io::{BufRead, BufReader, Read, Write};
+    for preset in ["pmekv", "slmdb", "hpdk"] {
+        let d = tmp();
+        let dir = d.path().join("db");
+        let mut child = Command::new(env!("CARGO_BIN_EXE_tierkv"))
+            .args(["serve", "--port", "0", "--preset", preset, "--dir"])
+            .arg(&dir)
+            .stdout(std::process::Stdio::piped())
+            .spawn()
+            .unwrap();
+        let mut line = String::new();
+        BufReader::new(child.stdout.take().unwrap()).read_line(&mut line).unwrap();
+        assert!(line.starts_with("listening on 127.0.0.1:"), "{line}");
+        let port: u16 = line.split_whitespace().nth(2).unwrap().rsplit(':').next().unwrap().parse().unwrap();
+        let mut s = std::net::TcpStream::connect(("127.0.0.1", port)).unwrap();
+        s.write_all(b"SET served yes\r\nGET served\r\n").unwrap();
+        let want = b"+OK\r\n$3\r\nyes\r\n";
+        let mut got = vec![0u8; want.len()];
+        s.read_exact(&mut got).unwrap();
+        assert_eq!(got, want);
+        // SAFETY: plain system call on our child's pid.
+        unsafe { libc::kill(child.id() as libc::pid_t, libc::SIGTERM) };
+        let st = child.wait().unwrap();
+        assert!(st.success(), "{preset}: serve exited with {st}");
+        // Closed cleanly (the lock is released) and the write is there.
+        let o = tierkv(&["get", "--dir", dir.to_str().unwrap(), "served"], None);
+        assert_eq!(code(&o), 0, "{preset}: {}", String::from_utf8_lossy(&o.stderr));
+        assert_eq!(o.stdout, b"yes");
+    }
+}
