@@ -2,3 +2,4 @@
 
 pub mod bplus;
 pub mod pbtree;
+pub mod rhtree;

@@ -26,7 +26,7 @@
 //! block offset, weighted by bytes) keeps verified blocks in DRAM, as LevelDB's block cache
 //! does; blocks read by whole-table scans (merges, `check`) bypass it.
 
-mod bloom;
+pub(crate) mod bloom;
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;

@@ -1,0 +1,867 @@
+//! RH-Tree: LightKV's Radix-Hash Tree (LightKV §III-B..E), the global index of the `lightkv`
+//! preset, as a reusable component.
+//!
+//! # Shape
+//! Radix **inner nodes** each map one key byte (s = 8 bits) at their *depth* to 256 children
+//! (a child is a leaf or a deeper inner node); consecutive byte values share a leaf, so a
+//! leaf (a **partition**) owns a set of byte values at its inner node's depth. The root has
+//! depth 0 and starts with two leaves, bytes 0..=127 and 128..=255 (the paper's N = 2).
+//!
+//! **Keys shorter than the depth.** Below the root an inner node at depth d only receives
+//! keys whose bytes 0..d-1 equal its path; a key of length exactly d has no byte to route on,
+//! so every inner node has one extra *end partition* for it (created on first use). The end
+//! partition sorts before the node's 256 children, matching byte order, and holds at most one
+//! distinct key (its whole key is the path), so it never splits.
+//!
+//! # Hash leaf nodes
+//! A leaf is `normal` buckets plus an extra area of ⌈5 %⌉ of them (at least one bucket),
+//! searched linearly. A [`Bucket`] is exactly 64 bytes: 4 signature slots (u32), 4 cache
+//! slots (u32: four key bytes), 4 offset slots (u64: where the record is — the engine's
+//! address in the PM write buffer or an SSTable). A key's bucket is chosen by two hash
+//! functions; it goes to the first free slot of its first bucket, then of its second, then
+//! of the extra area. Every signature hit is confirmed by a full-key comparison through the
+//! caller's [`KeySource`].
+//!
+//! **Signature slot.** `hash29 << 3 | clen`: 29 bits of the key's hash and, in 3 bits, how
+//! many of the four bytes of the cache window the key has (0..=4). The paper's slot is a bare
+//! 32-bit hash; the 3 bits are what lets a split tell "key ends here" from "byte 0x00"
+//! without reading the key. `0` is an empty slot, `u32::MAX` a deleted one (reused by later
+//! inserts, as the paper's slot reuse).
+//!
+//! **Cache slot.** Key bytes `[base, base + 4)` where `base` is the leaf's depth rounded down
+//! to a multiple of 4. A split decides where each entry goes from its cache slot alone (no
+//! key read). A level split that moves entries to a depth that starts a new window (every
+//! fourth level) first refreshes their cache slots from the full keys — the paper's "renews
+//! the cache slot after four level splits".
+//!
+//! # Growth
+//! A full top leaf, while there are fewer than `max_leaf_nodes` partitions:
+//! - **normal split** when the new leaf would keep at least `t_normal` byte values: the
+//!   upper half of the partition's values moves to a new leaf;
+//! - else a **level split**: a new inner node on the next byte takes one byte value `v` of
+//!   the partition (the only one, or the one with most entries), with two leaves (bytes
+//!   0..=127 and 128..=255) and an end partition.
+//!
+//! Moved entries keep their bucket and slot position: both leaves have the same geometry and
+//! the bucket depends only on the key, so no rehash (and no key read) is needed.
+//! At `max_leaf_nodes` partitions (or when a partition already has linked leaves, whose
+//! SSTables a split could not divide), [`RhTree::insert`] returns [`Insert::Full`]; the
+//! engine then [`RhTree::link`]s a fresh top leaf in front of the full one and carries on.
+//! Lookups search a partition's leaves newest first.
+
+use crate::error::Result;
+use crate::sstable::bloom;
+
+/// Slots per bucket.
+pub const SLOTS: usize = 4;
+/// Children per inner node (s = 8 bits).
+pub const FANOUT: usize = 256;
+const EMPTY: u32 = 0;
+const DELETED: u32 = u32::MAX;
+
+/// One 64-byte bucket (one cache line), the unit a leaf is made of and copied to PM in.
+#[repr(C, align(64))]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Bucket {
+    /// Signature slots: `hash29 << 3 | bytes in the cache window`; 0 empty, `u32::MAX` deleted.
+    pub sig: [u32; SLOTS],
+    /// Cache slots: four key bytes from the leaf's cache window, little-endian.
+    pub cache: [u32; SLOTS],
+    /// Offset slots: the record's address (engine-defined).
+    pub off: [u64; SLOTS],
+}
+
+const _: () = assert!(std::mem::size_of::<Bucket>() == 64);
+
+/// Reads the full key of an entry (for confirming signature hits and refreshing caches).
+pub trait KeySource {
+    /// The key of the record at `off`.
+    fn key(&self, off: u64) -> Result<Vec<u8>>;
+}
+
+impl<F: Fn(u64) -> Result<Vec<u8>>> KeySource for F {
+    fn key(&self, off: u64) -> Result<Vec<u8>> {
+        self(off)
+    }
+}
+
+/// Options (the `lightkv` preset's RH-Tree settings).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct RhOptions {
+    /// Normal buckets per leaf (the extra area adds ⌈5 %⌉, at least one).
+    pub leaf_buckets: usize,
+    /// Fewest byte values a leaf keeps through a normal split (T_normal).
+    pub t_normal: usize,
+    /// Most partitions (leaf chains) before full leaves get linked successors.
+    pub max_leaf_nodes: usize,
+}
+
+impl Default for RhOptions {
+    /// 1,024 buckets (4,096 slots: about one 4 MiB segment of 1 KiB records at the paper's
+    /// 0.9 load factor), T_normal = 4 (the paper's example), MAX_LEAF_NODES = 2048.
+    fn default() -> Self {
+        RhOptions { leaf_buckets: 1024, t_normal: 4, max_leaf_nodes: 2048 }
+    }
+}
+
+#[derive(Debug, Clone, Copy)]
+struct Hashes {
+    b1: usize,
+    b2: usize,
+    sig29: u32,
+}
+
+fn hashes(key: &[u8], nb: usize) -> Hashes {
+    let h = bloom::hash(key);
+    let mut g = h ^ 0x9e37_79b9_7f4a_7c15;
+    g ^= g >> 29;
+    g = g.wrapping_mul(0xbf58_476d_1ce4_e5b9);
+    g ^= g >> 32;
+    let sig29 = ((h >> 35) as u32).max(1);
+    Hashes { b1: (h % nb as u64) as usize, b2: (g % nb as u64) as usize, sig29 }
+}
+
+/// The cache slot of `key` for a leaf at `depth`, and how many key bytes it holds.
+fn cache_of(key: &[u8], depth: usize) -> (u32, u32) {
+    let base = depth - depth % 4;
+    let mut c = [0u8; 4];
+    let mut n = 0;
+    for (i, b) in c.iter_mut().enumerate() {
+        if let Some(&k) = key.get(base + i) {
+            *b = k;
+            n += 1;
+        }
+    }
+    (u32::from_le_bytes(c), n)
+}
+
+fn live(sig: u32) -> bool {
+    sig != EMPTY && sig != DELETED
+}
+
+/// The key byte at `depth` from a cache slot (window base `depth - depth % 4`), or `None`
+/// when the key ends before it.
+fn cached_byte(sig: u32, cache: u32, depth: usize) -> Option<u8> {
+    let i = depth % 4;
+    ((i as u32) < (sig & 7)).then(|| (cache >> (8 * i)) as u8)
+}
+
+/// A hash leaf node.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Leaf {
+    buckets: Box<[Bucket]>,
+    normal: usize,
+    depth: usize,
+    live: usize,
+    extra_used: bool,
+}
+
+/// Where an entry sits in a leaf.
+type Pos = (usize, usize);
+
+impl Leaf {
+    /// An empty leaf of `normal` buckets (+ the extra area) for a partition at `depth`.
+    pub fn new(normal: usize, depth: usize) -> Leaf {
+        let normal = normal.max(1);
+        let extra = normal.div_ceil(20).max(1);
+        Leaf {
+            buckets: vec![Bucket::default(); normal + extra].into_boxed_slice(),
+            normal,
+            depth,
+            live: 0,
+            extra_used: false,
+        }
+    }
+
+    /// Rebuild a leaf from its buckets (e.g. a copy read back from PM).
+    pub fn from_buckets(buckets: Vec<Bucket>, normal: usize, depth: usize) -> Option<Leaf> {
+        let extra = normal.div_ceil(20).max(1);
+        if normal == 0 || buckets.len() != normal + extra {
+            return None;
+        }
+        let live_n = buckets.iter().flat_map(|b| b.sig).filter(|&s| live(s)).count();
+        let extra_used = buckets[normal..].iter().flat_map(|b| b.sig).any(|s| s != EMPTY);
+        Some(Leaf { buckets: buckets.into_boxed_slice(), normal, depth, live: live_n, extra_used })
+    }
+
+    /// The buckets (normal, then extra), e.g. to copy the leaf to PM.
+    pub fn buckets(&self) -> &[Bucket] {
+        &self.buckets
+    }
+
+    /// Live entries.
+    pub fn live(&self) -> usize {
+        self.live
+    }
+
+    /// Slots in the leaf.
+    pub fn capacity(&self) -> usize {
+        self.buckets.len() * SLOTS
+    }
+
+    /// The radix depth the leaf's cache window is taken at.
+    pub fn depth(&self) -> usize {
+        self.depth
+    }
+
+    /// Offsets of every live entry.
+    pub fn offsets(&self) -> impl Iterator<Item = u64> + '_ {
+        self.buckets.iter().flat_map(|b| (0..SLOTS).filter(|&s| live(b.sig[s])).map(move |s| b.off[s]))
+    }
+
+    /// Replace the offset of every live entry through `f` (e.g. PWB address → SSTable
+    /// address after a flush).
+    pub fn remap(&mut self, mut f: impl FnMut(u64) -> u64) {
+        for b in self.buckets.iter_mut() {
+            for s in 0..SLOTS {
+                if live(b.sig[s]) {
+                    b.off[s] = f(b.off[s]);
+                }
+            }
+        }
+    }
+
+    fn candidates(&self, h: &Hashes) -> impl Iterator<Item = usize> {
+        let second = (h.b2 != h.b1).then_some(h.b2);
+        let extra = if self.extra_used { self.normal..self.buckets.len() } else { 0..0 };
+        std::iter::once(h.b1).chain(second).chain(extra)
+    }
+
+    fn find(&self, key: &[u8], h: &Hashes, src: &dyn KeySource) -> Result<Option<Pos>> {
+        for b in self.candidates(h) {
+            let bk = &self.buckets[b];
+            for s in 0..SLOTS {
+                if live(bk.sig[s]) && bk.sig[s] >> 3 == h.sig29 && src.key(bk.off[s])? == key {
+                    return Ok(Some((b, s)));
+                }
+            }
+        }
+        Ok(None)
+    }
+
+    fn free_slot(&self, h: &Hashes) -> Option<Pos> {
+        let second = (h.b2 != h.b1).then_some(h.b2);
+        for b in std::iter::once(h.b1).chain(second).chain(self.normal..self.buckets.len()) {
+            for s in 0..SLOTS {
+                if !live(self.buckets[b].sig[s]) {
+                    return Some((b, s));
+                }
+            }
+        }
+        None
+    }
+
+    fn place(&mut self, (b, s): Pos, sig: u32, cache: u32, off: u64) {
+        let bk = &mut self.buckets[b];
+        bk.sig[s] = sig;
+        bk.cache[s] = cache;
+        bk.off[s] = off;
+        self.live += 1;
+        if b >= self.normal {
+            self.extra_used = true;
+        }
+    }
+
+    fn take(&mut self, (b, s): Pos) -> (u32, u32, u64) {
+        let bk = &mut self.buckets[b];
+        let e = (bk.sig[s], bk.cache[s], bk.off[s]);
+        bk.sig[s] = EMPTY;
+        bk.cache[s] = 0;
+        bk.off[s] = 0;
+        self.live -= 1;
+        e
+    }
+
+    /// The offset of `key` in this leaf.
+    pub fn get(&self, key: &[u8], src: &dyn KeySource) -> Result<Option<u64>> {
+        let h = hashes(key, self.normal);
+        Ok(self.find(key, &h, src)?.map(|(b, s)| self.buckets[b].off[s]))
+    }
+
+    fn live_positions(&self) -> Vec<Pos> {
+        let mut v = Vec::with_capacity(self.live);
+        for (b, bk) in self.buckets.iter().enumerate() {
+            for s in 0..SLOTS {
+                if live(bk.sig[s]) {
+                    v.push((b, s));
+                }
+            }
+        }
+        v
+    }
+}
+
+/// A partition id (an index into the tree's partitions; stable for the tree's life).
+pub type PartitionId = u32;
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Child {
+    Leaf(PartitionId),
+    Inner(u32),
+}
+
+#[derive(Debug, Clone)]
+struct Inner {
+    depth: usize,
+    children: Vec<Child>,
+    end: Option<PartitionId>,
+}
+
+/// A partition: its top leaf (newest, indexes the write buffer) and its linked older leaves.
+#[derive(Debug, Clone)]
+pub struct Partition {
+    /// The top leaf.
+    pub top: Leaf,
+    /// Older leaves, newest first.
+    pub chain: Vec<Leaf>,
+    inner: u32,
+    end: bool,
+}
+
+/// The outcome of [`RhTree::insert`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Insert {
+    /// A new entry in the partition's top leaf.
+    Inserted(PartitionId),
+    /// The key's entry in the top leaf now has the new offset; the old one is returned.
+    Updated(PartitionId, u64),
+    /// The top leaf is full and cannot split: [`RhTree::link`] a new top leaf and retry.
+    Full(PartitionId),
+}
+
+/// What splits happened (for tests and stats).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct SplitCounts {
+    /// Normal splits.
+    pub normal: u64,
+    /// Level splits.
+    pub level: u64,
+    /// Entries whose cache slot was refreshed from the full key.
+    pub refreshed: u64,
+}
+
+/// The tree.
+#[derive(Debug, Clone)]
+pub struct RhTree {
+    opts: RhOptions,
+    inners: Vec<Inner>,
+    parts: Vec<Partition>,
+    splits: SplitCounts,
+}
+
+impl RhTree {
+    /// An empty tree: a root with two leaves.
+    pub fn new(opts: RhOptions) -> RhTree {
+        let mut t = RhTree { opts, inners: Vec::new(), parts: Vec::new(), splits: SplitCounts::default() };
+        t.new_inner(0);
+        t
+    }
+
+    /// The options.
+    pub fn options(&self) -> &RhOptions {
+        &self.opts
+    }
+
+    /// Split counters.
+    pub fn splits(&self) -> SplitCounts {
+        self.splits
+    }
+
+    /// Number of partitions (leaf chains).
+    pub fn partition_count(&self) -> usize {
+        self.parts.len()
+    }
+
+    /// Partition `p`.
+    pub fn partition(&self, p: PartitionId) -> &Partition {
+        &self.parts[p as usize]
+    }
+
+    /// Partition `p`, mutable (the engine swaps chain leaves for their PM copies).
+    pub fn partition_mut(&mut self, p: PartitionId) -> &mut Partition {
+        &mut self.parts[p as usize]
+    }
+
+    fn new_partition(&mut self, inner: u32, end: bool) -> PartitionId {
+        let depth = self.inners[inner as usize].depth;
+        self.parts.push(Partition { top: Leaf::new(self.opts.leaf_buckets, depth), chain: Vec::new(), inner, end });
+        (self.parts.len() - 1) as PartitionId
+    }
+
+    /// A new inner node at `depth` with two fresh leaves (bytes 0..=127, 128..=255).
+    fn new_inner(&mut self, depth: usize) -> (u32, PartitionId, PartitionId) {
+        let id = self.inners.len() as u32;
+        self.inners.push(Inner { depth, children: Vec::new(), end: None });
+        let lo = self.new_partition(id, false);
+        let hi = self.new_partition(id, false);
+        let mut children = vec![Child::Leaf(lo); FANOUT];
+        for c in children.iter_mut().skip(FANOUT / 2) {
+            *c = Child::Leaf(hi);
+        }
+        self.inners[id as usize].children = children;
+        (id, lo, hi)
+    }
+
+    /// The partition `key` belongs to, if it exists.
+    pub fn route(&self, key: &[u8]) -> Option<PartitionId> {
+        let mut n = 0usize;
+        loop {
+            let inner = &self.inners[n];
+            match key.get(inner.depth) {
+                None => return inner.end,
+                Some(&b) => match inner.children[b as usize] {
+                    Child::Leaf(p) => return Some(p),
+                    Child::Inner(i) => n = i as usize,
+                },
+            }
+        }
+    }
+
+    fn route_mut(&mut self, key: &[u8]) -> PartitionId {
+        let mut n = 0usize;
+        loop {
+            let depth = self.inners[n].depth;
+            match key.get(depth) {
+                None => {
+                    if let Some(p) = self.inners[n].end {
+                        return p;
+                    }
+                    let p = self.new_partition(n as u32, true);
+                    self.inners[n].end = Some(p);
+                    return p;
+                }
+                Some(&b) => match self.inners[n].children[b as usize] {
+                    Child::Leaf(p) => return p,
+                    Child::Inner(i) => n = i as usize,
+                },
+            }
+        }
+    }
+
+    /// The newest offset of `key`: its partition's leaves, newest first.
+    pub fn get(&self, key: &[u8], src: &dyn KeySource) -> Result<Option<(PartitionId, u64)>> {
+        let Some(p) = self.route(key) else { return Ok(None) };
+        let part = &self.parts[p as usize];
+        for leaf in std::iter::once(&part.top).chain(part.chain.iter()) {
+            if let Some(off) = leaf.get(key, src)? {
+                return Ok(Some((p, off)));
+            }
+        }
+        Ok(None)
+    }
+
+    /// Index `key` at `off` in its partition's top leaf (splitting leaves as needed).
+    pub fn insert(&mut self, key: &[u8], off: u64, src: &dyn KeySource) -> Result<Insert> {
+        loop {
+            let p = self.route_mut(key);
+            let part = &mut self.parts[p as usize];
+            let h = hashes(key, part.top.normal);
+            if let Some((b, s)) = part.top.find(key, &h, src)? {
+                let old = std::mem::replace(&mut part.top.buckets[b].off[s], off);
+                return Ok(Insert::Updated(p, old));
+            }
+            if let Some(pos) = part.top.free_slot(&h) {
+                let (cache, clen) = cache_of(key, part.top.depth);
+                part.top.place(pos, h.sig29 << 3 | clen, cache, off);
+                return Ok(Insert::Inserted(p));
+            }
+            if part.end || !part.chain.is_empty() || self.parts.len() >= self.opts.max_leaf_nodes {
+                return Ok(Insert::Full(p));
+            }
+            self.split(p, src)?;
+        }
+    }
+
+    /// Remove `key`'s entry from its partition's top leaf (the slot is marked deleted and
+    /// reused by later inserts). Returns the removed offset. Older linked leaves are not
+    /// touched: when they may hold the key the engine indexes a tombstone record instead.
+    pub fn remove_top(&mut self, key: &[u8], src: &dyn KeySource) -> Result<Option<u64>> {
+        let Some(p) = self.route(key) else { return Ok(None) };
+        let top = &mut self.parts[p as usize].top;
+        let h = hashes(key, top.normal);
+        let Some((b, s)) = top.find(key, &h, src)? else { return Ok(None) };
+        let off = top.buckets[b].off[s];
+        top.buckets[b].sig[s] = DELETED;
+        top.buckets[b].off[s] = 0;
+        top.live -= 1;
+        Ok(Some(off))
+    }
+
+    /// Make a fresh top leaf for `p`; the old top leaf becomes the newest linked leaf
+    /// (returned index 0 of the chain).
+    pub fn link(&mut self, p: PartitionId) {
+        let part = &mut self.parts[p as usize];
+        let fresh = Leaf::new(self.opts.leaf_buckets, part.top.depth);
+        let old = std::mem::replace(&mut part.top, fresh);
+        part.chain.insert(0, old);
+    }
+
+    /// Partitions in key order (an end partition before its inner node's children; a
+    /// partition whose byte values are split by a deeper inner node is listed at its first
+    /// value).
+    pub fn partitions_in_order(&self) -> Vec<PartitionId> {
+        let mut out = Vec::with_capacity(self.parts.len());
+        let mut seen = vec![false; self.parts.len()];
+        self.walk(0, &mut out, &mut seen);
+        out
+    }
+
+    fn walk(&self, n: usize, out: &mut Vec<PartitionId>, seen: &mut [bool]) {
+        let inner = &self.inners[n];
+        if let Some(p) = inner.end {
+            out.push(p);
+        }
+        for c in &inner.children {
+            match *c {
+                Child::Leaf(p) => {
+                    if !seen[p as usize] {
+                        seen[p as usize] = true;
+                        out.push(p);
+                    }
+                }
+                Child::Inner(i) => self.walk(i as usize, out, seen),
+            }
+        }
+    }
+
+    fn values_of(&self, p: PartitionId) -> Vec<u8> {
+        let inner = &self.inners[self.parts[p as usize].inner as usize];
+        (0..FANOUT).filter(|&v| inner.children[v] == Child::Leaf(p)).map(|v| v as u8).collect()
+    }
+
+    fn split(&mut self, p: PartitionId, src: &dyn KeySource) -> Result<()> {
+        let values = self.values_of(p);
+        let inner = self.parts[p as usize].inner;
+        let d = self.inners[inner as usize].depth;
+        let n = values.len();
+        if n >= 2 && n / 2 >= self.opts.t_normal {
+            // Normal split: the upper half of the values moves to a new leaf.
+            let q = self.new_partition(inner, false);
+            let first_moved = values[n - n / 2];
+            for &v in &values[n - n / 2..] {
+                self.inners[inner as usize].children[v as usize] = Child::Leaf(q);
+            }
+            for pos in self.parts[p as usize].top.live_positions() {
+                let bk = &self.parts[p as usize].top.buckets[pos.0];
+                let (sig, cache) = (bk.sig[pos.1], bk.cache[pos.1]);
+                if cached_byte(sig, cache, d).is_some_and(|b| b >= first_moved) {
+                    let (sig, cache, off) = self.parts[p as usize].top.take(pos);
+                    self.parts[q as usize].top.place(pos, sig, cache, off);
+                }
+            }
+            self.splits.normal += 1;
+            return Ok(());
+        }
+        // Level split on byte value `v`: the only value, or the one with most entries.
+        let v = if n == 1 {
+            values[0]
+        } else {
+            let mut count = [0usize; FANOUT];
+            let top = &self.parts[p as usize].top;
+            for (b, s) in top.live_positions() {
+                if let Some(x) = cached_byte(top.buckets[b].sig[s], top.buckets[b].cache[s], d) {
+                    count[x as usize] += 1;
+                }
+            }
+            values.iter().copied().max_by_key(|&x| (count[x as usize], std::cmp::Reverse(x))).unwrap_or(values[0])
+        };
+        let (child, lo, hi) = self.new_inner(d + 1);
+        self.inners[inner as usize].children[v as usize] = Child::Inner(child);
+        let refresh = (d + 1).is_multiple_of(4);
+        for pos in self.parts[p as usize].top.live_positions() {
+            let bk = &self.parts[p as usize].top.buckets[pos.0];
+            let (sig, cache) = (bk.sig[pos.1], bk.cache[pos.1]);
+            if cached_byte(sig, cache, d) != Some(v) {
+                continue;
+            }
+            let (sig, mut cache, off) = self.parts[p as usize].top.take(pos);
+            let mut sig = sig;
+            if refresh {
+                let key = src.key(off)?;
+                let (c, clen) = cache_of(&key, d + 1);
+                cache = c;
+                sig = (sig & !7) | clen;
+                self.splits.refreshed += 1;
+            }
+            let dest = match cached_byte(sig, cache, d + 1) {
+                None => {
+                    if let Some(e) = self.inners[child as usize].end {
+                        e
+                    } else {
+                        let e = self.new_partition(child, true);
+                        self.inners[child as usize].end = Some(e);
+                        e
+                    }
+                }
+                Some(b) if (b as usize) < FANOUT / 2 => lo,
+                Some(_) => hi,
+            };
+            self.parts[dest as usize].top.place(pos, sig, cache, off);
+        }
+        if n == 1 {
+            // `p` no longer owns any value: it becomes unreachable and empty. Reuse it as
+            // the lower leaf of the new node instead, so partition ids stay dense.
+            let lo_top = std::mem::replace(&mut self.parts[lo as usize].top, Leaf::new(1, 0));
+            let part = &mut self.parts[p as usize];
+            part.top = lo_top;
+            part.inner = child;
+            for c in self.inners[child as usize].children.iter_mut() {
+                if *c == Child::Leaf(lo) {
+                    *c = Child::Leaf(p);
+                }
+            }
+            // `lo` is the newest partition or the one before `hi`: drop it by swapping the
+            // last partition into its place.
+            self.remove_partition(lo);
+        }
+        self.splits.level += 1;
+        Ok(())
+    }
+
+    /// Remove an empty, unreferenced partition by moving the last one into its id.
+    fn remove_partition(&mut self, gone: PartitionId) {
+        let last = (self.parts.len() - 1) as PartitionId;
+        if gone != last {
+            self.parts.swap(gone as usize, last as usize);
+            for inner in self.inners.iter_mut() {
+                for c in inner.children.iter_mut() {
+                    if *c == Child::Leaf(last) {
+                        *c = Child::Leaf(gone);
+                    }
+                }
+                if inner.end == Some(last) {
+                    inner.end = Some(gone);
+                }
+            }
+        }
+        self.parts.pop();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)]
+    use std::collections::HashMap;
+
+    use proptest::prelude::*;
+
+    use super::*;
+
+    /// An append-only record log standing in for the write buffer: offset = index.
+    #[derive(Default)]
+    struct Log(std::cell::RefCell<Vec<Vec<u8>>>);
+
+    impl Log {
+        fn add(&self, k: &[u8]) -> u64 {
+            let mut v = self.0.borrow_mut();
+            v.push(k.to_vec());
+            (v.len() - 1) as u64
+        }
+    }
+
+    impl KeySource for Log {
+        fn key(&self, off: u64) -> Result<Vec<u8>> {
+            Ok(self.0.borrow()[off as usize].clone())
+        }
+    }
+
+    fn small(max: usize) -> RhOptions {
+        RhOptions { leaf_buckets: 2, t_normal: 4, max_leaf_nodes: max }
+    }
+
+    fn check_all(t: &RhTree, log: &Log, model: &HashMap<Vec<u8>, u64>) {
+        for (k, off) in model {
+            assert_eq!(t.get(k, log).unwrap().map(|x| x.1), Some(*off), "key {k:?}");
+        }
+        let total: usize = (0..t.partition_count() as u32).map(|p| t.partition(p).top.live()).sum();
+        assert_eq!(total, model.len(), "live entries");
+        // Every entry sits in the partition its key routes to.
+        for p in 0..t.partition_count() as u32 {
+            for off in t.partition(p).top.offsets() {
+                let k = log.key(off).unwrap();
+                assert_eq!(t.route(&k), Some(p), "entry {k:?} in the wrong partition");
+            }
+        }
+        let order = t.partitions_in_order();
+        let mut sorted = order.clone();
+        sorted.sort_unstable();
+        sorted.dedup();
+        assert_eq!(sorted.len(), t.partition_count(), "partitions_in_order lists each partition once");
+    }
+
+    #[test]
+    fn buckets_are_one_cache_line_and_leaves_have_an_extra_area() {
+        assert_eq!(std::mem::size_of::<Bucket>(), 64);
+        assert_eq!(std::mem::align_of::<Bucket>(), 64);
+        let l = Leaf::new(1024, 0);
+        assert_eq!(l.buckets().len(), 1024 + 52);
+        assert_eq!(Leaf::new(2, 0).buckets().len(), 3);
+    }
+
+    #[test]
+    fn normal_splits_divide_a_byte_range_without_reading_keys() {
+        let log = Log::default();
+        let mut t = RhTree::new(small(10_000));
+        let mut m = HashMap::new();
+        for i in 0..3000u32 {
+            let k = i.wrapping_mul(2_654_435_761).to_be_bytes().to_vec();
+            let off = log.add(&k);
+            t.insert(&k, off, &log).unwrap();
+            m.insert(k, off);
+        }
+        let s = t.splits();
+        assert!(s.normal > 0 && s.level > 0, "{s:?}");
+        // Splits at depth 0..=2 stay inside the first cache window: no key was re-read.
+        assert_eq!(s.refreshed, 0, "{s:?}");
+        check_all(&t, &log, &m);
+    }
+
+    #[test]
+    fn level_splits_on_long_shared_prefixes_refresh_cache_slots() {
+        let log = Log::default();
+        let mut t = RhTree::new(small(10_000));
+        let mut m = HashMap::new();
+        for i in 0..800u32 {
+            let k = format!("user:prefix:{i:05}").into_bytes();
+            let off = log.add(&k);
+            t.insert(&k, off, &log).unwrap();
+            m.insert(k, off);
+        }
+        let s = t.splits();
+        assert!(s.level >= 8, "{s:?}");
+        assert!(s.refreshed > 0, "level splits past depth 4 must refresh caches: {s:?}");
+        check_all(&t, &log, &m);
+    }
+
+    #[test]
+    fn keys_shorter_than_the_radix_depth_live_in_end_partitions() {
+        let log = Log::default();
+        let mut t = RhTree::new(small(10_000));
+        let mut m = HashMap::new();
+        // Many keys under "a" force level splits below 'a'; then "", "a", "ab" end early.
+        let mut keys: Vec<Vec<u8>> = (0..600u32).map(|i| format!("ab{i}").into_bytes()).collect();
+        keys.extend([b"".to_vec(), b"a".to_vec(), b"ab".to_vec(), b"ab1".to_vec(), b"\0".to_vec(), vec![0xff; 3]]);
+        for k in &keys {
+            let off = log.add(k);
+            t.insert(k, off, &log).unwrap();
+            m.insert(k.clone(), off);
+        }
+        check_all(&t, &log, &m);
+        let pa = t.route(b"a").unwrap();
+        let pab = t.route(b"ab").unwrap();
+        assert!(t.partition(pa).end && t.partition(pab).end, "short keys route to end partitions");
+        assert_ne!(pa, pab);
+        assert_eq!(t.partition(pab).top.live(), 1);
+        // An end partition sorts before its node's children.
+        let order = t.partitions_in_order();
+        let pos = |p| order.iter().position(|&x| x == p).unwrap();
+        assert!(pos(pa) < pos(t.route(b"ab5").unwrap()));
+        assert!(pos(t.route(b"").unwrap()) < pos(pa));
+    }
+
+    #[test]
+    fn at_max_leaf_nodes_full_leaves_get_linked_successors() {
+        let log = Log::default();
+        let mut t = RhTree::new(small(2));
+        let mut m = HashMap::new();
+        let mut links = 0;
+        for i in 0..200u32 {
+            let k = format!("k{i:04}").into_bytes();
+            let off = log.add(&k);
+            loop {
+                match t.insert(&k, off, &log).unwrap() {
+                    Insert::Full(p) => {
+                        t.link(p);
+                        links += 1;
+                    }
+                    _ => break,
+                }
+            }
+            m.insert(k, off);
+        }
+        assert_eq!(t.partition_count(), 2, "no split past MAX_LEAF_NODES");
+        assert!(links > 10, "{links}");
+        for (k, off) in &m {
+            assert_eq!(t.get(k, &log).unwrap().map(|x| x.1), Some(*off));
+        }
+        // An update of a key in a linked leaf goes to the top leaf and shadows it.
+        let k = b"k0000".to_vec();
+        let off = log.add(&k);
+        let r = loop {
+            match t.insert(&k, off, &log).unwrap() {
+                Insert::Full(p) => t.link(p),
+                r => break r,
+            }
+        };
+        assert!(matches!(r, Insert::Inserted(_)), "{r:?}");
+        assert_eq!(t.get(&k, &log).unwrap().map(|x| x.1), Some(off));
+    }
+
+    #[test]
+    fn deleted_slots_are_reused() {
+        let log = Log::default();
+        let mut t = RhTree::new(small(2));
+        let cap = t.partition(0).top.capacity();
+        // Fill partition 0 (bytes < 128) to Full.
+        let mut keys = Vec::new();
+        for i in 0u32.. {
+            let k = format!("a{i}").into_bytes();
+            let off = log.add(&k);
+            if let Insert::Full(_) = t.insert(&k, off, &log).unwrap() {
+                break;
+            }
+            keys.push(k);
+        }
+        assert!(keys.len() <= cap);
+        for k in &keys {
+            assert!(t.remove_top(k, &log).unwrap().is_some());
+            assert_eq!(t.get(k, &log).unwrap(), None);
+        }
+        // As many new keys fit again, in the deleted slots: no Full, no split, no link.
+        for i in 0..keys.len() {
+            let k = format!("b{i}").into_bytes();
+            let off = log.add(&k);
+            assert!(matches!(t.insert(&k, off, &log).unwrap(), Insert::Inserted(0)));
+        }
+        assert_eq!(t.partition_count(), 2);
+        assert!(t.partition(0).chain.is_empty());
+    }
+
+    fn key_strategy() -> impl Strategy<Value = Vec<u8>> {
+        prop_oneof![
+            proptest::collection::vec(any::<u8>(), 0..3),
+            proptest::collection::vec(any::<u8>(), 0..12),
+            (0u16..400).prop_map(|i| format!("shared/long/prefix/{i}").into_bytes()),
+            (0u16..300).prop_map(|i| {
+                let mut v = vec![0u8; 5];
+                v.extend(i.to_be_bytes());
+                v
+            }),
+        ]
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig { cases: 64, ..ProptestConfig::default() })]
+        #[test]
+        fn behaves_like_a_hash_map(ops in proptest::collection::vec((key_strategy(), any::<bool>()), 1..1500)) {
+            let log = Log::default();
+            let mut t = RhTree::new(RhOptions { leaf_buckets: 2, t_normal: 2, max_leaf_nodes: 100_000 });
+            let mut m: HashMap<Vec<u8>, u64> = HashMap::new();
+            for (k, del) in ops {
+                if del {
+                    let got = t.remove_top(&k, &log).unwrap();
+                    prop_assert_eq!(got, m.remove(&k));
+                } else {
+                    let off = log.add(&k);
+                    let r = t.insert(&k, off, &log).unwrap();
+                    match m.insert(k.clone(), off) {
+                        Some(old) => prop_assert!(matches!(r, Insert::Updated(_, o) if o == old)),
+                        None => prop_assert!(matches!(r, Insert::Inserted(_))),
+                    }
+                }
+                prop_assert_eq!(t.get(&k, &log).unwrap().map(|x| x.1), m.get(&k).copied());
+            }
+            check_all(&t, &log, &m);
+        }
+    }
+}
