@@ -768,14 +768,9 @@ mod tests {
         for i in 0..200u32 {
             let k = format!("k{i:04}").into_bytes();
             let off = log.add(&k);
-            loop {
-                match t.insert(&k, off, &log).unwrap() {
-                    Insert::Full(p) => {
-                        t.link(p);
-                        links += 1;
-                    }
-                    _ => break,
-                }
+            while let Insert::Full(p) = t.insert(&k, off, &log).unwrap() {
+                t.link(p);
+                links += 1;
             }
             m.insert(k, off);
         }
