@@ -6,6 +6,7 @@
 //! behind this trait.
 
 pub mod hpdk;
+pub mod lightkv;
 pub mod pmekv;
 pub mod slmdb;
 
