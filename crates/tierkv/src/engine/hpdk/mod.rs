@@ -583,18 +583,35 @@ impl Inner {
     fn stats_impl(&self) -> Stats {
         let pm = self.region.stats();
         let (files, live, total, cands, bytes) = self.version.lock().version.summary();
-        let (keys, tree_bytes) = {
-            let t = self.tree.read();
-            (t.len() as u64, t.dram_bytes() as u64)
-        };
-        let (mem_keys, mem_bytes) = {
+        // Live keys = tree keys, plus MemTable puts of keys the tree lacks, minus MemTable
+        // deletes of keys it has (the newest MemTable version of each key counts). Locks in
+        // the scan's order: MemTables, tree, maps.
+        let (keys, tree_bytes, live_keys, mem_keys, mem_bytes) = {
             let m = self.mem.read();
-            let imm = m.imm.as_ref();
-            let imm_keys = imm.map_or(0, |i| i.map.read().len() as u64);
-            let active_keys = m.active.map.read().len() as u64;
+            let t = self.tree.read();
+            let active = m.active.map.read();
+            let imm = m.imm.as_ref().map(|i| i.map.read());
+            let mut live = t.len() as i64;
+            let mut count = |k: &[u8], a: u64| match (a != TOMB, t.get(k).is_some()) {
+                (true, false) => live += 1,
+                (false, true) => live -= 1,
+                _ => {}
+            };
+            for (k, a) in active.iter() {
+                count(k, *a);
+            }
+            for (k, a) in imm.iter().flat_map(|i| i.iter()) {
+                if !active.contains_key(k) {
+                    count(k, *a);
+                }
+            }
+            let imm_bytes = m.imm.as_ref().map_or(0, |i| i.bytes.load(Ordering::Relaxed));
             (
-                active_keys + imm_keys,
-                m.active.bytes.load(Ordering::Relaxed) + imm.map_or(0, |i| i.bytes.load(Ordering::Relaxed)),
+                t.len() as u64,
+                t.dram_bytes() as u64,
+                live.max(0) as u64,
+                active.len() as u64 + imm.as_ref().map_or(0, |i| i.len() as u64),
+                m.active.bytes.load(Ordering::Relaxed) + imm_bytes,
             )
         };
         let vs = self.vlog.stats();
@@ -627,7 +644,7 @@ impl Inner {
             ("pm_heap_bytes", heap.total()),
             ("pm_heap_free_bytes", heap.free_bytes()),
         ];
-        Stats::engine("hpdk", pm, ld(&self.user_bytes), keys + mem_keys, tree_bytes + mem_bytes, &design)
+        Stats::engine("hpdk", pm, ld(&self.user_bytes), live_keys, tree_bytes + mem_bytes, &design)
     }
 }
 

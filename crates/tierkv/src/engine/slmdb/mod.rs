@@ -706,11 +706,30 @@ impl Inner {
     fn stats_impl(&self) -> Stats {
         let pm = self.region.stats();
         let (files, live, total, cands, disk) = self.version.lock().version.summary();
-        let keys = self.tree.read().len();
-        let (mem_keys, mem_bytes, mem_index) = {
+        // Live keys = tree keys, plus MemTable puts of keys the tree lacks, minus MemTable
+        // deletes of keys it has (newest MemTable version of each key). Locks in the scan's
+        // order: MemTables, then tree.
+        let (keys, mem_keys, mem_bytes, mem_index) = {
             let m = self.mem.read();
+            let tree = self.tree.read();
+            let all = (Bound::Unbounded, Bound::Unbounded);
+            let active = m.active.range(all.0, all.1, usize::MAX);
+            let imm = m.imm.as_ref().map_or(Vec::new(), |i| i.range(all.0, all.1, usize::MAX));
+            let mut newest: BTreeMap<Vec<u8>, u64> = imm.into_iter().collect();
+            newest.extend(active);
+            let mut live = tree.len() as i64;
+            for (k, node) in &newest {
+                let put = memtable::read_node_trusted(&self.region, *node).map(|n| n.kind == memtable::KIND_PUT);
+                let in_tree = tree.get(&self.region, k).map(|l| l.is_some());
+                match (put, in_tree) {
+                    (Ok(true), Ok(false)) => live += 1,
+                    (Ok(false), Ok(true)) => live -= 1,
+                    _ => {}
+                }
+            }
             let imm = m.imm.as_ref();
             (
+                live.max(0) as u64,
                 m.active.keys() as u64 + imm.map_or(0, |i| i.keys() as u64),
                 m.active.used() + imm.map_or(0, |i| i.used()),
                 m.active.index_bytes() + imm.map_or(0, |i| i.index_bytes()),
