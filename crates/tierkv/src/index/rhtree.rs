@@ -417,7 +417,9 @@ impl RhTree {
         }
     }
 
-    fn route_mut(&mut self, key: &[u8]) -> PartitionId {
+    /// The partition `key` belongs to, creating its end partition if the key needs one (the
+    /// partition a writer appends the key's record for).
+    pub fn route_mut(&mut self, key: &[u8]) -> PartitionId {
         let mut n = 0usize;
         loop {
             let depth = self.inners[n].depth;
