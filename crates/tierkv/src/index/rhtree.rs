@@ -303,6 +303,8 @@ enum Child {
 #[derive(Debug, Clone)]
 struct Inner {
     depth: usize,
+    /// The key bytes `0..depth` every key below this node starts with.
+    prefix: Vec<u8>,
     children: Vec<Child>,
     end: Option<PartitionId>,
 }
@@ -347,13 +349,32 @@ pub struct RhTree {
     inners: Vec<Inner>,
     parts: Vec<Partition>,
     splits: SplitCounts,
+    /// Partitions recreated by [`RhTree::ensure_partition`].
+    restored: Vec<PartitionId>,
+}
+
+/// Where a partition sits in the radix tree ([`RhTree::descriptor`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PartitionDesc {
+    /// Key bytes of the partition's inner node (its depth is the length).
+    pub prefix: Vec<u8>,
+    /// Byte values at that depth the partition owns (empty for an end partition).
+    pub values: Vec<u8>,
+    /// The end partition: the one key equal to `prefix`.
+    pub end: bool,
 }
 
 impl RhTree {
     /// An empty tree: a root with two leaves.
     pub fn new(opts: RhOptions) -> RhTree {
-        let mut t = RhTree { opts, inners: Vec::new(), parts: Vec::new(), splits: SplitCounts::default() };
-        t.new_inner(0);
+        let mut t = RhTree {
+            opts,
+            inners: Vec::new(),
+            parts: Vec::new(),
+            splits: SplitCounts::default(),
+            restored: Vec::new(),
+        };
+        t.new_inner(Vec::new());
         t
     }
 
@@ -388,10 +409,10 @@ impl RhTree {
         (self.parts.len() - 1) as PartitionId
     }
 
-    /// A new inner node at `depth` with two fresh leaves (bytes 0..=127, 128..=255).
-    fn new_inner(&mut self, depth: usize) -> (u32, PartitionId, PartitionId) {
+    /// A new inner node below `prefix` with two fresh leaves (bytes 0..=127, 128..=255).
+    fn new_inner(&mut self, prefix: Vec<u8>) -> (u32, PartitionId, PartitionId) {
         let id = self.inners.len() as u32;
-        self.inners.push(Inner { depth, children: Vec::new(), end: None });
+        self.inners.push(Inner { depth: prefix.len(), prefix, children: Vec::new(), end: None });
         let lo = self.new_partition(id, false);
         let hi = self.new_partition(id, false);
         let mut children = vec![Child::Leaf(lo); FANOUT];
@@ -526,6 +547,103 @@ impl RhTree {
         }
     }
 
+    /// Where partition `p` sits: the key prefix of its inner node, and either its byte
+    /// values at that depth or (`end`) the single key equal to the prefix. Persisted for
+    /// partitions with linked PM leaves, so recovery can rebuild them
+    /// ([`RhTree::ensure_partition`]).
+    pub fn descriptor(&self, p: PartitionId) -> PartitionDesc {
+        let part = &self.parts[p as usize];
+        let inner = &self.inners[part.inner as usize];
+        PartitionDesc {
+            prefix: inner.prefix.clone(),
+            values: if part.end { Vec::new() } else { self.values_of(p) },
+            end: part.end,
+        }
+    }
+
+    /// Recreate the partition `d` describes in a tree that holds no entries yet (recovery
+    /// rebuilds partitions with linked PM leaves before it replays the write buffer): inner
+    /// nodes are created along `d.prefix`, and the byte values `d.values` (or the end slot)
+    /// are given to one new partition. Partitions left without values are dropped.
+    /// Descriptors that overlap (a value already taken by another restored partition, or by
+    /// an inner node on another restored path) are an error: they cannot come from one tree.
+    pub fn ensure_partition(&mut self, d: &PartitionDesc) -> std::result::Result<PartitionId, String> {
+        if self.parts.iter().any(|p| p.top.live() > 0) {
+            return Err("partitions can only be restored before any entry is indexed".into());
+        }
+        if (!d.end && d.values.is_empty()) || (d.end && !d.values.is_empty()) {
+            return Err("a partition has byte values or is an end partition".into());
+        }
+        let mut n = 0usize;
+        for (i, &b) in d.prefix.iter().enumerate() {
+            n = match self.inners[n].children[b as usize] {
+                Child::Inner(j) => j as usize,
+                Child::Leaf(p) => {
+                    if self.restored.contains(&p) {
+                        return Err(format!("prefix byte {i} is taken by a restored partition"));
+                    }
+                    let (child, _, _) = self.new_inner(d.prefix[..=i].to_vec());
+                    self.inners[n].children[b as usize] = Child::Inner(child);
+                    self.drop_if_unreferenced(p);
+                    child as usize
+                }
+            };
+        }
+        let q = self.new_partition(n as u32, d.end);
+        if d.end {
+            if self.inners[n].end.is_some_and(|e| self.restored.contains(&e)) {
+                return Err("end partition restored twice".into());
+            }
+            let old = self.inners[n].end.replace(q);
+            if let Some(o) = old {
+                self.drop_if_unreferenced(o);
+            }
+        } else {
+            let mut losers = Vec::new();
+            for &v in &d.values {
+                match self.inners[n].children[v as usize] {
+                    Child::Leaf(p) if !self.restored.contains(&p) && p != q => {
+                        self.inners[n].children[v as usize] = Child::Leaf(q);
+                        losers.push(p);
+                    }
+                    _ => return Err(format!("byte value {v} below prefix {:?} is already taken", d.prefix)),
+                }
+            }
+            losers.sort_unstable();
+            losers.dedup();
+            // Highest ids first: dropping one moves the last partition into its id, which
+            // never disturbs a lower id still to be dropped.
+            for p in losers.into_iter().rev() {
+                self.drop_if_unreferenced(p);
+            }
+        }
+        // Ids may have moved (dropped partitions are replaced by the last one): find q again.
+        let q = match (d.end, d.values.first()) {
+            (true, _) => self.inners[n].end,
+            (false, Some(&v)) => match self.inners[n].children[v as usize] {
+                Child::Leaf(p) => Some(p),
+                Child::Inner(_) => None,
+            },
+            (false, None) => None,
+        }
+        .ok_or_else(|| "restored partition vanished".to_string())?;
+        self.restored.push(q);
+        Ok(q)
+    }
+
+    /// Drop partition `p` if no inner node refers to it any more (it must be empty).
+    fn drop_if_unreferenced(&mut self, p: PartitionId) {
+        let referenced = self.inners.iter().any(|i| i.end == Some(p) || i.children.contains(&Child::Leaf(p)));
+        if !referenced {
+            for r in self.restored.iter_mut() {
+                if *r == (self.parts.len() - 1) as PartitionId {
+                    *r = p;
+                }
+            }
+            self.remove_partition(p);
+        }
+    }
+
     fn values_of(&self, p: PartitionId) -> Vec<u8> {
         let inner = &self.inners[self.parts[p as usize].inner as usize];
         (0..FANOUT).filter(|&v| inner.children[v] == Child::Leaf(p)).map(|v| v as u8).collect()
@@ -567,7 +685,9 @@ impl RhTree {
             }
             values.iter().copied().max_by_key(|&x| (count[x as usize], std::cmp::Reverse(x))).unwrap_or(values[0])
         };
-        let (child, lo, hi) = self.new_inner(d + 1);
+        let mut prefix = self.inners[inner as usize].prefix.clone();
+        prefix.push(v);
+        let (child, lo, hi) = self.new_inner(prefix);
         self.inners[inner as usize].children[v as usize] = Child::Inner(child);
         let refresh = (d + 1).is_multiple_of(4);
         for pos in self.parts[p as usize].top.live_positions() {
@@ -822,6 +942,44 @@ mod tests {
         }
         assert_eq!(t.partition_count(), 2);
         assert!(t.partition(0).chain.is_empty());
+    }
+
+    #[test]
+    fn partitions_are_restored_from_their_descriptors() {
+        let log = Log::default();
+        let mut t = RhTree::new(small(10_000));
+        let mut keys: Vec<Vec<u8>> =
+            (0..1500u32).map(|i| i.wrapping_mul(2_654_435_761).to_be_bytes().to_vec()).collect();
+        keys.extend((0..400u32).map(|i| format!("user:prefix:{i:05}").into_bytes()));
+        keys.extend([b"".to_vec(), b"u".to_vec(), b"user:".to_vec()]);
+        for k in &keys {
+            let off = log.add(k);
+            t.insert(k, off, &log).unwrap();
+        }
+        // Restore every other partition (as if only they had linked PM leaves).
+        let chosen: Vec<PartitionId> = (0..t.partition_count() as u32).step_by(2).collect();
+        let descs: Vec<PartitionDesc> = chosen.iter().map(|&p| t.descriptor(p)).collect();
+        assert!(descs.iter().any(|d| d.prefix.len() >= 4), "some restored partition is deep");
+        let mut r = RhTree::new(small(10_000));
+        let ids: Vec<PartitionId> = descs.iter().map(|d| r.ensure_partition(d).unwrap()).collect();
+        // Ids stay valid after later restores moved partitions around.
+        for (id, d) in ids.iter().zip(&descs) {
+            assert_eq!(&r.descriptor(*id), d);
+        }
+        // Every key of a restored partition routes to the partition with the same descriptor.
+        for k in &keys {
+            let p = t.route(k).unwrap();
+            if chosen.contains(&p) {
+                let q = r.route(k).unwrap();
+                assert_eq!(r.descriptor(q), t.descriptor(p), "key {k:?}");
+            }
+        }
+        // A descriptor that overlaps a restored one is refused; so is restoring after inserts.
+        assert!(r.ensure_partition(&descs[0]).is_err());
+        let k = b"zz".to_vec();
+        let off = log.add(&k);
+        r.insert(&k, off, &log).unwrap();
+        assert!(r.ensure_partition(&descs[1]).is_err());
     }
 
     fn key_strategy() -> impl Strategy<Value = Vec<u8>> {
