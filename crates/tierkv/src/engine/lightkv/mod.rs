@@ -5,5 +5,6 @@
 //! flush of full leaves to SSTables with PM leaf copies, partition compaction, the preset
 //! itself. The plan is in docs/design/lightkv.md.
 
+pub mod leaf;
 pub mod pwb;
 pub mod store;
