@@ -316,6 +316,9 @@ pub struct Partition {
     pub top: Leaf,
     /// Older leaves, newest first.
     pub chain: Vec<Leaf>,
+    /// Engine-defined tag (e.g. where the partition's chain record lives); moves with the
+    /// partition, whatever its id becomes. 0 by default.
+    pub tag: u64,
     inner: u32,
     end: bool,
 }
@@ -405,7 +408,13 @@ impl RhTree {
 
     fn new_partition(&mut self, inner: u32, end: bool) -> PartitionId {
         let depth = self.inners[inner as usize].depth;
-        self.parts.push(Partition { top: Leaf::new(self.opts.leaf_buckets, depth), chain: Vec::new(), inner, end });
+        self.parts.push(Partition {
+            top: Leaf::new(self.opts.leaf_buckets, depth),
+            chain: Vec::new(),
+            tag: 0,
+            inner,
+            end,
+        });
         (self.parts.len() - 1) as PartitionId
     }
 
@@ -567,6 +576,8 @@ impl RhTree {
     /// are given to one new partition. Partitions left without values are dropped.
     /// Descriptors that overlap (a value already taken by another restored partition, or by
     /// an inner node on another restored path) are an error: they cannot come from one tree.
+    /// The returned id is valid until the next restore (which may renumber partitions):
+    /// attach the partition's data (its chain, its [`Partition::tag`]) right away.
     pub fn ensure_partition(&mut self, d: &PartitionDesc) -> std::result::Result<PartitionId, String> {
         if self.parts.iter().any(|p| p.top.live() > 0) {
             return Err("partitions can only be restored before any entry is indexed".into());
@@ -961,11 +972,21 @@ mod tests {
         let descs: Vec<PartitionDesc> = chosen.iter().map(|&p| t.descriptor(p)).collect();
         assert!(descs.iter().any(|d| d.prefix.len() >= 4), "some restored partition is deep");
         let mut r = RhTree::new(small(10_000));
-        let ids: Vec<PartitionId> = descs.iter().map(|d| r.ensure_partition(d).unwrap()).collect();
-        // Ids stay valid after later restores moved partitions around.
-        for (id, d) in ids.iter().zip(&descs) {
-            assert_eq!(&r.descriptor(*id), d);
+        for (i, d) in descs.iter().enumerate() {
+            let q = r.ensure_partition(d).unwrap();
+            assert_eq!(&r.descriptor(q), d);
+            r.partition_mut(q).tag = i as u64 + 1;
         }
+        // Tags move with their partitions while later restores drop and renumber others.
+        let mut tagged = 0;
+        for q in 0..r.partition_count() as u32 {
+            let tag = r.partition(q).tag;
+            if tag > 0 {
+                assert_eq!(r.descriptor(q), descs[tag as usize - 1]);
+                tagged += 1;
+            }
+        }
+        assert_eq!(tagged, descs.len());
         // Every key of a restored partition routes to the partition with the same descriptor.
         for k in &keys {
             let p = t.route(k).unwrap();
