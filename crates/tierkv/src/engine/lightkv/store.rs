@@ -1,12 +1,26 @@
-//! LightKV's write buffer store: the RH-Tree over PM write-buffer segments, with recovery
-//! by segment scan (§V) — the core the `lightkv` engine adds flush, linked PM leaves and
-//! compaction to (docs/design/lightkv.md). No SSTables yet: every record lives in the PWB.
+//! LightKV's store core: the RH-Tree over PM write-buffer segments, the flush of full leaves
+//! to SSTables with persistent leaf copies (Fig. 6), and recovery by segment scan (§V) — what
+//! the `lightkv` engine adds compaction, scans and background threads to
+//! (docs/design/lightkv.md).
 //!
 //! # PM layout (docs/format/lightkv.md)
 //! Pool 0: superblock at 64 (`TKVLIGHT`, version, segment size, crc), the segment-id counter
 //! at 128 (an 8-byte word bumped and persisted before an id is used, so ids are never
 //! reused even after segments are freed), the segment directory at 4096 (`SEG_SLOTS` slots
-//! of `addr u64 | id u64`; a slot is live when its id is non-zero), and the PM heap after it.
+//! of `addr u64 | id u64`; a slot is live when its id is non-zero), the chain directory
+//! (`CHAIN_SLOTS` 8-byte addresses of chain records, 0 = empty), and the PM heap after it.
+//!
+//! # Flush (Fig. 6)
+//! When a full top leaf cannot split, it is linked behind a fresh top leaf and flushed at
+//! once, by the writer (the engine will move this to a background thread): its records are
+//! sorted into an SSTable (fsynced, directory synced), the leaf is re-pointed at the table's
+//! entries (`1 << 63 | table << 32 | block << 12 | entry`) and copied to PM, then a new chain
+//! record (the partition's descriptor and its PM leaves, newest first) is written and
+//! committed by one 8-byte store into the partition's chain slot. Only then are the records'
+//! segments released. A crash before the commit leaves an orphan table (deleted at open) and
+//! unreferenced PM extents (the heap is rebuilt from what is referenced); the records are
+//! still in the write buffer. After it, recovery skips the partition's records at or below
+//! the newest leaf's `seq_hi`: each of them is in a table or superseded.
 //!
 //! # Write path
 //! One writer lock. A put routes its key to a partition, appends a record to the partition's
@@ -18,22 +32,27 @@
 //! cleared with an atomic store, then its extent returned to the heap).
 //!
 //! # Recovery
-//! Read the directory, verify each live segment's header, rebuild the heap from the live
-//! extents, scan every segment (a torn tail ends a segment; damage before valid records is
-//! `Corruption`), and re-index all records in sequence order. Segments left with no entry
-//! are freed.
+//! Read both directories; rebuild each chained partition from its descriptor
+//! ([`RhTree::ensure_partition`]) with its PM leaves; rebuild the heap from the live extents;
+//! scan every segment (a torn tail ends a segment; damage before valid records is
+//! `Corruption`) and re-index the records in sequence order, skipping those a flush covered.
+//! Segments left with no entry are freed; tables no leaf names are deleted.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashMap};
+use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use parking_lot::{Mutex, RwLock};
 
+use super::leaf::{decode_chain, decode_leaf, encode_chain, encode_leaf, leaf_len, Chain, LeafMeta, LEAF_HEADER};
 use super::pwb::{self, Kind};
 use crate::error::{Error, Result};
 use crate::format::crc;
+use crate::fs::Fs;
 use crate::index::rhtree::{Insert, KeySource, PartitionId, RhOptions, RhTree};
 use crate::pm::heap::{self, Heap};
 use crate::pm::Region;
+use crate::sstable::{block_entries, Table, TableBuilder};
 
 /// Superblock address.
 pub const SUPERBLOCK_ADDR: u64 = 64;
@@ -45,8 +64,31 @@ pub const DIR_ADDR: u64 = 4096;
 pub const SEG_SLOTS: u64 = 8192;
 /// Bytes per directory slot.
 pub const SLOT_LEN: u64 = 16;
+/// Chain directory address.
+pub const CHAIN_DIR_ADDR: u64 = DIR_ADDR + SEG_SLOTS * SLOT_LEN;
+/// Chain directory slots (most partitions with linked leaves).
+pub const CHAIN_SLOTS: u64 = 4096;
 /// First heap byte in pool 0.
-pub const HEAP_START: u64 = DIR_ADDR + SEG_SLOTS * SLOT_LEN;
+pub const HEAP_START: u64 = CHAIN_DIR_ADDR + CHAIN_SLOTS * 8;
+/// Offset-slot flag: the entry is in an SSTable (`table << 32 | block << 12 | entry`).
+pub const SST_FLAG: u64 = 1 << 63;
+const SST_BLOCK: usize = 4096;
+
+fn sst_off(table: u64, block: usize, entry: usize) -> u64 {
+    SST_FLAG | (table & 0x7fff_ffff) << 32 | (block as u64 & 0xf_ffff) << 12 | (entry as u64 & 0xfff)
+}
+
+fn split_sst(off: u64) -> (u64, usize, usize) {
+    ((off >> 32) & 0x7fff_ffff, ((off >> 12) & 0xf_ffff) as usize, (off & 0xfff) as usize)
+}
+
+fn table_path(dir: &Path, n: u64) -> PathBuf {
+    dir.join(format!("{n:06}.sst"))
+}
+
+fn line_round(n: u64) -> u64 {
+    n.div_ceil(64) * 64
+}
 const SB_MAGIC: &[u8; 8] = b"TKVLIGHT";
 const VERSION: u32 = 1;
 
@@ -96,6 +138,18 @@ struct State {
     active: std::collections::HashMap<PartitionId, u64>,
     free_slots: Vec<u64>,
     next_seq: u64,
+    /// Chained partitions by chain slot (a partition's `tag` is its slot + 1).
+    chains: HashMap<u64, ChainInfo>,
+    free_chain_slots: Vec<u64>,
+    next_table: u64,
+}
+
+#[derive(Debug, Clone)]
+struct ChainInfo {
+    /// The chain record's extent.
+    record: (u64, u64),
+    /// PM leaves, newest first: extent and what the leaf says of its table.
+    leaves: Vec<(u64, u64, LeafMeta)>,
 }
 
 /// Counters.
@@ -107,20 +161,36 @@ pub struct StoreStats {
     pub segments_freed: u64,
     /// Records scanned at the last recovery.
     pub recovered_records: u64,
+    /// Records recovery skipped because a flush had put them in a table.
+    pub recovered_skipped: u64,
+    /// Leaves flushed to SSTables.
+    pub flushes: u64,
 }
 
 /// The write buffer store.
-#[derive(Debug)]
 pub struct PwbStore {
     region: Arc<Region>,
+    fs: Arc<dyn Fs>,
+    dir: PathBuf,
+    tables: Mutex<HashMap<u64, Arc<Table>>>,
     heap: Mutex<Heap>,
     state: RwLock<State>,
     seg_size: u64,
     stats: Mutex<StoreStats>,
 }
 
-/// Reads keys of records straight from PM (records are verified when written or recovered).
-struct Keys<'a>(&'a Region);
+impl std::fmt::Debug for PwbStore {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("PwbStore").field("dir", &self.dir).field("seg_size", &self.seg_size).finish()
+    }
+}
+
+/// Reads keys from the write buffer (records are verified when written or recovered) or from
+/// SSTables (every block read is verified).
+struct Keys<'a> {
+    region: &'a Region,
+    store: Option<&'a PwbStore>,
+}
 
 fn record_header(r: &Region, addr: u64) -> Result<(Kind, usize, usize)> {
     let h = r.slice_checked(addr, pwb::RECORD_HEADER, "PWB record")?;
@@ -132,14 +202,28 @@ fn record_header(r: &Region, addr: u64) -> Result<(Kind, usize, usize)> {
 
 impl KeySource for Keys<'_> {
     fn key(&self, off: u64) -> Result<Vec<u8>> {
-        let (_, klen, _) = record_header(self.0, off)?;
-        Ok(self.0.slice_checked(off + pwb::RECORD_HEADER as u64, klen, "PWB record key")?.to_vec())
+        if off & SST_FLAG != 0 {
+            let s = self.store.ok_or_else(|| Error::Poisoned("table entry read without a store".into()))?;
+            return Ok(s.sst_entry(off)?.1);
+        }
+        let (_, klen, _) = record_header(self.region, off)?;
+        Ok(self.region.slice_checked(off + pwb::RECORD_HEADER as u64, klen, "PWB record key")?.to_vec())
     }
 }
 
+/// A PWB record read back: (sequence, kind, key, value).
+type PwbRecord = (u64, Kind, Vec<u8>, Vec<u8>);
+
 impl PwbStore {
-    /// Open the store in `region` (creating the layout when `create`).
-    pub fn open(region: Arc<Region>, create: bool, seg_size: u64, tree: RhOptions) -> Result<PwbStore> {
+    /// Open the store: PM layout in `region` (created when `create`), SSTables in `dir`.
+    pub fn open(
+        region: Arc<Region>,
+        fs: Arc<dyn Fs>,
+        dir: &Path,
+        create: bool,
+        seg_size: u64,
+        tree: RhOptions,
+    ) -> Result<PwbStore> {
         if create {
             let sb = encode_superblock(seg_size);
             // SAFETY: the layout area of a new store; nobody else uses the region yet.
@@ -148,6 +232,8 @@ impl PwbStore {
         }
         let sb = region.slice_checked(SUPERBLOCK_ADDR, 64, "lightkv superblock")?;
         let seg_size = decode_superblock(sb).map_err(|d| region.corruption(SUPERBLOCK_ADDR, d))?;
+        let mut used: Vec<(u64, u64)> = Vec::new();
+        // Segments.
         let mut segs = BTreeMap::new();
         let mut free_slots = Vec::new();
         for i in (0..SEG_SLOTS).rev() {
@@ -164,10 +250,54 @@ impl PwbStore {
                 Ok(_) => return Err(region.corruption(addr, "segment header does not match its directory slot")),
                 Err(d) => return Err(region.corruption(addr, d)),
             }
+            used.push((addr, seg_size));
             segs.insert(addr, Seg { slot: i, id, pos: 0, live: 0, active: false });
         }
-        let used: Vec<(u64, u64)> = segs.keys().map(|&a| (a, seg_size)).collect();
+        // Chained partitions: descriptor and PM leaves.
+        let mut t = RhTree::new(tree);
+        let mut chains = HashMap::new();
+        let mut free_chain_slots = Vec::new();
+        let mut referenced_tables = std::collections::BTreeSet::new();
+        for slot in (0..CHAIN_SLOTS).rev() {
+            let ra = region.load_u64_atomic(CHAIN_DIR_ADDR + slot * 8)?;
+            if ra == 0 {
+                free_chain_slots.push(slot);
+                continue;
+            }
+            let (chain, rlen) = read_chain(&region, ra)?;
+            used.push((ra, line_round(rlen as u64)));
+            let mut leaves = Vec::new();
+            let mut dram = Vec::new();
+            for &la in &chain.leaves {
+                let h = region.slice_checked(la, LEAF_HEADER, "PM leaf header")?;
+                let len = leaf_len(h).map_err(|d| region.corruption(la, d))?;
+                let b = region.slice_checked(la, len, "PM leaf")?;
+                let (leaf, meta) = decode_leaf(b).map_err(|d| region.corruption(la, d))?;
+                used.push((la, line_round(len as u64)));
+                referenced_tables.insert(meta.table);
+                leaves.push((la, len as u64, meta));
+                dram.push(leaf);
+            }
+            let q = t.ensure_partition(&chain.desc).map_err(|d| region.corruption(ra, d))?;
+            let part = t.partition_mut(q);
+            part.chain = dram;
+            part.tag = slot + 1;
+            chains.insert(slot, ChainInfo { record: (ra, rlen as u64), leaves });
+        }
         let heap = heap::rebuild(&region, HEAP_START, used)?;
+        // Tables: delete those no leaf names (a crash hit a flush before its commit).
+        let mut next_table = referenced_tables.iter().next_back().map_or(1, |n| n + 1);
+        if create {
+            fs.create_dir_all(dir)?;
+        }
+        for name in fs.list(dir)? {
+            if let Some(n) = name.strip_suffix(".sst").and_then(|n| n.parse::<u64>().ok()) {
+                next_table = next_table.max(n + 1);
+                if !referenced_tables.contains(&n) {
+                    fs.remove(&dir.join(&name))?;
+                }
+            }
+        }
         // Replay every record in sequence order.
         let mut recs: Vec<(u64, u64, Vec<u8>)> = Vec::new();
         for (&addr, seg) in segs.iter_mut() {
@@ -180,20 +310,42 @@ impl PwbStore {
         }
         recs.sort_unstable_by_key(|r| r.0);
         let next_seq = recs.last().map_or(1, |r| r.0 + 1);
-        let mut st = State { tree: RhTree::new(tree), segs, active: Default::default(), free_slots, next_seq };
-        let n = recs.len() as u64;
-        for (_, addr, key) in recs {
-            Self::index(&region, &mut st, &key, addr)?;
-        }
+        let st = State {
+            tree: t,
+            segs,
+            active: Default::default(),
+            free_slots,
+            next_seq,
+            chains,
+            free_chain_slots,
+            next_table,
+        };
         let s = PwbStore {
             region,
+            fs,
+            dir: dir.to_path_buf(),
+            tables: Mutex::new(HashMap::new()),
             heap: Mutex::new(heap),
             state: RwLock::new(st),
             seg_size,
-            stats: Mutex::new(StoreStats { recovered_records: n, ..StoreStats::default() }),
+            stats: Mutex::new(StoreStats { recovered_records: recs.len() as u64, ..StoreStats::default() }),
         };
         {
             let mut st = s.state.write();
+            let mut skipped = 0;
+            for (seq, addr, key) in recs {
+                let covered = st.tree.route(&key).is_some_and(|p| {
+                    let tag = st.tree.partition(p).tag;
+                    tag > 0
+                        && st.chains.get(&(tag - 1)).and_then(|c| c.leaves.first()).is_some_and(|l| seq <= l.2.seq_hi)
+                });
+                if covered {
+                    skipped += 1;
+                    continue;
+                }
+                s.index(&mut st, &key, addr)?;
+            }
+            s.stats.lock().recovered_skipped = skipped;
             let dead: Vec<u64> = st.segs.iter().filter(|(_, g)| g.live == 0).map(|(&a, _)| a).collect();
             for a in dead {
                 s.free_segment(&mut st, a)?;
@@ -202,20 +354,65 @@ impl PwbStore {
         Ok(s)
     }
 
+    fn keys(&self) -> Keys<'_> {
+        Keys { region: &self.region, store: Some(self) }
+    }
+
+    fn table(&self, n: u64) -> Result<Arc<Table>> {
+        if let Some(t) = self.tables.lock().get(&n) {
+            return Ok(t.clone());
+        }
+        let t = Table::open(self.fs.as_ref(), &table_path(&self.dir, n))?;
+        self.tables.lock().insert(n, t.clone());
+        Ok(t)
+    }
+
+    /// The entry an SSTable offset slot names: (kind, key, value).
+    fn sst_entry(&self, off: u64) -> Result<(Kind, Vec<u8>, Vec<u8>)> {
+        let (n, block, entry) = split_sst(off);
+        let t = self.table(n)?;
+        let bad = |d: &str| Error::corruption(t.path(), 0, format!("RH-Tree entry {off:#x}: {d}"));
+        let h = t.index().get(block).map(|x| x.1).ok_or_else(|| bad("no such block"))?;
+        let payload = t.read_block(h)?;
+        let e = block_entries(&payload)
+            .nth(entry)
+            .ok_or_else(|| bad("no such entry"))?
+            .map_err(|d| Error::corruption(t.path(), h.offset, d))?;
+        let kind = match e.kind {
+            crate::sstable::Kind::Put => Kind::Put,
+            crate::sstable::Kind::Delete => Kind::Delete,
+        };
+        Ok((kind, e.key.to_vec(), e.value.to_vec()))
+    }
+
+    fn pwb_record(&self, addr: u64) -> Result<PwbRecord> {
+        let (kind, klen, vlen) = record_header(&self.region, addr)?;
+        let h = self.region.slice_checked(addr, pwb::RECORD_HEADER, "PWB record")?;
+        let mut sq = [0u8; 8];
+        sq.copy_from_slice(&h[8..16]);
+        let body = self.region.slice_checked(addr + pwb::RECORD_HEADER as u64, klen + vlen, "PWB record body")?;
+        Ok((u64::from_le_bytes(sq), kind, body[..klen].to_vec(), body[klen..].to_vec()))
+    }
+
     fn seg_of(st: &State, addr: u64) -> Option<u64> {
         st.segs.range(..=addr).next_back().map(|(&a, _)| a)
     }
 
-    /// Index the record at `addr` for `key`; keeps segment entry counts.
-    fn index(region: &Region, st: &mut State, key: &[u8], addr: u64) -> Result<()> {
-        let keys = Keys(region);
+    /// Index the record at `addr` for `key`, keeping segment entry counts; a full leaf that
+    /// cannot split is linked behind a fresh one and flushed.
+    fn index(&self, st: &mut State, key: &[u8], addr: u64) -> Result<()> {
         loop {
-            match st.tree.insert(key, addr, &keys)? {
-                Insert::Full(p) => st.tree.link(p),
+            match st.tree.insert(key, addr, &self.keys())? {
+                Insert::Full(p) => {
+                    st.tree.link(p);
+                    self.flush_chain_head(st, p)?;
+                }
                 Insert::Inserted(_) => break,
                 Insert::Updated(_, old) => {
-                    if let Some(g) = Self::seg_of(st, old).and_then(|a| st.segs.get_mut(&a)) {
-                        g.live = g.live.saturating_sub(1);
+                    if old & SST_FLAG == 0 {
+                        if let Some(g) = Self::seg_of(st, old).and_then(|a| st.segs.get_mut(&a)) {
+                            g.live = g.live.saturating_sub(1);
+                        }
                     }
                     break;
                 }
@@ -224,6 +421,107 @@ impl PwbStore {
         if let Some(g) = Self::seg_of(st, addr).and_then(|a| st.segs.get_mut(&a)) {
             g.live += 1;
         }
+        Ok(())
+    }
+
+    fn alloc(&self, len: u64) -> Result<u64> {
+        heap::alloc_or_grow(&mut self.heap.lock(), &self.region, len)
+    }
+
+    /// Write `bytes` to a new PM extent and persist them.
+    fn put_extent(&self, bytes: &[u8]) -> Result<u64> {
+        let a = self.alloc(bytes.len() as u64)?;
+        // SAFETY: a freshly allocated extent nobody else refers to yet.
+        unsafe { self.region.write(a, bytes)? };
+        self.region.persist(a, bytes.len() as u64);
+        Ok(a)
+    }
+
+    /// Flush partition `p`'s newest linked leaf (its write-buffer records) to an SSTable,
+    /// copy the leaf to PM pointing at the table, and commit a new chain record.
+    fn flush_chain_head(&self, st: &mut State, p: PartitionId) -> Result<()> {
+        let leaf = st
+            .tree
+            .partition(p)
+            .chain
+            .first()
+            .cloned()
+            .ok_or_else(|| Error::Poisoned("flush of an empty chain".into()))?;
+        let mut recs: Vec<(u64, PwbRecord)> = Vec::with_capacity(leaf.live());
+        for off in leaf.offsets() {
+            if off & SST_FLAG != 0 {
+                return Err(Error::Poisoned("a linked leaf being flushed already points at a table".into()));
+            }
+            recs.push((off, self.pwb_record(off)?));
+        }
+        recs.sort_by(|a, b| a.1 .2.cmp(&b.1 .2));
+        let n = st.next_table;
+        st.next_table += 1;
+        let path = table_path(&self.dir, n);
+        let mut b = TableBuilder::create(self.fs.as_ref(), &path, SST_BLOCK, 0)?;
+        for (_, (_, kind, k, v)) in &recs {
+            let kind = match kind {
+                Kind::Put => crate::sstable::Kind::Put,
+                Kind::Delete => crate::sstable::Kind::Delete,
+            };
+            b.add(kind, k, v)?;
+        }
+        b.finish()?;
+        self.fs.sync_dir(&self.dir)?;
+        let table = self.table(n)?;
+        let mut loc: HashMap<Vec<u8>, u64> = HashMap::with_capacity(recs.len());
+        for (bi, (_, h)) in table.index().iter().enumerate() {
+            let payload = table.read_block(*h)?;
+            for (ei, e) in block_entries(&payload).enumerate() {
+                let e = e.map_err(|d| Error::corruption(table.path(), h.offset, d))?;
+                loc.insert(e.key.to_vec(), sst_off(n, bi, ei));
+            }
+        }
+        let by_addr: HashMap<u64, u64> = recs.iter().filter_map(|(a, r)| loc.get(&r.2).map(|&o| (*a, o))).collect();
+        if by_addr.len() != recs.len() {
+            return Err(Error::corruption(&path, 0, "a flushed key is missing from its new table"));
+        }
+        let mut pm_leaf = leaf.clone();
+        pm_leaf.remap(|old| by_addr.get(&old).copied().unwrap_or(old));
+        let meta = LeafMeta { table: n, cw: 0, seq_hi: recs.iter().map(|r| r.1 .0).max().unwrap_or(0) };
+        let lb = encode_leaf(&pm_leaf, st.tree.options().leaf_buckets, meta);
+        let la = self.put_extent(&lb)?;
+        let tag = st.tree.partition(p).tag;
+        let (slot, mut leaves) = match tag.checked_sub(1).and_then(|s| st.chains.get(&s).map(|c| (s, c.leaves.clone())))
+        {
+            Some(x) => x,
+            None => {
+                let s = st
+                    .free_chain_slots
+                    .pop()
+                    .ok_or_else(|| Error::PmFull(format!("all {CHAIN_SLOTS} chain slots are in use")))?;
+                (s, Vec::new())
+            }
+        };
+        leaves.insert(0, (la, lb.len() as u64, meta));
+        let chain = Chain { desc: st.tree.descriptor(p), leaves: leaves.iter().map(|l| l.0).collect() };
+        let rb = encode_chain(&chain);
+        let ra = self.put_extent(&rb)?;
+        // Commit.
+        let sa = CHAIN_DIR_ADDR + slot * 8;
+        self.region.store_u64_atomic(sa, ra)?;
+        self.region.persist(sa, 8);
+        if let Some(old) = st.chains.insert(slot, ChainInfo { record: (ra, rb.len() as u64), leaves }) {
+            self.heap.lock().free(old.record.0, line_round(old.record.1));
+        }
+        let part = st.tree.partition_mut(p);
+        part.tag = slot + 1;
+        part.chain[0] = pm_leaf;
+        for (a, _) in &recs {
+            if let Some(g) = Self::seg_of(st, *a).and_then(|x| st.segs.get_mut(&x)) {
+                g.live = g.live.saturating_sub(1);
+            }
+        }
+        let dead: Vec<u64> = st.segs.iter().filter(|(_, g)| g.live == 0 && !g.active).map(|(&a, _)| a).collect();
+        for a in dead {
+            self.free_segment(st, a)?;
+        }
+        self.stats.lock().flushes += 1;
         Ok(())
     }
 
@@ -243,7 +541,7 @@ impl PwbStore {
             .free_slots
             .pop()
             .ok_or_else(|| Error::PmFull(format!("all {SEG_SLOTS} PWB segment slots are in use")))?;
-        let addr = match heap::alloc_or_grow(&mut self.heap.lock(), &self.region, self.seg_size) {
+        let addr = match self.alloc(self.seg_size) {
             Ok(a) => a,
             Err(e) => {
                 st.free_slots.push(slot);
@@ -256,11 +554,7 @@ impl PwbStore {
         let h = pwb::encode_header(id, self.seg_size);
         // SAFETY: a freshly allocated extent; only this writer (under the state lock) uses it.
         unsafe { self.region.write(addr, &h)? };
-        // The first record position must not hold a record of this id: clear it, so a stale
-        // record of an extent's earlier life (another id) is all that can be there.
-        // SAFETY: as above.
-        unsafe { self.region.write(addr + pwb::HEADER_LEN as u64, &[0u8; 8])? };
-        self.region.persist(addr, pwb::HEADER_LEN as u64 + 8);
+        self.region.persist(addr, pwb::HEADER_LEN as u64);
         let sa = DIR_ADDR + slot * SLOT_LEN;
         self.region.store_u64_atomic(sa, addr)?;
         self.region.persist(sa, 8);
@@ -313,7 +607,7 @@ impl PwbStore {
         if let Some(g) = st.segs.get_mut(&seg) {
             g.pos += rec.len() as u64;
         }
-        Self::index(&self.region, &mut st, key, addr)?;
+        self.index(&mut st, key, addr)?;
         // A segment whose last entry was just superseded, and that takes no more writes, goes.
         let dead: Vec<u64> = st.segs.iter().filter(|(_, g)| g.live == 0 && !g.active).map(|(&a, _)| a).collect();
         for a in dead {
@@ -325,13 +619,15 @@ impl PwbStore {
     /// The newest value of `key` (`None` if absent or deleted).
     pub fn get(&self, key: &[u8]) -> Result<Option<Vec<u8>>> {
         let st = self.state.read();
-        let Some((_, addr)) = st.tree.get(key, &Keys(&self.region))? else { return Ok(None) };
-        let (kind, klen, vlen) = record_header(&self.region, addr)?;
-        if kind == Kind::Delete {
-            return Ok(None);
-        }
-        let at = addr + (pwb::RECORD_HEADER + klen) as u64;
-        Ok(Some(self.region.slice_checked(at, vlen, "PWB record value")?.to_vec()))
+        let Some((_, off)) = st.tree.get(key, &self.keys())? else { return Ok(None) };
+        let (kind, value) = if off & SST_FLAG != 0 {
+            let (kind, _, v) = self.sst_entry(off)?;
+            (kind, v)
+        } else {
+            let (_, kind, _, v) = self.pwb_record(off)?;
+            (kind, v)
+        };
+        Ok((kind == Kind::Put).then_some(value))
     }
 
     /// Every live key and value, sorted (tests and checks; not the scan path).
@@ -342,7 +638,7 @@ impl PwbStore {
             let part = st.tree.partition(p);
             for leaf in std::iter::once(&part.top).chain(part.chain.iter()) {
                 for off in leaf.offsets() {
-                    keys.insert(Keys(&self.region).key(off)?);
+                    keys.insert(self.keys().key(off)?);
                 }
             }
         }
@@ -364,12 +660,29 @@ impl PwbStore {
     }
 }
 
+/// Read the chain record at `addr`: the record and its length.
+fn read_chain(region: &Region, addr: u64) -> Result<(Chain, usize)> {
+    let head = region.slice_checked(addr, 17, "chain record")?;
+    let (plen, vlen) =
+        (u16::from_le_bytes([head[13], head[14]]) as usize, u16::from_le_bytes([head[15], head[16]]) as usize);
+    let at = 17 + plen + vlen;
+    let nb = region.slice_checked(addr + at as u64, 4, "chain record")?;
+    let n = u32::from_le_bytes([nb[0], nb[1], nb[2], nb[3]]) as usize;
+    if n > 1 << 20 {
+        return Err(region.corruption(addr, format!("chain record claims {n} leaves")));
+    }
+    let len = at + 4 + 8 * n + 4;
+    let b = region.slice_checked(addr, len, "chain record")?;
+    decode_chain(b).map_err(|d| region.corruption(addr, d))
+}
+
 #[cfg(test)]
 mod tests {
     #![allow(clippy::unwrap_used)]
     use std::collections::BTreeMap;
 
     use super::*;
+    use crate::fs::FaultFs;
     use crate::pm::sim::SimDevice;
     use crate::pm::{Backing, RegionConfig};
 
@@ -390,9 +703,18 @@ mod tests {
     }
 
     /// Small leaves that split often, and room for every partition the workloads need (no
-    /// linked leaves: those arrive with the flush, which is not built yet).
+    /// linked leaves, so no flush).
     fn small() -> RhOptions {
         RhOptions { leaf_buckets: 4, t_normal: 4, max_leaf_nodes: 4096 }
+    }
+
+    /// Small leaves and few partitions: full leaves are linked and flushed to SSTables.
+    fn flushing() -> RhOptions {
+        RhOptions { leaf_buckets: 4, t_normal: 4, max_leaf_nodes: 6 }
+    }
+
+    fn open(dev: &SimDevice, fs: &FaultFs, create: bool, o: RhOptions) -> Result<PwbStore> {
+        PwbStore::open(region(dev, create), Arc::new(fs.clone()), Path::new("/t"), create, 8192, o)
     }
 
     type Model = BTreeMap<Vec<u8>, Vec<u8>>;
@@ -423,7 +745,8 @@ mod tests {
     #[test]
     fn writes_read_back_and_survive_reopen_with_segments_recycled() {
         let dev = SimDevice::new();
-        let s = PwbStore::open(region(&dev, true), true, 8192, small()).unwrap();
+        let fs = FaultFs::new();
+        let s = open(&dev, &fs, true, small()).unwrap();
         let mut m = Model::new();
         for i in 0..3000 {
             step(&s, &mut m, i).unwrap();
@@ -432,22 +755,51 @@ mod tests {
         let st = s.stats();
         assert!(st.segments_freed > 10, "overwrites free whole segments: {st:?}");
         drop(s);
-        let s = PwbStore::open(region(&dev, false), false, 8192, small()).unwrap();
+        let s = open(&dev, &fs, false, small()).unwrap();
         assert_eq!(s.dump().unwrap(), m.into_iter().collect::<Vec<_>>());
         assert!(s.stats().recovered_records > 0);
     }
 
     #[test]
-    fn a_crash_at_every_persist_point_keeps_every_acknowledged_write() {
+    fn full_leaves_are_flushed_to_tables_and_recovery_skips_what_they_cover() {
+        let dev = SimDevice::new();
+        let fs = FaultFs::new();
+        let s = open(&dev, &fs, true, flushing()).unwrap();
+        let mut m = Model::new();
+        for i in 0..3000 {
+            step(&s, &mut m, i).unwrap();
+        }
+        let st = s.stats();
+        assert!(st.flushes > 20, "{st:?}");
+        assert!(st.segments_freed > 10, "flushed records release their segments: {st:?}");
+        let tables = fs.list(Path::new("/t")).unwrap().iter().filter(|n| n.ends_with(".sst")).count();
+        assert_eq!(tables as u64, st.flushes, "one table per flush");
+        assert_eq!(s.dump().unwrap(), m.clone().into_iter().collect::<Vec<_>>());
+        drop(s);
+        let s = open(&dev, &fs, false, flushing()).unwrap();
+        let st = s.stats();
+        assert!(st.recovered_skipped > 0 || st.recovered_records == 0, "{st:?}");
+        assert_eq!(s.dump().unwrap(), m.clone().into_iter().collect::<Vec<_>>());
+        // More writes after recovery flush into the restored chains.
+        for i in 3000..4000 {
+            step(&s, &mut m, i).unwrap();
+        }
+        assert!(s.stats().flushes > 0);
+        assert_eq!(s.dump().unwrap(), m.into_iter().collect::<Vec<_>>());
+    }
+
+    fn crash_points(o: RhOptions, steps: u32, stride: usize) -> usize {
         let mut points = 0;
-        for n in (1..6000u64).step_by(5) {
+        for n in (1..100_000u64).step_by(stride) {
             let dev = SimDevice::new();
-            let s = PwbStore::open(region(&dev, true), true, 4096, small()).unwrap();
-            let fences_at_open = dev.fences();
-            dev.crash_before_fence(fences_at_open + n);
+            let fs = FaultFs::new();
+            let s = open(&dev, &fs, true, o).unwrap();
+            let f2 = fs.clone();
+            dev.on_freeze(move || f2.freeze());
+            dev.crash_before_fence(dev.fences() + n);
             let mut m = Model::new();
             let mut pending = None;
-            for i in 0..1200 {
+            for i in 0..steps {
                 let mut next = m.clone();
                 if step(&s, &mut next, i).is_err() || dev.crashed() {
                     pending = Some(next);
@@ -461,8 +813,8 @@ mod tests {
             drop(s);
             points += 1;
             let dev2 = dev.simulate_crash(n, 0.5);
-            let s = PwbStore::open(region(&dev2, false), false, 4096, small())
-                .unwrap_or_else(|e| panic!("crash point {n}: reopen failed: {e}"));
+            let fs2 = fs.crash();
+            let s = open(&dev2, &fs2, false, o).unwrap_or_else(|e| panic!("crash point {n}: reopen failed: {e}"));
             let got: Model = s.dump().unwrap().into_iter().collect();
             let ok = got == m || pending.as_ref().is_some_and(|p| &got == p);
             assert!(ok, "crash point {n}: state is not the acknowledged writes");
@@ -470,7 +822,20 @@ mod tests {
             s.write(Kind::Put, b"after", b"crash").unwrap();
             assert_eq!(s.get(b"after").unwrap().as_deref(), Some(&b"crash"[..]));
         }
+        points
+    }
+
+    #[test]
+    fn a_crash_at_every_persist_point_keeps_every_acknowledged_write() {
+        let points = crash_points(small(), 1200, 5);
         assert!(points > 200, "{points}");
-        eprintln!("{points} crash points");
+        eprintln!("write buffer only: {points} crash points");
+    }
+
+    #[test]
+    fn a_crash_at_every_persist_point_of_flushes_keeps_every_acknowledged_write() {
+        let points = crash_points(flushing(), 700, 3);
+        assert!(points > 200, "{points}");
+        eprintln!("with flushes: {points} crash points");
     }
 }
