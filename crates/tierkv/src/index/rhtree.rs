@@ -204,6 +204,25 @@ impl Leaf {
         self.depth
     }
 
+    /// Normal buckets (the extra area is derived from it).
+    pub fn normal(&self) -> usize {
+        self.normal
+    }
+
+    /// Add `key` at `off` to a leaf being built (a compaction's output leaf): no lookup of
+    /// an existing entry. Returns false when the key's buckets and the extra area are full.
+    pub fn add_new(&mut self, key: &[u8], off: u64) -> bool {
+        let h = hashes(key, self.normal);
+        match self.free_slot(&h) {
+            Some(pos) => {
+                let (cache, clen) = cache_of(key, self.depth);
+                self.place(pos, h.sig29 << 3 | clen, cache, off);
+                true
+            }
+            None => false,
+        }
+    }
+
     /// Offsets of every live entry.
     pub fn offsets(&self) -> impl Iterator<Item = u64> + '_ {
         self.buckets.iter().flat_map(|b| (0..SLOTS).filter(|&s| live(b.sig[s])).map(move |s| b.off[s]))

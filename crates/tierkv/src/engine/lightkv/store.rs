@@ -165,6 +165,14 @@ pub struct StoreStats {
     pub recovered_skipped: u64,
     /// Leaves flushed to SSTables.
     pub flushes: u64,
+    /// Bytes of tables written by flushes.
+    pub flush_bytes: u64,
+    /// Partition compactions.
+    pub compactions: u64,
+    /// Bytes of tables written by compactions.
+    pub compaction_bytes: u64,
+    /// Table entries compactions dropped (superseded versions, tombstones at the bottom).
+    pub compaction_dropped: u64,
 }
 
 /// The write buffer store.
@@ -176,6 +184,8 @@ pub struct PwbStore {
     heap: Mutex<Heap>,
     state: RwLock<State>,
     seg_size: u64,
+    /// Compaction size CS: leaves of equal compaction weight merged at once (§III-F).
+    compaction_size: usize,
     stats: Mutex<StoreStats>,
 }
 
@@ -223,6 +233,7 @@ impl PwbStore {
         create: bool,
         seg_size: u64,
         tree: RhOptions,
+        compaction_size: usize,
     ) -> Result<PwbStore> {
         if create {
             let sb = encode_superblock(seg_size);
@@ -328,6 +339,7 @@ impl PwbStore {
             heap: Mutex::new(heap),
             state: RwLock::new(st),
             seg_size,
+            compaction_size: compaction_size.max(2),
             stats: Mutex::new(StoreStats { recovered_records: recs.len() as u64, ..StoreStats::default() }),
         };
         {
@@ -521,8 +533,101 @@ impl PwbStore {
         for a in dead {
             self.free_segment(st, a)?;
         }
-        self.stats.lock().flushes += 1;
+        {
+            let mut c = self.stats.lock();
+            c.flushes += 1;
+            c.flush_bytes += table.size();
+        }
+        // §III-F: CS leaves of equal compaction weight at the head of the chain merge into
+        // one of weight + 1, and that may complete a run one weight up.
+        while self.compact_head(st, p, slot)? {}
         Ok(())
+    }
+
+    /// Merge the chain's `CS` newest leaves if they have equal compaction weight. Weights
+    /// ascend along a chain (every new leaf has weight 0 and a merge replaces a run at the
+    /// head), so equal-weight runs always start at the head. Returns whether it merged.
+    fn compact_head(&self, st: &mut State, p: PartitionId, slot: u64) -> Result<bool> {
+        let cs = self.compaction_size;
+        let Some(info) = st.chains.get(&slot).cloned() else { return Ok(false) };
+        if info.leaves.len() < cs || info.leaves[..cs].iter().any(|l| l.2.cw != info.leaves[0].2.cw) {
+            return Ok(false);
+        }
+        let inputs = &info.leaves[..cs];
+        let bottom = info.leaves.len() == cs;
+        // Newest version of each key across the inputs (newest input first).
+        let mut merged: BTreeMap<Vec<u8>, (crate::sstable::Kind, Vec<u8>)> = BTreeMap::new();
+        let mut seen = 0u64;
+        for l in inputs {
+            let t = self.table(l.2.table)?;
+            t.for_each(|e, _| {
+                seen += 1;
+                merged.entry(e.key.to_vec()).or_insert_with(|| (e.kind, e.value.to_vec()));
+                Ok(())
+            })?;
+        }
+        if bottom {
+            // Nothing older in this partition: tombstones have nothing left to hide.
+            merged.retain(|_, (k, _)| *k == crate::sstable::Kind::Put);
+        }
+        let n = st.next_table;
+        st.next_table += 1;
+        let path = table_path(&self.dir, n);
+        let mut b = TableBuilder::create(self.fs.as_ref(), &path, SST_BLOCK, 0)?;
+        for (k, (kind, v)) in &merged {
+            b.add(*kind, k, v)?;
+        }
+        b.finish()?;
+        self.fs.sync_dir(&self.dir)?;
+        let table = self.table(n)?;
+        // The output leaf: as many normal buckets as the inputs together (doubled until every
+        // key fits), entries pointing at the new table.
+        let depth = st.tree.partition(p).top.depth();
+        let mut normal: usize = st.tree.partition(p).chain[..cs].iter().map(|l| l.normal()).sum();
+        let mut offs = Vec::with_capacity(merged.len());
+        for (bi, (_, h)) in table.index().iter().enumerate() {
+            let payload = table.read_block(*h)?;
+            for (ei, e) in block_entries(&payload).enumerate() {
+                let e = e.map_err(|d| Error::corruption(table.path(), h.offset, d))?;
+                offs.push((e.key.to_vec(), sst_off(n, bi, ei)));
+            }
+        }
+        let leaf = loop {
+            let mut l = crate::index::rhtree::Leaf::new(normal, depth);
+            if offs.iter().all(|(k, o)| l.add_new(k, *o)) {
+                break l;
+            }
+            normal *= 2;
+        };
+        let meta = LeafMeta { table: n, cw: inputs[0].2.cw + 1, seq_hi: inputs[0].2.seq_hi };
+        let lb = encode_leaf(&leaf, leaf.normal(), meta);
+        let la = self.put_extent(&lb)?;
+        let mut leaves = vec![(la, lb.len() as u64, meta)];
+        leaves.extend_from_slice(&info.leaves[cs..]);
+        let rb = encode_chain(&Chain { desc: st.tree.descriptor(p), leaves: leaves.iter().map(|l| l.0).collect() });
+        let ra = self.put_extent(&rb)?;
+        // Commit.
+        let sa = CHAIN_DIR_ADDR + slot * 8;
+        self.region.store_u64_atomic(sa, ra)?;
+        self.region.persist(sa, 8);
+        {
+            let mut h = self.heap.lock();
+            h.free(info.record.0, line_round(info.record.1));
+            for l in inputs {
+                h.free(l.0, line_round(l.1));
+            }
+        }
+        st.chains.insert(slot, ChainInfo { record: (ra, rb.len() as u64), leaves });
+        st.tree.partition_mut(p).chain.splice(..cs, [leaf]);
+        for l in inputs {
+            self.tables.lock().remove(&l.2.table);
+            self.fs.remove(&table_path(&self.dir, l.2.table))?;
+        }
+        let mut c = self.stats.lock();
+        c.compactions += 1;
+        c.compaction_bytes += table.size();
+        c.compaction_dropped += seen - merged.len() as u64;
+        Ok(true)
     }
 
     fn free_segment(&self, st: &mut State, addr: u64) -> Result<()> {
@@ -714,7 +819,7 @@ mod tests {
     }
 
     fn open(dev: &SimDevice, fs: &FaultFs, create: bool, o: RhOptions) -> Result<PwbStore> {
-        PwbStore::open(region(dev, create), Arc::new(fs.clone()), Path::new("/t"), create, 8192, o)
+        PwbStore::open(region(dev, create), Arc::new(fs.clone()), Path::new("/t"), create, 8192, o, 4)
     }
 
     type Model = BTreeMap<Vec<u8>, Vec<u8>>;
@@ -773,7 +878,8 @@ mod tests {
         assert!(st.flushes > 20, "{st:?}");
         assert!(st.segments_freed > 10, "flushed records release their segments: {st:?}");
         let tables = fs.list(Path::new("/t")).unwrap().iter().filter(|n| n.ends_with(".sst")).count();
-        assert_eq!(tables as u64, st.flushes, "one table per flush");
+        let named: usize = s.state.read().chains.values().map(|c| c.leaves.len()).sum();
+        assert_eq!(tables, named, "every table is named by a PM leaf, and only those remain");
         assert_eq!(s.dump().unwrap(), m.clone().into_iter().collect::<Vec<_>>());
         drop(s);
         let s = open(&dev, &fs, false, flushing()).unwrap();
@@ -786,6 +892,80 @@ mod tests {
         }
         assert!(s.stats().flushes > 0);
         assert_eq!(s.dump().unwrap(), m.into_iter().collect::<Vec<_>>());
+    }
+
+    #[test]
+    fn partition_compaction_merges_runs_of_equal_weight_and_bounds_write_amplification() {
+        let dev = SimDevice::new();
+        let fs = FaultFs::new();
+        let s = open(&dev, &fs, true, flushing()).unwrap();
+        let mut m = Model::new();
+        for i in 0..6000 {
+            step(&s, &mut m, i).unwrap();
+        }
+        let st = s.stats();
+        assert!(st.compactions > 5, "{st:?}");
+        assert!(st.compaction_dropped > 0, "superseded versions are dropped: {st:?}");
+        // Every chain is a base-CS counter: weights ascend, fewer than CS leaves per weight.
+        {
+            let g = s.state.read();
+            for c in g.chains.values() {
+                let w: Vec<u32> = c.leaves.iter().map(|l| l.2.cw).collect();
+                assert!(w.windows(2).all(|x| x[0] <= x[1]), "weights ascend: {w:?}");
+                for x in 0..=w.iter().copied().max().unwrap_or(0) {
+                    assert!(w.iter().filter(|&&y| y == x).count() < 4, "a full run was left unmerged: {w:?}");
+                }
+            }
+        }
+        // Only the tables the chains name are left.
+        let tables = fs.list(Path::new("/t")).unwrap().iter().filter(|n| n.ends_with(".sst")).count();
+        let named: usize = s.state.read().chains.values().map(|c| c.leaves.len()).sum();
+        assert_eq!(tables, named);
+        let wa = (st.flush_bytes + st.compaction_bytes) as f64 / st.flush_bytes as f64;
+        let per_partition = st.flushes as f64 / 6.0;
+        let bound = per_partition.log(4.0) + 1.0;
+        eprintln!("table write amplification {wa:.2} (log_4(N) + 1 = {bound:.2}, N = {per_partition:.1} flushes per partition)");
+        assert!(wa <= bound + 0.5, "WA {wa:.2} above log_CS(N) + 1 = {bound:.2}");
+        assert_eq!(s.dump().unwrap(), m.clone().into_iter().collect::<Vec<_>>());
+        drop(s);
+        let s = open(&dev, &fs, false, flushing()).unwrap();
+        assert_eq!(s.dump().unwrap(), m.into_iter().collect::<Vec<_>>());
+    }
+
+    #[test]
+    fn write_amplification_on_a_growing_load_follows_log_cs_n_plus_one() {
+        // New keys only (nothing is superseded): every flushed byte is rewritten once per
+        // compaction level it climbs, so WA = (flush + compaction bytes) / flush bytes is
+        // close to log_CS(N) + 1 for N flushes per partition.
+        let dev = SimDevice::new();
+        let fs = FaultFs::new();
+        let o = RhOptions { leaf_buckets: 4, t_normal: 4, max_leaf_nodes: 2 };
+        let s = PwbStore::open(region(&dev, true), Arc::new(fs.clone()), Path::new("/t"), true, 8192, o, 4).unwrap();
+        for i in 0..5000u32 {
+            let k = format!("{:08x}", i.wrapping_mul(2_654_435_761));
+            s.write(Kind::Put, k.as_bytes(), &[7u8; 60]).unwrap();
+        }
+        let st = s.stats();
+        let n = st.flushes as f64 / s.state.read().tree.partition_count() as f64;
+        let wa = (st.flush_bytes + st.compaction_bytes) as f64 / st.flush_bytes as f64;
+        let bound = n.log(4.0) + 1.0;
+        eprintln!(
+            "growing load: {} flushes, {} compactions, N = {n:.1} per partition, WA {wa:.2}, log_4(N) + 1 = {bound:.2}",
+            st.flushes, st.compactions
+        );
+        assert!(wa <= bound + 0.05 && wa >= bound - 1.0, "WA {wa:.2} vs log_4(N) + 1 = {bound:.2}");
+    }
+
+    #[test]
+    fn the_flush_crash_workload_compacts() {
+        let dev = SimDevice::new();
+        let fs = FaultFs::new();
+        let s = open(&dev, &fs, true, flushing()).unwrap();
+        let mut m = Model::new();
+        for i in 0..700 {
+            step(&s, &mut m, i).unwrap();
+        }
+        assert!(s.stats().compactions > 0, "{:?}", s.stats());
     }
 
     fn crash_points(o: RhOptions, steps: u32, stride: usize) -> usize {
