@@ -344,6 +344,12 @@ pub fn keynode_decode(b: &[u8]) -> Result<NodeEntries, String> {
     if stored != crc::masked(body) {
         return Err("KeyNode checksum mismatch".into());
     }
+    // Each entry takes at least 14 bytes (klen, addr, len): a count the body cannot hold is
+    // refused before anything is allocated for it (fuzzing found a checksummed count of
+    // 2^31 that made the decoder ask for 34 GB).
+    if count > body.len() / 14 {
+        return Err(format!("KeyNode claims {count} entries in {} bytes", body.len()));
+    }
     let mut out = Vec::with_capacity(count);
     for _ in 0..count {
         let kl = c.u16().ok_or("KeyNode entry truncated")? as usize;
