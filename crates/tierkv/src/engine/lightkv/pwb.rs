@@ -8,12 +8,15 @@
 //!
 //! ```text
 //! header: magic "TKVLKSEG" | version u32 = 1 | segment id u64 | size u64 | crc u32 (of bytes 0..28)
-//! record: crc u32 | len u32 | seq u64 | kind u8 | klen u16 | vlen u32 | key | value | pad to 8
+//! record: crc u32 | len u32 | seq u64 | count u32 | entry × count | pad to 8
+//! entry:  kind u8 | klen u16 | vlen u32 | key | value
 //! ```
 //!
-//! `len` counts the bytes after the `len` field (seq .. value, unpadded). The record crc covers
-//! the segment id and `len .. value`, so a record left behind by an earlier segment in a
-//! reused extent never verifies as one of this segment's.
+//! A record is one write: a put, a delete, or a whole batch (so a batch is atomic: its
+//! record verifies entirely or not at all). Index entries point at an *entry* inside its
+//! record. `len` counts the bytes after the `len` field (seq .. last entry, unpadded). The
+//! record crc covers the segment id and `len ..` the last entry, so a record left behind by
+//! an earlier segment in a reused extent never verifies as one of this segment's.
 //!
 //! # Where the log ends
 //! The write position is not persisted separately (that would cost a second persist per put).
@@ -28,8 +31,10 @@ use crate::format::crc;
 
 /// Segment header size.
 pub const HEADER_LEN: usize = 64;
-/// Record header size (crc, len, seq, kind, klen, vlen).
-pub const RECORD_HEADER: usize = 4 + 4 + 8 + 1 + 2 + 4;
+/// Record header size (crc, len, seq, count).
+pub const RECORD_HEADER: usize = 4 + 4 + 8 + 4;
+/// Entry header size (kind, klen, vlen).
+pub const ENTRY_HEADER: usize = 1 + 2 + 4;
 const MAGIC: &[u8; 8] = b"TKVLKSEG";
 const VERSION: u32 = 1;
 
@@ -42,9 +47,10 @@ pub enum Kind {
     Delete = 1,
 }
 
-/// The bytes a record of `klen`/`vlen` occupies (padded).
-pub fn record_size(klen: usize, vlen: usize) -> usize {
-    (RECORD_HEADER + klen + vlen).next_multiple_of(8)
+/// The bytes a record of `entries` (kind, key, value) occupies (padded).
+pub fn record_size<'a>(entries: impl IntoIterator<Item = (usize, usize)>) -> usize {
+    let body: usize = entries.into_iter().map(|(k, v)| ENTRY_HEADER + k + v).sum();
+    (RECORD_HEADER + body).next_multiple_of(8)
 }
 
 /// Encode a segment header.
@@ -83,22 +89,42 @@ pub fn decode_header(h: &[u8]) -> Result<(u64, u64), String> {
     Ok((le64(12), le64(20)))
 }
 
-/// Encode a record of segment `seg_id` (padded to 8 bytes).
-pub fn encode_record(seg_id: u64, seq: u64, kind: Kind, key: &[u8], value: &[u8]) -> Vec<u8> {
-    let mut r = Vec::with_capacity(record_size(key.len(), value.len()));
-    let len = (RECORD_HEADER - 8 + key.len() + value.len()) as u32;
-    r.extend_from_slice(&[0u8; 4]);
-    r.extend_from_slice(&len.to_le_bytes());
+/// Encode a record of segment `seg_id` holding `entries` (padded to 8 bytes). Returns the
+/// bytes and each entry's offset inside them.
+pub fn encode_record(seg_id: u64, seq: u64, entries: &[(Kind, &[u8], &[u8])]) -> (Vec<u8>, Vec<usize>) {
+    let size = record_size(entries.iter().map(|e| (e.1.len(), e.2.len())));
+    let mut r = Vec::with_capacity(size);
+    r.extend_from_slice(&[0u8; 8]);
     r.extend_from_slice(&seq.to_le_bytes());
-    r.push(kind as u8);
-    r.extend_from_slice(&(key.len() as u16).to_le_bytes());
-    r.extend_from_slice(&(value.len() as u32).to_le_bytes());
-    r.extend_from_slice(key);
-    r.extend_from_slice(value);
+    r.extend_from_slice(&(entries.len() as u32).to_le_bytes());
+    let mut offs = Vec::with_capacity(entries.len());
+    for (kind, key, value) in entries {
+        offs.push(r.len());
+        r.push(*kind as u8);
+        r.extend_from_slice(&(key.len() as u16).to_le_bytes());
+        r.extend_from_slice(&(value.len() as u32).to_le_bytes());
+        r.extend_from_slice(key);
+        r.extend_from_slice(value);
+    }
+    let len = (r.len() - 8) as u32;
+    r[4..8].copy_from_slice(&len.to_le_bytes());
     let c = crc::masked_parts(&[&seg_id.to_le_bytes(), &r[4..]]);
     r[0..4].copy_from_slice(&c.to_le_bytes());
-    r.resize(record_size(key.len(), value.len()), 0);
-    r
+    r.resize(size, 0);
+    (r, offs)
+}
+
+/// One entry of a record.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Entry<'a> {
+    /// Offset of the entry in the segment (what index entries point at).
+    pub off: usize,
+    /// Put or delete.
+    pub kind: Kind,
+    /// The key.
+    pub key: &'a [u8],
+    /// The value (empty for a delete).
+    pub value: &'a [u8],
 }
 
 /// A record read from a segment.
@@ -106,14 +132,30 @@ pub fn encode_record(seg_id: u64, seq: u64, kind: Kind, key: &[u8], value: &[u8]
 pub struct Record<'a> {
     /// Offset in the segment.
     pub off: usize,
+    /// Padded size.
+    pub size: usize,
     /// Global sequence number (replay order across segments).
     pub seq: u64,
-    /// Put or delete.
-    pub kind: Kind,
-    /// The key.
-    pub key: &'a [u8],
-    /// The value (empty for a delete).
-    pub value: &'a [u8],
+    /// Its entries, in write order.
+    pub entries: Vec<Entry<'a>>,
+}
+
+/// Decode the entry at the start of `b`: (kind, key, value, bytes used).
+pub fn decode_entry(b: &[u8]) -> Option<(Kind, &[u8], &[u8], usize)> {
+    let h = b.get(..ENTRY_HEADER)?;
+    let kind = match h[0] {
+        0 => Kind::Put,
+        1 => Kind::Delete,
+        _ => return None,
+    };
+    let klen = u16::from_le_bytes([h[1], h[2]]) as usize;
+    let vlen = u32::from_le_bytes([h[3], h[4], h[5], h[6]]) as usize;
+    if kind == Kind::Delete && vlen != 0 {
+        return None;
+    }
+    let end = ENTRY_HEADER.checked_add(klen)?.checked_add(vlen)?;
+    let body = b.get(ENTRY_HEADER..end)?;
+    Some((kind, &body[..klen], &body[klen..], end))
 }
 
 /// Decode the record at `off` if one of segment `seg_id` verifies there.
@@ -130,17 +172,21 @@ pub fn record_at(seg: &[u8], seg_id: u64, off: usize) -> Option<Record<'_>> {
     }
     let mut s = [0u8; 8];
     s.copy_from_slice(&body[0..8]);
-    let kind = match body[8] {
-        0 => Kind::Put,
-        1 => Kind::Delete,
-        _ => return None,
-    };
-    let klen = u16::from_le_bytes([body[9], body[10]]) as usize;
-    let vlen = u32::from_le_bytes([body[11], body[12], body[13], body[14]]) as usize;
-    if 15 + klen + vlen != len || (kind == Kind::Delete && vlen != 0) {
+    let count = u32::from_le_bytes([body[8], body[9], body[10], body[11]]) as usize;
+    if count == 0 || count > body.len() / ENTRY_HEADER {
         return None;
     }
-    Some(Record { off, seq: u64::from_le_bytes(s), kind, key: &body[15..15 + klen], value: &body[15 + klen..] })
+    let mut entries = Vec::with_capacity(count);
+    let mut at = 12;
+    for _ in 0..count {
+        let (kind, key, value, used) = decode_entry(&body[at..])?;
+        entries.push(Entry { off: off + 8 + at, kind, key, value });
+        at += used;
+    }
+    if at != len {
+        return None;
+    }
+    Some(Record { off, size: (8 + len).next_multiple_of(8), seq: u64::from_le_bytes(s), entries })
 }
 
 /// Every record of segment `seg_id` in `seg` (header included), and the end of the log.
@@ -149,7 +195,7 @@ pub fn scan(seg: &[u8], seg_id: u64) -> Result<(Vec<Record<'_>>, usize), (usize,
     let mut out = Vec::new();
     let mut off = HEADER_LEN;
     while let Some(r) = record_at(seg, seg_id, off) {
-        off += record_size(r.key.len(), r.value.len());
+        off += r.size;
         out.push(r);
     }
     let end = off;
@@ -168,12 +214,12 @@ mod tests {
     #![allow(clippy::unwrap_used)]
     use super::*;
 
-    fn segment(id: u64, recs: &[(u64, Kind, &[u8], &[u8])]) -> Vec<u8> {
+    fn segment(id: u64, recs: &[(u64, &[(Kind, &[u8], &[u8])])]) -> Vec<u8> {
         let mut s = vec![0u8; 4096];
         s[..HEADER_LEN].copy_from_slice(&encode_header(id, 4096));
         let mut off = HEADER_LEN;
-        for (seq, kind, k, v) in recs {
-            let r = encode_record(id, *seq, *kind, k, v);
+        for (seq, entries) in recs {
+            let (r, _) = encode_record(id, *seq, entries);
             s[off..off + r.len()].copy_from_slice(&r);
             off += r.len();
         }
@@ -187,38 +233,62 @@ mod tests {
             hex(&encode_header(7, 4 << 20)),
             format!("544b564c4b5345470100000007000000000000000000400000000000b611b259{}", "00".repeat(32))
         );
-        assert_eq!(
-            hex(&encode_record(7, 3, Kind::Put, b"k", b"vv")),
-            "c5412657120000000300000000000000000100020000006b7676000000000000"
-        );
+        // Checked against an independent crc32c.
+        let (r, offs) = encode_record(7, 3, &[(Kind::Put, b"k", b"vv"), (Kind::Delete, b"d", b"")]);
+        assert_eq!(hex(&r), "6120b6a61e000000030000000000000002000000000100020000006b767601010000000000640000");
+        assert_eq!(offs, vec![20, 30]);
     }
 
     #[test]
-    fn scan_reads_back_records_and_stops_at_a_torn_tail() {
-        let mut s = segment(9, &[(1, Kind::Put, b"a", b"1"), (2, Kind::Delete, b"b", b""), (5, Kind::Put, b"", b"x")]);
+    fn scan_reads_back_batches_and_stops_at_a_torn_tail() {
+        let mut s = segment(
+            9,
+            &[
+                (1, &[(Kind::Put, b"a", b"1")]),
+                (2, &[(Kind::Delete, b"b", b""), (Kind::Put, b"c", b"3")]),
+                (5, &[(Kind::Put, b"", b"x")]),
+            ],
+        );
         assert_eq!(decode_header(&s).unwrap(), (9, 4096));
         let (recs, end) = scan(&s, 9).unwrap();
+        let got: Vec<(u64, Kind, &[u8])> =
+            recs.iter().flat_map(|r| r.entries.iter().map(move |e| (r.seq, e.kind, e.key))).collect();
         assert_eq!(
-            recs.iter().map(|r| (r.seq, r.kind, r.key)).collect::<Vec<_>>(),
-            vec![(1, Kind::Put, &b"a"[..]), (2, Kind::Delete, &b"b"[..]), (5, Kind::Put, &b""[..])]
+            got,
+            vec![
+                (1, Kind::Put, &b"a"[..]),
+                (2, Kind::Delete, &b"b"[..]),
+                (2, Kind::Put, &b"c"[..]),
+                (5, Kind::Put, &b""[..])
+            ]
         );
-        // Tear the last record: the scan ends before it, without error.
+        // An entry offset points at its entry.
+        let e = &recs[1].entries[1];
+        assert_eq!(decode_entry(&s[e.off..]).map(|x| (x.0, x.1, x.2)), Some((Kind::Put, &b"c"[..], &b"3"[..])));
+        // Tear the last record: the scan ends before it, without error; a torn batch is
+        // dropped whole.
         let last = recs[2].off;
+        let second = recs[1].off;
         drop(recs);
         s[last + 20] ^= 0xff;
         let (recs, end2) = scan(&s, 9).unwrap();
         assert_eq!((recs.len(), end2), (2, last));
         assert!(end > end2);
+        drop(recs);
+        let mut t = s.clone();
+        t[last..].fill(0);
+        t[second + 30] ^= 1;
+        assert_eq!(scan(&t, 9).unwrap().0.len(), 1, "a damaged batch is not half applied");
     }
 
     #[test]
     fn damage_before_valid_records_is_corruption_and_stale_records_never_verify() {
-        let mut s = segment(9, &[(1, Kind::Put, b"a", b"1"), (2, Kind::Put, b"b", b"2")]);
+        let mut s = segment(9, &[(1, &[(Kind::Put, b"a", b"1")]), (2, &[(Kind::Put, b"b", b"2")])]);
         s[HEADER_LEN + 9] ^= 1;
         let e = scan(&s, 9).unwrap_err();
         assert_eq!(e.0, HEADER_LEN);
         // The same bytes read as segment 10 (an extent reused by a new segment): nothing.
-        let s = segment(9, &[(1, Kind::Put, b"a", b"1")]);
+        let s = segment(9, &[(1, &[(Kind::Put, b"a", b"1")])]);
         assert_eq!(scan(&s, 10).unwrap().0.len(), 0);
         assert!(decode_header(&s[..10]).is_err());
         let mut bad = s.clone();

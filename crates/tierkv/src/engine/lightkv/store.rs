@@ -202,11 +202,12 @@ struct Keys<'a> {
     store: Option<&'a PwbStore>,
 }
 
-fn record_header(r: &Region, addr: u64) -> Result<(Kind, usize, usize)> {
-    let h = r.slice_checked(addr, pwb::RECORD_HEADER, "PWB record")?;
-    let kind = if h[16] == 1 { Kind::Delete } else { Kind::Put };
-    let klen = u16::from_le_bytes([h[17], h[18]]) as usize;
-    let vlen = u32::from_le_bytes([h[19], h[20], h[21], h[22]]) as usize;
+/// The entry header at `addr`: (kind, key length, value length).
+fn entry_header(r: &Region, addr: u64) -> Result<(Kind, usize, usize)> {
+    let h = r.slice_checked(addr, pwb::ENTRY_HEADER, "PWB entry")?;
+    let kind = if h[0] == 1 { Kind::Delete } else { Kind::Put };
+    let klen = u16::from_le_bytes([h[1], h[2]]) as usize;
+    let vlen = u32::from_le_bytes([h[3], h[4], h[5], h[6]]) as usize;
     Ok((kind, klen, vlen))
 }
 
@@ -216,13 +217,13 @@ impl KeySource for Keys<'_> {
             let s = self.store.ok_or_else(|| Error::Poisoned("table entry read without a store".into()))?;
             return Ok(s.sst_entry(off)?.1);
         }
-        let (_, klen, _) = record_header(self.region, off)?;
-        Ok(self.region.slice_checked(off + pwb::RECORD_HEADER as u64, klen, "PWB record key")?.to_vec())
+        let (_, klen, _) = entry_header(self.region, off)?;
+        Ok(self.region.slice_checked(off + pwb::ENTRY_HEADER as u64, klen, "PWB entry key")?.to_vec())
     }
 }
 
-/// A PWB record read back: (sequence, kind, key, value).
-type PwbRecord = (u64, Kind, Vec<u8>, Vec<u8>);
+/// A PWB entry read back: (kind, key, value).
+type PwbRecord = (Kind, Vec<u8>, Vec<u8>);
 
 impl PwbStore {
     /// Open the store: PM layout in `region` (created when `create`), SSTables in `dir`.
@@ -310,16 +311,19 @@ impl PwbStore {
             }
         }
         // Replay every record in sequence order.
-        let mut recs: Vec<(u64, u64, Vec<u8>)> = Vec::new();
+        // (seq, entry index, entry address, key)
+        let mut recs: Vec<(u64, usize, u64, Vec<u8>)> = Vec::new();
         for (&addr, seg) in segs.iter_mut() {
             let bytes = region.slice_checked(addr, seg_size as usize, "PWB segment")?;
             let (rs, end) = pwb::scan(bytes, seg.id).map_err(|(off, d)| region.corruption(addr + off as u64, d))?;
             seg.pos = end as u64;
             for r in rs {
-                recs.push((r.seq, addr + r.off as u64, r.key.to_vec()));
+                for (i, e) in r.entries.iter().enumerate() {
+                    recs.push((r.seq, i, addr + e.off as u64, e.key.to_vec()));
+                }
             }
         }
-        recs.sort_unstable_by_key(|r| r.0);
+        recs.sort_unstable_by_key(|r| (r.0, r.1));
         let next_seq = recs.last().map_or(1, |r| r.0 + 1);
         let st = State {
             tree: t,
@@ -345,7 +349,7 @@ impl PwbStore {
         {
             let mut st = s.state.write();
             let mut skipped = 0;
-            for (seq, addr, key) in recs {
+            for (seq, _, addr, key) in recs {
                 let covered = st.tree.route(&key).is_some_and(|p| {
                     let tag = st.tree.partition(p).tag;
                     tag > 0
@@ -355,7 +359,7 @@ impl PwbStore {
                     skipped += 1;
                     continue;
                 }
-                s.index(&mut st, &key, addr)?;
+                s.index(&mut st, &key, addr, seq)?;
             }
             s.stats.lock().recovered_skipped = skipped;
             let dead: Vec<u64> = st.segs.iter().filter(|(_, g)| g.live == 0).map(|(&a, _)| a).collect();
@@ -398,12 +402,9 @@ impl PwbStore {
     }
 
     fn pwb_record(&self, addr: u64) -> Result<PwbRecord> {
-        let (kind, klen, vlen) = record_header(&self.region, addr)?;
-        let h = self.region.slice_checked(addr, pwb::RECORD_HEADER, "PWB record")?;
-        let mut sq = [0u8; 8];
-        sq.copy_from_slice(&h[8..16]);
-        let body = self.region.slice_checked(addr + pwb::RECORD_HEADER as u64, klen + vlen, "PWB record body")?;
-        Ok((u64::from_le_bytes(sq), kind, body[..klen].to_vec(), body[klen..].to_vec()))
+        let (kind, klen, vlen) = entry_header(&self.region, addr)?;
+        let body = self.region.slice_checked(addr + pwb::ENTRY_HEADER as u64, klen + vlen, "PWB entry body")?;
+        Ok((kind, body[..klen].to_vec(), body[klen..].to_vec()))
     }
 
     fn seg_of(st: &State, addr: u64) -> Option<u64> {
@@ -412,12 +413,15 @@ impl PwbStore {
 
     /// Index the record at `addr` for `key`, keeping segment entry counts; a full leaf that
     /// cannot split is linked behind a fresh one and flushed.
-    fn index(&self, st: &mut State, key: &[u8], addr: u64) -> Result<()> {
+    /// `seq` is the sequence number of the record being indexed.
+    fn index(&self, st: &mut State, key: &[u8], addr: u64, seq: u64) -> Result<()> {
         loop {
             match st.tree.insert(key, addr, &self.keys())? {
                 Insert::Full(p) => {
                     st.tree.link(p);
-                    self.flush_chain_head(st, p)?;
+                    // The record being indexed (and the rest of its batch) is not in the
+                    // linked leaf: the flush covers sequence numbers below it.
+                    self.flush_chain_head(st, p, seq - 1)?;
                 }
                 Insert::Inserted(_) => break,
                 Insert::Updated(_, old) => {
@@ -451,7 +455,7 @@ impl PwbStore {
 
     /// Flush partition `p`'s newest linked leaf (its write-buffer records) to an SSTable,
     /// copy the leaf to PM pointing at the table, and commit a new chain record.
-    fn flush_chain_head(&self, st: &mut State, p: PartitionId) -> Result<()> {
+    fn flush_chain_head(&self, st: &mut State, p: PartitionId, seq_hi: u64) -> Result<()> {
         let leaf = st
             .tree
             .partition(p)
@@ -466,12 +470,12 @@ impl PwbStore {
             }
             recs.push((off, self.pwb_record(off)?));
         }
-        recs.sort_by(|a, b| a.1 .2.cmp(&b.1 .2));
+        recs.sort_by(|a, b| a.1 .1.cmp(&b.1 .1));
         let n = st.next_table;
         st.next_table += 1;
         let path = table_path(&self.dir, n);
         let mut b = TableBuilder::create(self.fs.as_ref(), &path, SST_BLOCK, 0)?;
-        for (_, (_, kind, k, v)) in &recs {
+        for (_, (kind, k, v)) in &recs {
             let kind = match kind {
                 Kind::Put => crate::sstable::Kind::Put,
                 Kind::Delete => crate::sstable::Kind::Delete,
@@ -489,13 +493,15 @@ impl PwbStore {
                 loc.insert(e.key.to_vec(), sst_off(n, bi, ei));
             }
         }
-        let by_addr: HashMap<u64, u64> = recs.iter().filter_map(|(a, r)| loc.get(&r.2).map(|&o| (*a, o))).collect();
+        let by_addr: HashMap<u64, u64> = recs.iter().filter_map(|(a, r)| loc.get(&r.1).map(|&o| (*a, o))).collect();
         if by_addr.len() != recs.len() {
             return Err(Error::corruption(&path, 0, "a flushed key is missing from its new table"));
         }
         let mut pm_leaf = leaf.clone();
         pm_leaf.remap(|old| by_addr.get(&old).copied().unwrap_or(old));
-        let meta = LeafMeta { table: n, cw: 0, seq_hi: recs.iter().map(|r| r.1 .0).max().unwrap_or(0) };
+        // Every record of the partition below `seq_hi` is in this table or superseded by one
+        // that is: recovery may skip them all.
+        let meta = LeafMeta { table: n, cw: 0, seq_hi };
         let lb = encode_leaf(&pm_leaf, st.tree.options().leaf_buckets, meta);
         let la = self.put_extent(&lb)?;
         let tag = st.tree.partition(p).tag;
@@ -669,14 +675,22 @@ impl PwbStore {
         Ok(addr)
     }
 
-    /// Append a record and index it. Durable when it returns.
+    /// Append one put or delete and index it. Durable when it returns.
     pub fn write(&self, kind: Kind, key: &[u8], value: &[u8]) -> Result<()> {
+        self.write_batch(&[(kind, key, value)])
+    }
+
+    /// Append `ops` as one record (atomic: after a crash all or none of them are there),
+    /// in the active segment of the first key's partition, and index each. Durable when it
+    /// returns.
+    pub fn write_batch(&self, ops: &[(Kind, &[u8], &[u8])]) -> Result<()> {
+        let Some(first) = ops.first() else { return Ok(()) };
         let mut st = self.state.write();
-        let p = st.tree.route_mut(key);
-        let size = pwb::record_size(key.len(), value.len()) as u64;
+        let p = st.tree.route_mut(first.1);
+        let size = pwb::record_size(ops.iter().map(|o| (o.1.len(), o.2.len()))) as u64;
         if size > self.seg_size - pwb::HEADER_LEN as u64 {
             return Err(Error::InvalidArgument(format!(
-                "a record of {size} bytes does not fit in a {}-byte PWB segment",
+                "a write of {size} bytes does not fit in a {}-byte PWB segment",
                 self.seg_size
             )));
         }
@@ -702,7 +716,7 @@ impl PwbStore {
             .get(&seg)
             .map(|g| (g.id, g.pos))
             .ok_or_else(|| Error::Poisoned("active segment vanished".into()))?;
-        let rec = pwb::encode_record(id, seq, kind, key, value);
+        let (rec, offs) = pwb::encode_record(id, seq, ops);
         let addr = seg + pos;
         // SAFETY: bytes past the segment's write position belong to this writer alone
         // (under the state lock); readers only follow index entries to persisted records.
@@ -712,7 +726,9 @@ impl PwbStore {
         if let Some(g) = st.segs.get_mut(&seg) {
             g.pos += rec.len() as u64;
         }
-        self.index(&mut st, key, addr)?;
+        for (op, off) in ops.iter().zip(offs) {
+            self.index(&mut st, op.1, addr + off as u64, seq)?;
+        }
         // A segment whose last entry was just superseded, and that takes no more writes, goes.
         let dead: Vec<u64> = st.segs.iter().filter(|(_, g)| g.live == 0 && !g.active).map(|(&a, _)| a).collect();
         for a in dead {
@@ -729,7 +745,7 @@ impl PwbStore {
             let (kind, _, v) = self.sst_entry(off)?;
             (kind, v)
         } else {
-            let (_, kind, _, v) = self.pwb_record(off)?;
+            let (kind, _, v) = self.pwb_record(off)?;
             (kind, v)
         };
         Ok((kind == Kind::Put).then_some(value))
@@ -826,6 +842,17 @@ mod tests {
 
     fn step(s: &PwbStore, m: &mut Model, i: u32) -> Result<()> {
         let k = format!("key{:03}", (i * 37) % 150).into_bytes();
+        if i % 11 == 5 {
+            // A batch over keys of different partitions: all or nothing after a crash.
+            let k2 = format!("key{:03}", (i * 53 + 7) % 150).into_bytes();
+            let k3 = format!("~zz{}", i % 40).into_bytes();
+            let v = vec![(i % 7) as u8; 30];
+            s.write_batch(&[(Kind::Put, &k, &v), (Kind::Delete, &k2, b""), (Kind::Put, &k3, &v)])?;
+            m.insert(k.clone(), v.clone());
+            m.remove(&k2);
+            m.insert(k3, v);
+            return Ok(());
+        }
         if i % 7 == 3 {
             s.write(Kind::Delete, &k, b"")?;
             m.remove(&k);
