@@ -47,8 +47,11 @@ pub enum Kind {
     Delete = 1,
 }
 
+/// One write of a record: kind, key, value.
+pub type Op<'a> = (Kind, &'a [u8], &'a [u8]);
+
 /// The bytes a record of `entries` (kind, key, value) occupies (padded).
-pub fn record_size<'a>(entries: impl IntoIterator<Item = (usize, usize)>) -> usize {
+pub fn record_size(entries: impl IntoIterator<Item = (usize, usize)>) -> usize {
     let body: usize = entries.into_iter().map(|(k, v)| ENTRY_HEADER + k + v).sum();
     (RECORD_HEADER + body).next_multiple_of(8)
 }
@@ -91,7 +94,7 @@ pub fn decode_header(h: &[u8]) -> Result<(u64, u64), String> {
 
 /// Encode a record of segment `seg_id` holding `entries` (padded to 8 bytes). Returns the
 /// bytes and each entry's offset inside them.
-pub fn encode_record(seg_id: u64, seq: u64, entries: &[(Kind, &[u8], &[u8])]) -> (Vec<u8>, Vec<usize>) {
+pub fn encode_record(seg_id: u64, seq: u64, entries: &[Op<'_>]) -> (Vec<u8>, Vec<usize>) {
     let size = record_size(entries.iter().map(|e| (e.1.len(), e.2.len())));
     let mut r = Vec::with_capacity(size);
     r.extend_from_slice(&[0u8; 8]);
@@ -214,7 +217,7 @@ mod tests {
     #![allow(clippy::unwrap_used)]
     use super::*;
 
-    fn segment(id: u64, recs: &[(u64, &[(Kind, &[u8], &[u8])])]) -> Vec<u8> {
+    fn segment(id: u64, recs: &[(u64, &[Op<'_>])]) -> Vec<u8> {
         let mut s = vec![0u8; 4096];
         s[..HEADER_LEN].copy_from_slice(&encode_header(id, 4096));
         let mut off = HEADER_LEN;

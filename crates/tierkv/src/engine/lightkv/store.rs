@@ -683,7 +683,7 @@ impl PwbStore {
     /// Append `ops` as one record (atomic: after a crash all or none of them are there),
     /// in the active segment of the first key's partition, and index each. Durable when it
     /// returns.
-    pub fn write_batch(&self, ops: &[(Kind, &[u8], &[u8])]) -> Result<()> {
+    pub fn write_batch(&self, ops: &[pwb::Op<'_>]) -> Result<()> {
         let Some(first) = ops.first() else { return Ok(()) };
         let mut st = self.state.write();
         let p = st.tree.route_mut(first.1);
