@@ -355,6 +355,28 @@ impl Keyspace {
         self.db.write(b).map_err(db_err)
     }
 
+    /// Commit `b` with `k`'s type record set to `count` (removed at 0) when it changed
+    /// from `was`, and mirror the change in the type directory.
+    fn commit_with_count(&self, mut b: WriteBatch, k: &[u8], kind: Kind, was: u64, count: u64) -> Result<(), Reply> {
+        if count != was {
+            if count == 0 {
+                b.delete(keys::type_key(k));
+            } else {
+                b.put(keys::type_key(k), keys::encode_type(kind, count));
+            }
+        }
+        self.commit(b)?;
+        if count != was {
+            let mut t = self.types.write();
+            if count == 0 {
+                t.remove(k);
+            } else {
+                t.insert(k.to_vec(), (kind, count));
+            }
+        }
+        Ok(())
+    }
+
     /// Execute one command.
     pub fn exec(&self, s: &mut Session, args: &[Bytes]) -> Reply {
         self.counters.commands.fetch_add(1, Ordering::Relaxed);
@@ -660,13 +682,7 @@ impl Keyspace {
             }
             b.put(fk, v);
         }
-        if added > 0 {
-            b.put(keys::type_key(k), keys::encode_type(Kind::Hash, count + added));
-        }
-        self.commit(b)?;
-        if added > 0 {
-            self.types.write().insert(k.to_vec(), (Kind::Hash, count + added));
-        }
+        self.commit_with_count(b, k, Kind::Hash, count, count + added)?;
         Ok(if name == "hmset" { Reply::Ok } else { Reply::Int(added as i64) })
     }
 
@@ -689,23 +705,7 @@ impl Keyspace {
                 removed += 1;
             }
         }
-        let left = count.saturating_sub(removed);
-        if removed > 0 {
-            if left == 0 {
-                b.delete(keys::type_key(k));
-            } else {
-                b.put(keys::type_key(k), keys::encode_type(Kind::Hash, left));
-            }
-        }
-        self.commit(b)?;
-        if removed > 0 {
-            let mut t = self.types.write();
-            if left == 0 {
-                t.remove(&k[..]);
-            } else {
-                t.insert(k.to_vec(), (Kind::Hash, left));
-            }
-        }
+        self.commit_with_count(b, k, Kind::Hash, count, count.saturating_sub(removed))?;
         Ok(Reply::Int(removed as i64))
     }
 
@@ -816,14 +816,7 @@ impl Keyspace {
                 (_, None) => {}
             }
         }
-        let total = count + added as u64;
-        if added > 0 {
-            b.put(keys::type_key(k), keys::encode_type(Kind::Zset, total));
-        }
-        self.commit(b)?;
-        if added > 0 {
-            self.types.write().insert(k.to_vec(), (Kind::Zset, total));
-        }
+        self.commit_with_count(b, k, Kind::Zset, count, count + added as u64)?;
         if incr {
             return Ok(incr_result.map_or(Reply::Nil, |v| Reply::Bulk(format_score(v).into_bytes())));
         }
@@ -851,23 +844,7 @@ impl Keyspace {
                 removed += 1;
             }
         }
-        let left = count.saturating_sub(removed);
-        if removed > 0 {
-            if left == 0 {
-                b.delete(keys::type_key(k));
-            } else {
-                b.put(keys::type_key(k), keys::encode_type(Kind::Zset, left));
-            }
-        }
-        self.commit(b)?;
-        if removed > 0 {
-            let mut t = self.types.write();
-            if left == 0 {
-                t.remove(&k[..]);
-            } else {
-                t.insert(k.to_vec(), (Kind::Zset, left));
-            }
-        }
+        self.commit_with_count(b, k, Kind::Zset, count, count.saturating_sub(removed))?;
         Ok(Reply::Int(removed as i64))
     }
 
