@@ -277,3 +277,45 @@ fn a_read_only_file_system_fails_writes_and_open_clearly() {
         eprintln!("{ctx}: {failures} writes refused, {} acknowledged kept", m.len());
     }
 }
+
+#[test]
+fn a_panic_in_a_background_thread_poisons_the_store_instead_of_hanging_it() {
+    // The background flush panics at its MANIFEST commit: writes are then refused with
+    // `Poisoned` naming the panic (never a hang, never an abort), and a reopened store has
+    // every acknowledged write.
+    for preset in [Preset::Slmdb, Preset::Hpdk] {
+        let dev = SimDevice::new();
+        let fs = FaultFs::new();
+        let mut opts = sim_options(preset, &dev, &fs);
+        opts.slmdb.background = true;
+        opts.hpdk.background = true;
+        let db = Db::open(dir(), opts.clone()).unwrap();
+        fs.panic_on("MANIFEST");
+        let mut m = Model::new();
+        let mut why = None;
+        for i in 0..50_000u32 {
+            let (k, v) = (format!("k{i:06}"), vec![(i % 251) as u8; 100]);
+            match db.put(&k, &v) {
+                Ok(()) => {
+                    m.insert(k.into_bytes(), v);
+                }
+                Err(tierkv::Error::Poisoned(w)) => {
+                    why = Some(w);
+                    break;
+                }
+                Err(e) => panic!("{preset}: {e}"),
+            }
+        }
+        let why = why.unwrap_or_else(|| panic!("{preset}: the background panic did not poison the store"));
+        assert!(why.contains("panicked"), "{preset}: {why}");
+        assert!(matches!(db.flush(), Err(tierkv::Error::Poisoned(_))), "{preset}");
+        db.simulate_process_crash();
+        let db = Db::open(dir(), sim_options(preset, &dev.simulate_crash(3, 0.5), &fs.crash())).unwrap();
+        let got = dump(&db);
+        for (k, v) in &m {
+            assert_eq!(got.get(k), Some(v), "{preset}: acknowledged write lost");
+        }
+        db.put(b"after", b"reopen").unwrap();
+        eprintln!("{preset}: poisoned after {} acknowledged writes: {why}", m.len());
+    }
+}

@@ -60,6 +60,8 @@ struct State {
     frozen: bool,
     /// A read-only file system: every operation that would change it fails with EROFS.
     read_only: bool,
+    /// Panic at the next operation on a path containing this (tests of background panics).
+    panic_on: Option<String>,
 }
 
 impl State {
@@ -75,6 +77,15 @@ impl State {
             }
         }
         Ok(())
+    }
+
+    /// Panic if a panic was armed for `path` (disarming it first, so the unwinding code and
+    /// later operations proceed).
+    fn maybe_panic(&mut self, path: &Path) {
+        if self.panic_on.as_deref().is_some_and(|p| path.to_string_lossy().contains(p)) {
+            self.panic_on = None;
+            panic!("FaultFs: injected panic at an operation on {}", path.display());
+        }
     }
 
     /// [`State::tick`] for an operation that changes the file system.
@@ -114,6 +125,13 @@ impl FaultFs {
         self.state.lock().read_only = on;
     }
 
+    /// Panic in the thread making the next operation on a path containing `fragment` (a
+    /// file created, opened, renamed or removed there, or written or synced through a handle
+    /// opened there): tests that a panic in a background job poisons the store.
+    pub fn panic_on(&self, fragment: &str) {
+        self.state.lock().panic_on = Some(fragment.to_string());
+    }
+
     /// Stop injecting faults.
     pub fn clear_faults(&self) {
         self.state.lock().fault = None;
@@ -148,6 +166,7 @@ impl FaultFs {
             fault: None,
             frozen: false,
             read_only: s.read_only,
+            panic_on: None,
         };
         FaultFs { state: Arc::new(Mutex::new(state)) }
     }
@@ -181,11 +200,13 @@ impl FaultFs {
 struct FaultFile {
     state: Arc<Mutex<State>>,
     id: u64,
+    path: PathBuf,
 }
 
 impl FsFile for FaultFile {
     fn append(&mut self, data: &[u8]) -> io::Result<()> {
         let mut s = self.state.lock();
+        s.maybe_panic(&self.path);
         s.tick_write()?;
         let f = s.files.get_mut(&self.id).ok_or_else(|| io::Error::from(io::ErrorKind::NotFound))?;
         f.data.extend_from_slice(data);
@@ -205,6 +226,7 @@ impl FsFile for FaultFile {
     }
     fn sync(&mut self) -> io::Result<()> {
         let mut s = self.state.lock();
+        s.maybe_panic(&self.path);
         s.tick_write()?;
         let frozen = s.frozen;
         let f = s.files.get_mut(&self.id).ok_or_else(|| io::Error::from(io::ErrorKind::NotFound))?;
@@ -251,6 +273,7 @@ impl Fs for FaultFs {
     }
     fn create(&self, path: &Path) -> io::Result<Box<dyn FsFile>> {
         let mut s = self.state.lock();
+        s.maybe_panic(path);
         s.tick_write()?;
         if !s.dirs.contains(&parent(path)) {
             return Err(io::Error::from(io::ErrorKind::NotFound));
@@ -259,13 +282,13 @@ impl Fs for FaultFs {
         let id = s.next_id;
         s.files.insert(id, MemFile::default());
         s.names.insert(path.to_path_buf(), id);
-        Ok(Box::new(FaultFile { state: self.state.clone(), id }))
+        Ok(Box::new(FaultFile { state: self.state.clone(), id, path: path.to_path_buf() }))
     }
     fn open(&self, path: &Path) -> io::Result<Box<dyn FsFile>> {
         let mut s = self.state.lock();
         s.tick()?;
         let id = *s.names.get(path).ok_or_else(|| io::Error::from(io::ErrorKind::NotFound))?;
-        Ok(Box::new(FaultFile { state: self.state.clone(), id }))
+        Ok(Box::new(FaultFile { state: self.state.clone(), id, path: path.to_path_buf() }))
     }
     fn exists(&self, path: &Path) -> bool {
         let s = self.state.lock();
