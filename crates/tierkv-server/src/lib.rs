@@ -39,20 +39,24 @@ pub fn serve_until_signal(
         max_clients: cfg.max_clients,
         limits: cfg.limits,
     };
+    // Handlers first: a SIGTERM that arrives as soon as `ready` has announced the server
+    // must stop it cleanly, not kill the process with the default action.
+    let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().map_err(|e| e.to_string())?;
+    let (mut term, mut int) = rt.block_on(async {
+        use tokio::signal::unix::{signal, SignalKind};
+        let term = signal(SignalKind::terminate()).map_err(|e| e.to_string())?;
+        let int = signal(SignalKind::interrupt()).map_err(|e| e.to_string())?;
+        Ok::<_, String>((term, int))
+    })?;
     let ks = Arc::new(Keyspace::new(db.clone(), settings).map_err(|e| e.to_string())?);
     let server = Server::start(ks, cfg).map_err(|e| format!("cannot listen on {}:{}: {e}", cfg.bind, cfg.port))?;
     ready(server.addr());
-    let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().map_err(|e| e.to_string())?;
     rt.block_on(async {
-        use tokio::signal::unix::{signal, SignalKind};
-        let mut term = signal(SignalKind::terminate()).map_err(|e| e.to_string())?;
-        let mut int = signal(SignalKind::interrupt()).map_err(|e| e.to_string())?;
         tokio::select! {
             _ = term.recv() => {}
             _ = int.recv() => {}
         }
-        Ok::<(), String>(())
-    })?;
+    });
     server.shutdown();
     db.close().map_err(|e| e.to_string())
 }
