@@ -124,12 +124,18 @@ impl Db {
         }
     }
 
-    /// Hand a write to the engine; it is acknowledged only if PM write-back stayed healthy.
-    fn engine_write(&self, ops: &[BatchOp], cond: Cond) -> Result<bool> {
+    /// Run a write-side call on the engine; it succeeds only if PM write-back was healthy
+    /// before and after it.
+    fn guarded<T>(&self, f: impl FnOnce(&dyn Engine) -> Result<T>) -> Result<T> {
         self.check_pm_health()?;
-        let r = self.engine()?.write(ops, cond);
+        let r = f(self.engine()?.as_ref());
         self.check_pm_health()?;
         r
+    }
+
+    /// Hand a write to the engine; it is acknowledged only if PM write-back stayed healthy.
+    fn engine_write(&self, ops: &[BatchOp], cond: Cond) -> Result<bool> {
+        self.guarded(|e| e.write(ops, cond))
     }
 
     fn check_key(&self, key: &[u8]) -> Result<()> {
@@ -223,18 +229,12 @@ impl Db {
 
     /// Force the preset's pending background work (write-back, memtable flush) now.
     pub fn flush(&self) -> Result<()> {
-        self.check_pm_health()?;
-        let r = self.engine()?.flush();
-        self.check_pm_health()?;
-        r
+        self.guarded(|e| e.flush())
     }
 
     /// Force compaction / garbage collection now.
     pub fn compact(&self) -> Result<()> {
-        self.check_pm_health()?;
-        let r = self.engine()?.compact();
-        self.check_pm_health()?;
-        r
+        self.guarded(|e| e.compact())
     }
 
     /// Counters (see [`Stats`]).

@@ -286,6 +286,7 @@ impl Fs for FaultFs {
     }
     fn open(&self, path: &Path) -> io::Result<Box<dyn FsFile>> {
         let mut s = self.state.lock();
+        s.maybe_panic(path);
         s.tick()?;
         let id = *s.names.get(path).ok_or_else(|| io::Error::from(io::ErrorKind::NotFound))?;
         Ok(Box::new(FaultFile { state: self.state.clone(), id, path: path.to_path_buf() }))
@@ -296,6 +297,7 @@ impl Fs for FaultFs {
     }
     fn rename(&self, from: &Path, to: &Path) -> io::Result<()> {
         let mut s = self.state.lock();
+        s.maybe_panic(from);
         s.tick_write()?;
         let id = s.names.remove(from).ok_or_else(|| io::Error::from(io::ErrorKind::NotFound))?;
         s.names.insert(to.to_path_buf(), id);
@@ -303,6 +305,7 @@ impl Fs for FaultFs {
     }
     fn remove(&self, path: &Path) -> io::Result<()> {
         let mut s = self.state.lock();
+        s.maybe_panic(path);
         s.tick_write()?;
         s.names.remove(path).map(|_| ()).ok_or_else(|| io::Error::from(io::ErrorKind::NotFound))
     }

@@ -87,6 +87,8 @@ pub struct RegionConfig {
 /// further write until it is reopened ([`crate::Error::Poisoned`]).
 #[derive(Debug, Default)]
 pub struct PmHealth {
+    /// Set (with `failed`) at the first failure: the per-write check is one atomic load.
+    any_failed: std::sync::atomic::AtomicBool,
     failed: Mutex<Option<String>>,
     /// Fault seam: successful msyncs left before every msync fails with EIO.
     fail_after: Mutex<Option<u64>>,
@@ -95,6 +97,9 @@ pub struct PmHealth {
 impl PmHealth {
     /// The first msync failure, if any.
     pub fn failure(&self) -> Option<String> {
+        if !self.any_failed.load(Ordering::Acquire) {
+            return None;
+        }
         self.failed.lock().clone()
     }
 
@@ -134,6 +139,7 @@ impl PmHealth {
             let mut f = self.failed.lock();
             if f.is_none() {
                 *f = Some(format!("msync of PM failed: {e}"));
+                self.any_failed.store(true, Ordering::Release);
             }
         }
         r

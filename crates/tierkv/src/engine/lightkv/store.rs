@@ -142,6 +142,9 @@ struct State {
     chains: HashMap<u64, ChainInfo>,
     free_chain_slots: Vec<u64>,
     next_table: u64,
+    /// Segments whose entry count dropped to zero since the last sweep (candidates for
+    /// freeing, so a write never scans every segment).
+    emptied: Vec<u64>,
 }
 
 #[derive(Debug, Clone)]
@@ -197,10 +200,7 @@ impl std::fmt::Debug for PwbStore {
 
 /// Reads keys from the write buffer (records are verified when written or recovered) or from
 /// SSTables (every block read is verified).
-struct Keys<'a> {
-    region: &'a Region,
-    store: Option<&'a PwbStore>,
-}
+struct Keys<'a>(&'a PwbStore);
 
 /// The entry header at `addr`: (kind, key length, value length).
 fn entry_header(r: &Region, addr: u64) -> Result<(Kind, usize, usize)> {
@@ -214,11 +214,11 @@ fn entry_header(r: &Region, addr: u64) -> Result<(Kind, usize, usize)> {
 impl KeySource for Keys<'_> {
     fn key(&self, off: u64) -> Result<Vec<u8>> {
         if off & SST_FLAG != 0 {
-            let s = self.store.ok_or_else(|| Error::Poisoned("table entry read without a store".into()))?;
-            return Ok(s.sst_entry(off)?.1);
+            return Ok(self.0.sst_entry(off)?.1);
         }
-        let (_, klen, _) = entry_header(self.region, off)?;
-        Ok(self.region.slice_checked(off + pwb::ENTRY_HEADER as u64, klen, "PWB entry key")?.to_vec())
+        let r = &self.0.region;
+        let (_, klen, _) = entry_header(r, off)?;
+        Ok(r.slice_checked(off + pwb::ENTRY_HEADER as u64, klen, "PWB entry key")?.to_vec())
     }
 }
 
@@ -334,6 +334,7 @@ impl PwbStore {
             chains,
             free_chain_slots,
             next_table,
+            emptied: Vec::new(),
         };
         let s = PwbStore {
             region,
@@ -362,16 +363,15 @@ impl PwbStore {
                 s.index(&mut st, &key, addr, seq)?;
             }
             s.stats.lock().recovered_skipped = skipped;
-            let dead: Vec<u64> = st.segs.iter().filter(|(_, g)| g.live == 0).map(|(&a, _)| a).collect();
-            for a in dead {
-                s.free_segment(&mut st, a)?;
-            }
+            // Every segment is inactive after recovery: those no entry points into go.
+            st.emptied = st.segs.iter().filter(|(_, g)| g.live == 0).map(|(&a, _)| a).collect();
+            s.free_emptied(&mut st)?;
         }
         Ok(s)
     }
 
     fn keys(&self) -> Keys<'_> {
-        Keys { region: &self.region, store: Some(self) }
+        Keys(self)
     }
 
     fn table(&self, n: u64) -> Result<Arc<Table>> {
@@ -411,6 +411,28 @@ impl PwbStore {
         st.segs.range(..=addr).next_back().map(|(&a, _)| a)
     }
 
+    /// One entry no longer points at the write-buffer record at `addr`.
+    fn release(st: &mut State, addr: u64) {
+        if let Some(a) = Self::seg_of(st, addr) {
+            if let Some(g) = st.segs.get_mut(&a) {
+                g.live = g.live.saturating_sub(1);
+                if g.live == 0 {
+                    st.emptied.push(a);
+                }
+            }
+        }
+    }
+
+    /// Free the segments whose count dropped to zero and that take no more writes.
+    fn free_emptied(&self, st: &mut State) -> Result<()> {
+        for a in std::mem::take(&mut st.emptied) {
+            if st.segs.get(&a).is_some_and(|g| g.live == 0 && !g.active) {
+                self.free_segment(st, a)?;
+            }
+        }
+        Ok(())
+    }
+
     /// Index the record at `addr` for `key`, keeping segment entry counts; a full leaf that
     /// cannot split is linked behind a fresh one and flushed.
     /// `seq` is the sequence number of the record being indexed.
@@ -426,9 +448,7 @@ impl PwbStore {
                 Insert::Inserted(_) => break,
                 Insert::Updated(_, old) => {
                     if old & SST_FLAG == 0 {
-                        if let Some(g) = Self::seg_of(st, old).and_then(|a| st.segs.get_mut(&a)) {
-                            g.live = g.live.saturating_sub(1);
-                        }
+                        Self::release(st, old);
                     }
                     break;
                 }
@@ -531,14 +551,9 @@ impl PwbStore {
         part.tag = slot + 1;
         part.chain[0] = pm_leaf;
         for (a, _) in &recs {
-            if let Some(g) = Self::seg_of(st, *a).and_then(|x| st.segs.get_mut(&x)) {
-                g.live = g.live.saturating_sub(1);
-            }
+            Self::release(st, *a);
         }
-        let dead: Vec<u64> = st.segs.iter().filter(|(_, g)| g.live == 0 && !g.active).map(|(&a, _)| a).collect();
-        for a in dead {
-            self.free_segment(st, a)?;
-        }
+        self.free_emptied(st)?;
         {
             let mut c = self.stats.lock();
             c.flushes += 1;
@@ -730,10 +745,7 @@ impl PwbStore {
             self.index(&mut st, op.1, addr + off as u64, seq)?;
         }
         // A segment whose last entry was just superseded, and that takes no more writes, goes.
-        let dead: Vec<u64> = st.segs.iter().filter(|(_, g)| g.live == 0 && !g.active).map(|(&a, _)| a).collect();
-        for a in dead {
-            self.free_segment(&mut st, a)?;
-        }
+        self.free_emptied(&mut st)?;
         Ok(())
     }
 
