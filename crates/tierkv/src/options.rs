@@ -33,11 +33,15 @@ pub enum Preset {
     /// HPDK (`papers/hpdk.txt`): DRAM B+-tree over one level of key-address SSTables in PM,
     /// values in PM value-log pools, live-item-rate merge.
     Hpdk,
+    /// LightKV (MSST 2020): RH-Tree (radix inner nodes over hash leaves) as the global index,
+    /// a PM write buffer of one segment per partition, SSTables compacted per partition. See
+    /// [`crate::engine::lightkv`].
+    Lightkv,
 }
 
 impl Preset {
     /// Every preset this build hosts.
-    pub const ALL: &'static [Preset] = &[Preset::Pmekv, Preset::Slmdb, Preset::Hpdk];
+    pub const ALL: &'static [Preset] = &[Preset::Pmekv, Preset::Slmdb, Preset::Hpdk, Preset::Lightkv];
 
     /// The preset's command-line / on-disk name.
     pub fn name(self) -> &'static str {
@@ -45,6 +49,7 @@ impl Preset {
             Preset::Pmekv => "pmekv",
             Preset::Slmdb => "slmdb",
             Preset::Hpdk => "hpdk",
+            Preset::Lightkv => "lightkv",
         }
     }
 
@@ -54,6 +59,7 @@ impl Preset {
             Preset::Pmekv => 5,
             Preset::Slmdb => 1,
             Preset::Hpdk => 2,
+            Preset::Lightkv => 3,
         }
     }
 
@@ -175,7 +181,6 @@ impl Default for SlmdbOptions {
     }
 }
 
-/// How to open a store. Build with [`Options::new`] and the chained setters.
 /// Options of the `hpdk` preset (`papers/hpdk.txt`). Defaults are the paper's.
 #[derive(Debug, Clone)]
 pub struct HpdkOptions {
@@ -225,6 +230,67 @@ impl Default for HpdkOptions {
     }
 }
 
+/// Where the `lightkv` preset keeps its RH-Tree leaves (LightKV §III-E and the §VI-F
+/// placement study). The radix inner nodes are in DRAM in every variant.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum LightkvPlacement {
+    /// LightKV: each partition's top leaf in DRAM; older (linked) leaves in PM, searched
+    /// there.
+    #[default]
+    Hybrid,
+    /// LightKV_DRAM: every leaf searched in DRAM (the PM copies of linked leaves are still
+    /// written, for recovery).
+    Dram,
+    /// LightKV_PM: every leaf in PM. Top leaves are kept in PM as well: every change to a
+    /// top leaf's bucket is written to its PM image and persisted, and lookups read
+    /// the buckets from PM.
+    Pm,
+}
+
+/// Options of the `lightkv` preset (LightKV, MSST 2020). Defaults are the paper's (§VI-A).
+#[derive(Debug, Clone)]
+pub struct LightkvOptions {
+    /// MAX_LEAF_NODES: most partitions; beyond it a full leaf gets a linked successor and its
+    /// records are flushed to an SSTable. Default 2048. At least 2.
+    pub max_leaf_nodes: usize,
+    /// Normal buckets per hash leaf (4 slots each; the extra area adds 5 %). Default 1,024:
+    /// 4,096 slots, about one 4 MiB segment of 1 KiB records at the paper's 0.9 load factor.
+    pub leaf_buckets: usize,
+    /// T_normal: fewest byte values a leaf keeps through a normal split. Default 4.
+    pub t_normal: usize,
+    /// Size of one write-buffer segment in PM. *Creation-only.* Default 4 MiB. A write
+    /// larger than a segment gets a segment of its own size.
+    pub segment_size: u64,
+    /// Compaction size CS: SSTables of equal compaction weight merged at once. Default 4.
+    pub compaction_size: usize,
+    /// Leaf placement (LightKV / LightKV_DRAM / LightKV_PM). Default hybrid.
+    pub placement: LightkvPlacement,
+    /// SSTable data block size. Default 4 KiB.
+    pub block_size: usize,
+    /// DRAM block cache for SSTable reads. Default 8 MiB (LevelDB's, which LightKV builds on).
+    pub block_cache_size: u64,
+    /// Run flushes and compactions on two background threads (the paper's). `false` runs them
+    /// in the writing thread (deterministic; crash tests use it).
+    pub background: bool,
+}
+
+impl Default for LightkvOptions {
+    fn default() -> Self {
+        Self {
+            max_leaf_nodes: 2048,
+            leaf_buckets: 1024,
+            t_normal: 4,
+            segment_size: 4 << 20,
+            compaction_size: 4,
+            placement: LightkvPlacement::Hybrid,
+            block_size: 4096,
+            block_cache_size: 8 << 20,
+            background: true,
+        }
+    }
+}
+
+/// How to open a store. Build with [`Options::new`] and the chained setters.
 #[derive(Clone)]
 pub struct Options {
     /// The design to run. Default [`Preset::Pmekv`] (the only preset this build hosts).
@@ -259,6 +325,8 @@ pub struct Options {
     pub slmdb: SlmdbOptions,
     /// Options of the `hpdk` preset.
     pub hpdk: HpdkOptions,
+    /// Options of the `lightkv` preset.
+    pub lightkv: LightkvOptions,
     /// File-system seam (tests inject [`crate::fs::FaultFs`]). Default: the real file system.
     pub fs: Option<Arc<dyn Fs>>,
     /// Simulated PM device (tests). When set, PM lives in the crash simulator instead of
@@ -285,6 +353,7 @@ impl fmt::Debug for Options {
             .field("pmekv", &self.pmekv)
             .field("slmdb", &self.slmdb)
             .field("hpdk", &self.hpdk)
+            .field("lightkv", &self.lightkv)
             .field("fs", &self.fs.as_ref().map(|_| "custom"))
             .field("pm_device", &self.pm_device.as_ref().map(|_| "simulated"))
             .field("pm_health", &self.pm_health.as_ref().map(|_| "shared"))
@@ -308,6 +377,7 @@ impl Default for Options {
             pmekv: PmekvOptions::default(),
             slmdb: SlmdbOptions::default(),
             hpdk: HpdkOptions::default(),
+            lightkv: LightkvOptions::default(),
             fs: None,
             pm_device: None,
             pm_health: None,
@@ -380,12 +450,17 @@ impl Options {
         self.slmdb = v;
         self
     }
-    /// Set [`Options::fs`].
-    /// Set the `hpdk` preset's options.
+    /// Set [`Options::hpdk`].
     pub fn hpdk(mut self, v: HpdkOptions) -> Self {
         self.hpdk = v;
         self
     }
+    /// Set [`Options::lightkv`].
+    pub fn lightkv(mut self, v: LightkvOptions) -> Self {
+        self.lightkv = v;
+        self
+    }
+    /// Set [`Options::fs`].
     pub fn fs(mut self, fs: Arc<dyn Fs>) -> Self {
         self.fs = Some(fs);
         self
@@ -459,6 +534,28 @@ impl Options {
         }
         if !(0.0..=1.0).contains(&h.live_rate_threshold) || h.merge_trigger < 1 {
             return bad("hpdk: live_rate_threshold must be in 0..=1 and merge_trigger >= 1".into());
+        }
+        let l = &self.lightkv;
+        if l.max_leaf_nodes < 2 || l.max_leaf_nodes > 1 << 20 {
+            return bad(format!("lightkv.max_leaf_nodes {} not in 2..=1048576", l.max_leaf_nodes));
+        }
+        if !(1..=(1 << 16)).contains(&l.leaf_buckets) || l.t_normal < 1 || l.compaction_size < 2 {
+            return bad("lightkv: leaf_buckets must be in 1..=65536, t_normal >= 1, compaction_size >= 2".into());
+        }
+        if l.segment_size < (64 << 10) || !l.segment_size.is_multiple_of(64) {
+            return bad(format!(
+                "lightkv.segment_size {} must be a multiple of 64 and at least 64 KiB",
+                l.segment_size
+            ));
+        }
+        if self.preset == Preset::Lightkv && l.segment_size > self.pm_pool_size / 2 {
+            return bad(format!(
+                "lightkv.segment_size {} must be at most half a PM pool of {} bytes (raise pm_pool_size)",
+                l.segment_size, self.pm_pool_size
+            ));
+        }
+        if !(256..=(1 << 20)).contains(&l.block_size) {
+            return bad(format!("lightkv.block_size {} not in 256..=1 MiB", l.block_size));
         }
         Ok(())
     }

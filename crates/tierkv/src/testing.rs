@@ -5,7 +5,7 @@
 use std::sync::Arc;
 
 use crate::fs::FaultFs;
-use crate::options::{HpdkOptions, Options, PmekvOptions, Preset, SlmdbOptions};
+use crate::options::{HpdkOptions, LightkvOptions, Options, PmekvOptions, Preset, SlmdbOptions};
 use crate::pm::sim::SimDevice;
 
 /// Every preset scaled down, on `dev` and `fs`: 1 MiB PM pools, values up to 16 KiB.
@@ -24,6 +24,22 @@ pub fn sim_options(preset: Preset, dev: &SimDevice, fs: &FaultFs) -> Options {
         })
         .slmdb(slmdb_small())
         .hpdk(hpdk_small())
+        .lightkv(lightkv_small())
+}
+
+/// LightKV scaled down so that small tests split leaves, link and flush them and compact
+/// partitions: leaves of 4 buckets (20 slots), at most 6 partitions, 64 KiB segments,
+/// 256-byte blocks, everything in the calling thread.
+pub fn lightkv_small() -> LightkvOptions {
+    LightkvOptions {
+        max_leaf_nodes: 6,
+        leaf_buckets: 4,
+        segment_size: 64 << 10,
+        block_size: 256,
+        block_cache_size: 64 << 10,
+        background: false,
+        ..LightkvOptions::default()
+    }
 }
 
 /// HPDK scaled down so that small tests flush, merge and reuse value pools: 16 KiB

@@ -11,7 +11,7 @@ use std::sync::Arc;
 use common::*;
 use rand::rngs::SmallRng;
 use rand::{Rng, SeedableRng};
-use tierkv::{Db, HpdkOptions, Options, PmekvOptions, Preset, SlmdbOptions, WriteBatch};
+use tierkv::{Db, HpdkOptions, LightkvOptions, Options, PmekvOptions, Preset, SlmdbOptions, WriteBatch};
 
 fn opts(preset: Preset) -> Options {
     Options::new()
@@ -37,6 +37,15 @@ fn opts(preset: Preset) -> Options {
             vlog_pool_size: 1 << 20,
             block_size: 512,
             ..HpdkOptions::default()
+        })
+        // LightKV with its flush and compaction threads, leaves small enough to be linked,
+        // flushed and compacted many times during the run.
+        .lightkv(LightkvOptions {
+            max_leaf_nodes: 8,
+            leaf_buckets: 8,
+            segment_size: 64 << 10,
+            block_size: 512,
+            ..LightkvOptions::default()
         })
 }
 
@@ -132,11 +141,15 @@ fn writers_and_readers_agree_with_the_model() {
         assert_matches(&db, &model, &format!("{preset} after concurrent run"));
         // The background work of each design really ran while the threads did.
         let what = match preset {
-            Preset::Slmdb | Preset::Hpdk => "flushes",
+            Preset::Slmdb | Preset::Hpdk | Preset::Lightkv => "flushes",
             _ => "checkpoints",
         };
         let n = db.stats().design.get(what).copied().unwrap_or(0);
         assert!(n > 0, "{preset}: background {what} never ran");
+        if preset == Preset::Lightkv {
+            let c = db.stats().design.get("compactions").copied().unwrap_or(0);
+            assert!(c > 0, "lightkv: no partition compaction ran during the concurrent run");
+        }
         Arc::try_unwrap(db).unwrap().close().unwrap();
         let db = Db::open(t.path(), opts(preset)).unwrap();
         assert_matches(&db, &model, &format!("{preset} after reopen"));

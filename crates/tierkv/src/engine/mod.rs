@@ -136,5 +136,6 @@ pub fn open(preset: Preset, ctx: EngineCtx) -> Result<Arc<dyn Engine>> {
         Preset::Pmekv => Ok(Arc::new(pmekv::Pmekv::open(ctx)?)),
         Preset::Slmdb => Ok(Arc::new(slmdb::Slmdb::open(ctx)?)),
         Preset::Hpdk => Ok(Arc::new(hpdk::Hpdk::open(ctx)?)),
+        Preset::Lightkv => Ok(Arc::new(lightkv::Lightkv::open(ctx)?)),
     }
 }

@@ -209,6 +209,11 @@ impl Leaf {
         self.normal
     }
 
+    /// True when an entry was ever placed in the extra area (lookups then search it).
+    pub fn extra_used(&self) -> bool {
+        self.extra_used
+    }
+
     /// Add `key` at `off` to a leaf being built (a compaction's output leaf): no lookup of
     /// an existing entry. Returns false when the key's buckets and the extra area are full.
     pub fn add_new(&mut self, key: &[u8], off: u64) -> bool {
@@ -310,7 +315,47 @@ impl Leaf {
     }
 }
 
-/// A partition id (an index into the tree's partitions; stable for the tree's life).
+/// Look `key` up in a leaf that is not in DRAM (a PM copy): `fetch(i)` reads bucket `i`.
+/// The leaf has `normal` normal buckets, `buckets` in all, and searches its extra area when
+/// `extra_used` ([`Leaf::extra_used`] of the leaf it was copied from). Only the key's two
+/// buckets (and the extra area when used) are read, as [`Leaf::get`] does in DRAM.
+pub fn probe(
+    normal: usize,
+    buckets: usize,
+    extra_used: bool,
+    key: &[u8],
+    fetch: &mut dyn FnMut(usize) -> Result<Bucket>,
+    src: &dyn KeySource,
+) -> Result<Option<u64>> {
+    let h = hashes(key, normal.max(1));
+    let second = (h.b2 != h.b1).then_some(h.b2);
+    let extra = if extra_used { normal..buckets } else { 0..0 };
+    for b in std::iter::once(h.b1).chain(second).chain(extra) {
+        let bk = fetch(b)?;
+        for s in 0..SLOTS {
+            if live(bk.sig[s]) && bk.sig[s] >> 3 == h.sig29 && src.key(bk.off[s])? == key {
+                return Ok(Some(bk.off[s]));
+            }
+        }
+    }
+    Ok(None)
+}
+
+/// The smallest key greater than every key starting with `prefix` (`None`: no such key).
+fn successor(prefix: &[u8]) -> Option<Vec<u8>> {
+    let mut s = prefix.to_vec();
+    while let Some(&last) = s.last() {
+        if last < 255 {
+            *s.last_mut()? += 1;
+            return Some(s);
+        }
+        s.pop();
+    }
+    None
+}
+
+/// A partition id: an index into the tree's partitions. The id of a partition never changes
+/// while the tree lives, except through [`RhTree::ensure_partition`] (recovery).
 pub type PartitionId = u32;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -333,8 +378,12 @@ struct Inner {
 pub struct Partition {
     /// The top leaf.
     pub top: Leaf,
-    /// Older leaves, newest first.
+    /// Older leaves the tree searches after the top leaf, newest first. The engine may move
+    /// a leaf out of here once it lives elsewhere (e.g. a PM copy it searches itself).
     pub chain: Vec<Leaf>,
+    /// The partition has had a leaf linked ([`RhTree::link`]) or was restored with linked
+    /// leaves: it never splits again (its older leaves' SSTables cannot be divided by key).
+    pub linked: bool,
     /// Engine-defined tag (e.g. where the partition's chain record lives); moves with the
     /// partition, whatever its id becomes. 0 by default.
     pub tag: u64,
@@ -430,6 +479,7 @@ impl RhTree {
         self.parts.push(Partition {
             top: Leaf::new(self.opts.leaf_buckets, depth),
             chain: Vec::new(),
+            linked: false,
             tag: 0,
             inner,
             end,
@@ -516,7 +566,7 @@ impl RhTree {
                 part.top.place(pos, h.sig29 << 3 | clen, cache, off);
                 return Ok(Insert::Inserted(p));
             }
-            if part.end || !part.chain.is_empty() || self.parts.len() >= self.opts.max_leaf_nodes {
+            if part.end || part.linked || self.parts.len() >= self.opts.max_leaf_nodes {
                 return Ok(Insert::Full(p));
             }
             self.split(p, src)?;
@@ -545,6 +595,7 @@ impl RhTree {
         let fresh = Leaf::new(self.opts.leaf_buckets, part.top.depth);
         let old = std::mem::replace(&mut part.top, fresh);
         part.chain.insert(0, old);
+        part.linked = true;
     }
 
     /// Partitions in key order (an end partition before its inner node's children; a
@@ -589,6 +640,49 @@ impl RhTree {
         }
     }
 
+    /// The partition `d` describes, if the tree has exactly it.
+    pub fn find_partition(&self, d: &PartitionDesc) -> Option<PartitionId> {
+        let mut n = 0usize;
+        for &b in &d.prefix {
+            match self.inners[n].children[b as usize] {
+                Child::Inner(j) => n = j as usize,
+                Child::Leaf(_) => return None,
+            }
+        }
+        let p = if d.end {
+            self.inners[n].end?
+        } else {
+            match self.inners[n].children[*d.values.first()? as usize] {
+                Child::Leaf(p) => p,
+                Child::Inner(_) => return None,
+            }
+        };
+        (self.descriptor(p) == *d).then_some(p)
+    }
+
+    /// The key range partition `p` may hold: every key `k` routed to it has
+    /// `lower <= k` and, when `upper` is `Some(u)`, `k < u`. Other partitions' keys may fall
+    /// inside (a value set with holes), so scans merge partitions by key.
+    pub fn bounds(&self, p: PartitionId) -> (Vec<u8>, Option<Vec<u8>>) {
+        let d = self.descriptor(p);
+        if d.end {
+            let mut up = d.prefix.clone();
+            up.push(0);
+            return (d.prefix, Some(up));
+        }
+        let (lo, hi) = (d.values.first().copied().unwrap_or(0), d.values.last().copied().unwrap_or(255));
+        let mut lower = d.prefix.clone();
+        lower.push(lo);
+        let upper = if hi < 255 {
+            let mut u = d.prefix.clone();
+            u.push(hi + 1);
+            Some(u)
+        } else {
+            successor(&d.prefix)
+        };
+        (lower, upper)
+    }
+
     /// Recreate the partition `d` describes in a tree that holds no entries yet (recovery
     /// rebuilds partitions with linked PM leaves before it replays the write buffer): inner
     /// nodes are created along `d.prefix`, and the byte values `d.values` (or the end slot)
@@ -597,7 +691,7 @@ impl RhTree {
     /// an inner node on another restored path) are an error: they cannot come from one tree.
     /// The returned id is valid until the next restore (which may renumber partitions):
     /// attach the partition's data (its chain, its [`Partition::tag`]) right away.
-    pub fn ensure_partition(&mut self, d: &PartitionDesc) -> std::result::Result<PartitionId, String> {
+    pub fn ensure_partition(&mut self, d: &PartitionDesc, linked: bool) -> std::result::Result<PartitionId, String> {
         if self.parts.iter().any(|p| p.top.live() > 0) {
             return Err("partitions can only be restored before any entry is indexed".into());
         }
@@ -658,6 +752,7 @@ impl RhTree {
         }
         .ok_or_else(|| "restored partition vanished".to_string())?;
         self.restored.push(q);
+        self.parts[q as usize].linked = linked;
         Ok(q)
     }
 
@@ -992,7 +1087,7 @@ mod tests {
         assert!(descs.iter().any(|d| d.prefix.len() >= 4), "some restored partition is deep");
         let mut r = RhTree::new(small(10_000));
         for (i, d) in descs.iter().enumerate() {
-            let q = r.ensure_partition(d).unwrap();
+            let q = r.ensure_partition(d, true).unwrap();
             assert_eq!(&r.descriptor(q), d);
             r.partition_mut(q).tag = i as u64 + 1;
         }
@@ -1015,11 +1110,11 @@ mod tests {
             }
         }
         // A descriptor that overlaps a restored one is refused; so is restoring after inserts.
-        assert!(r.ensure_partition(&descs[0]).is_err());
+        assert!(r.ensure_partition(&descs[0], true).is_err());
         let k = b"zz".to_vec();
         let off = log.add(&k);
         r.insert(&k, off, &log).unwrap();
-        assert!(r.ensure_partition(&descs[1]).is_err());
+        assert!(r.ensure_partition(&descs[1], true).is_err());
     }
 
     fn key_strategy() -> impl Strategy<Value = Vec<u8>> {

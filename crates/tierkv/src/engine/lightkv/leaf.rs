@@ -70,6 +70,17 @@ pub fn encode_leaf(leaf: &Leaf, normal: usize, meta: LeafMeta) -> Vec<u8> {
     out
 }
 
+/// Decode one 64-byte bucket (`b` is at least 64 bytes).
+pub fn decode_bucket(b: &[u8]) -> Bucket {
+    let mut bk = Bucket::default();
+    for s in 0..SLOTS {
+        bk.sig[s] = le32(b, 4 * s);
+        bk.cache[s] = le32(b, 16 + 4 * s);
+        bk.off[s] = le64(b, 32 + 8 * s);
+    }
+    bk
+}
+
 /// Bytes a leaf with this header occupies (header included), from its first 64 bytes.
 pub fn leaf_len(header: &[u8]) -> Result<usize, String> {
     if header.len() < LEAF_HEADER || &header[0..8] != LEAF_MAGIC {
@@ -96,17 +107,7 @@ pub fn decode_leaf(b: &[u8]) -> Result<(Leaf, LeafMeta), String> {
         return Err(format!("unsupported PM leaf version {v}"));
     }
     let (normal, depth, n) = (le32(b, 12) as usize, le32(b, 16) as usize, le32(b, 20) as usize);
-    let mut buckets = Vec::with_capacity(n);
-    for i in 0..n {
-        let o = LEAF_HEADER + i * 64;
-        let mut bk = Bucket::default();
-        for s in 0..SLOTS {
-            bk.sig[s] = le32(b, o + 4 * s);
-            bk.cache[s] = le32(b, o + 16 + 4 * s);
-            bk.off[s] = le64(b, o + 32 + 8 * s);
-        }
-        buckets.push(bk);
-    }
+    let buckets = (0..n).map(|i| decode_bucket(&b[LEAF_HEADER + i * 64..LEAF_HEADER + i * 64 + 64])).collect();
     let leaf = Leaf::from_buckets(buckets, normal, depth).ok_or("PM leaf geometry does not add up")?;
     Ok((leaf, LeafMeta { table: le64(b, 24), cw: le32(b, 32), seq_hi: le64(b, 36) }))
 }
@@ -166,6 +167,120 @@ pub fn decode_chain(b: &[u8]) -> Result<(Chain, usize), String> {
     let desc = PartitionDesc { prefix: b[17..17 + plen].to_vec(), values: b[17 + plen..at].to_vec(), end: is_end };
     let leaves = (0..n).map(|i| le64(b, at + 4 + 8 * i)).collect();
     Ok((Chain { desc, leaves }, end + 4))
+}
+
+/// The clean-shutdown image of the DRAM part of the index (§V: "a clean shutdown persists
+/// the DRAM part so restart is instant"): every partition's place and top leaf, its active
+/// segment, and every segment's write position.
+///
+/// ```text
+/// image: magic "TKVLKIMG" | version u32 = 1 | len u64 (whole image) | next_seq u64
+///        | segments u32 | partitions u32
+///        | segments × (addr u64 | write position u64)
+///        | partitions × (end u8 | prefix len u16 | values u16 | prefix | values
+///                         | active segment u64 (0 = none) | leaf len u32 | leaf (as a PM leaf))
+///        | crc u32 (all before)
+/// ```
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Image {
+    /// The next write-buffer sequence number.
+    pub next_seq: u64,
+    /// Segment base addresses and write positions.
+    pub segments: Vec<(u64, u64)>,
+    /// Partitions: place, active segment (0 = none), top leaf.
+    pub partitions: Vec<(PartitionDesc, u64, Leaf)>,
+}
+
+/// Bytes of the image header (magic .. partitions).
+pub const IMAGE_HEADER: usize = 36;
+const IMAGE_MAGIC: &[u8; 8] = b"TKVLKIMG";
+
+/// Encode an image.
+pub fn encode_image(img: &Image) -> Vec<u8> {
+    let mut out = Vec::new();
+    out.extend_from_slice(IMAGE_MAGIC);
+    out.extend_from_slice(&VERSION.to_le_bytes());
+    out.extend_from_slice(&0u64.to_le_bytes());
+    out.extend_from_slice(&img.next_seq.to_le_bytes());
+    out.extend_from_slice(&(img.segments.len() as u32).to_le_bytes());
+    out.extend_from_slice(&(img.partitions.len() as u32).to_le_bytes());
+    for (a, pos) in &img.segments {
+        out.extend_from_slice(&a.to_le_bytes());
+        out.extend_from_slice(&pos.to_le_bytes());
+    }
+    for (d, active, leaf) in &img.partitions {
+        out.push(u8::from(d.end));
+        out.extend_from_slice(&(d.prefix.len() as u16).to_le_bytes());
+        out.extend_from_slice(&(d.values.len() as u16).to_le_bytes());
+        out.extend_from_slice(&d.prefix);
+        out.extend_from_slice(&d.values);
+        out.extend_from_slice(&active.to_le_bytes());
+        let lb = encode_leaf(leaf, leaf.normal(), LeafMeta { table: 0, cw: 0, seq_hi: 0 });
+        out.extend_from_slice(&(lb.len() as u32).to_le_bytes());
+        out.extend_from_slice(&lb);
+    }
+    let len = (out.len() + 4) as u64;
+    out[12..20].copy_from_slice(&len.to_le_bytes());
+    let c = crc::masked(&out);
+    out.extend_from_slice(&c.to_le_bytes());
+    out
+}
+
+/// The image's total length from its header.
+pub fn image_len(h: &[u8]) -> Result<usize, String> {
+    if h.len() < IMAGE_HEADER || &h[0..8] != IMAGE_MAGIC {
+        return Err("not a LightKV index image (bad magic)".into());
+    }
+    let len = le64(h, 12);
+    if len < IMAGE_HEADER as u64 + 4 || len > 1 << 40 {
+        return Err(format!("index image claims {len} bytes"));
+    }
+    Ok(len as usize)
+}
+
+/// Decode an image written by [`encode_image`].
+pub fn decode_image(b: &[u8]) -> Result<Image, String> {
+    let len = image_len(b)?;
+    if b.len() < len {
+        return Err(format!("index image of {len} bytes is cut short at {}", b.len()));
+    }
+    if le32(b, len - 4) != crc::masked(&b[..len - 4]) {
+        return Err("index image checksum mismatch".into());
+    }
+    let v = le32(b, 8);
+    if v != VERSION {
+        return Err(format!("unsupported index image version {v}"));
+    }
+    let body = &b[..len - 4];
+    let short = || "index image is malformed (field past its end)".to_string();
+    let mut c = crate::format::Cursor::new(body);
+    c.bytes(20).ok_or_else(short)?;
+    let next_seq = c.u64().ok_or_else(short)?;
+    let nseg = c.u32().ok_or_else(short)? as usize;
+    let npart = c.u32().ok_or_else(short)? as usize;
+    if nseg > body.len() / 16 || npart > body.len() / 9 {
+        return Err(format!("index image claims {nseg} segments and {npart} partitions"));
+    }
+    let mut segments = Vec::with_capacity(nseg);
+    for _ in 0..nseg {
+        segments.push((c.u64().ok_or_else(short)?, c.u64().ok_or_else(short)?));
+    }
+    let mut partitions = Vec::with_capacity(npart);
+    for _ in 0..npart {
+        let end = c.u8().ok_or_else(short)? != 0;
+        let plen = c.u16().ok_or_else(short)? as usize;
+        let nv = c.u16().ok_or_else(short)? as usize;
+        let prefix = c.bytes(plen).ok_or_else(short)?.to_vec();
+        let values = c.bytes(nv).ok_or_else(short)?.to_vec();
+        let active = c.u64().ok_or_else(short)?;
+        let ll = c.u32().ok_or_else(short)? as usize;
+        let (leaf, _) = decode_leaf(c.bytes(ll).ok_or_else(short)?)?;
+        partitions.push((PartitionDesc { prefix, values, end }, active, leaf));
+    }
+    if c.remaining() != 0 {
+        return Err("index image has trailing bytes".into());
+    }
+    Ok(Image { next_seq, segments, partitions })
 }
 
 #[cfg(test)]

@@ -1,10 +1,237 @@
-//! The `lightkv` preset (LightKV, MSST 2020): in progress, not yet a preset. Built so far:
-//! the persistent write buffer's segment format ([`pwb`]), PM leaf copies and chain records
-//! ([`leaf`]), and the store core ([`store`]: RH-Tree over PM segments, segment recycling,
-//! flush of full leaves to SSTables, partition compaction, recovery by segment scan; crash
-//! tested at every persist point); the RH-Tree index is [`crate::index::rhtree`]. Next:
-//! scans, background threads, the preset itself. The plan is in docs/design/lightkv.md.
+//! The `lightkv` preset: LightKV (Han, Jiang, Xiong, MSST 2020, `papers/lightkv.txt`).
+//!
+//! # What runs here
+//! - **RH-Tree** (§III-B..E) — [`crate::index::rhtree`]: radix inner nodes on 8-bit key
+//!   chunks over hash leaf nodes of 64-byte buckets; normal and level splits decided from the
+//!   cache slots; MAX_LEAF_NODES, after which a full leaf gets a linked successor.
+//! - **Persistent write buffer** (§III-A/D) — [`pwb`]: one append-only PM segment (4 MiB) per
+//!   partition; a put appends its checksummed record, persists it, and updates the top leaf.
+//!   No WAL: the write buffer is the log.
+//! - **Flush** (Fig. 6) and **partition compaction** (§III-F) — [`store`]: a full leaf that
+//!   cannot split is linked behind a fresh top leaf and queued; the flush thread sorts its
+//!   records into an SSTable, copies the leaf to PM pointing at the table, and swaps it in
+//!   with one 8-byte commit once the table is durable. CS (4) leaves of equal compaction
+//!   weight are merged by the compaction thread into one of weight + 1. Two background
+//!   threads, as in the paper's evaluation.
+//! - **Placement** (§III-E, §VI-F) — [`crate::LightkvPlacement`]: radix tree and top leaves in
+//!   DRAM, linked leaves searched in PM (LightKV); everything in DRAM (LightKV_DRAM).
+//! - **Recovery** (§V): the chain directory gives the PM leaves and tables as they are; the
+//!   DRAM part is rebuilt by scanning the write buffer, or restored from the image a clean
+//!   close writes (`restored_from_image` in stats).
+//!
+//! # Choices where the paper is silent
+//! See docs/design/lightkv.md. In short: deletes index a tombstone record (dropped when a
+//! compaction reaches the partition's oldest table); a batch is one write-buffer record in
+//! the first key's partition's segment; a write larger than a segment gets a segment of its
+//! own size; writers wait when more than [`store::MAX_PENDING_FLUSHES`] leaves are queued
+//! for flushing; a partition that has linked leaves never splits, so a hot key range grows a
+//! longer chain (compaction keeps it at about CS × log_CS(N) leaves; `chain_length_max` in
+//! stats shows it).
 
 pub mod leaf;
 pub mod pwb;
 pub mod store;
+
+use std::ops::Bound;
+use std::sync::Arc;
+use std::thread::JoinHandle;
+
+use parking_lot::Mutex;
+
+use crate::batch::BatchOp;
+use crate::engine::{open_region, Cond, Engine, EngineCtx};
+use crate::error::Result;
+use crate::index::rhtree::RhOptions;
+use crate::stats::Stats;
+use store::{PwbStore, StoreConfig};
+
+/// The LightKV engine. See the module docs.
+pub struct Lightkv {
+    store: Arc<PwbStore>,
+    workers: Mutex<Vec<JoinHandle<()>>>,
+}
+
+impl std::fmt::Debug for Lightkv {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Lightkv").field("store", &self.store).finish()
+    }
+}
+
+impl Lightkv {
+    /// Open (or create, when `ctx.fresh`) a LightKV store.
+    pub fn open(ctx: EngineCtx) -> Result<Lightkv> {
+        let o = &ctx.opts.lightkv;
+        let cfg = StoreConfig {
+            seg_size: o.segment_size,
+            tree: RhOptions { leaf_buckets: o.leaf_buckets, t_normal: o.t_normal, max_leaf_nodes: o.max_leaf_nodes },
+            compaction_size: o.compaction_size,
+            placement: o.placement,
+            block_size: o.block_size,
+            block_cache: o.block_cache_size,
+            background: o.background,
+        };
+        let region = Arc::new(open_region(&ctx)?);
+        let store = Arc::new(PwbStore::open(region, Arc::new(ctx.fs.clone()), &ctx.dir, ctx.fresh, cfg)?);
+        let mut workers = Vec::new();
+        if store.config().background {
+            for (name, compactor) in [("tierkv-lightkv-flush", false), ("tierkv-lightkv-compact", true)] {
+                let s = store.clone();
+                workers.push(std::thread::Builder::new().name(name.into()).spawn(move || worker_loop(s, compactor))?);
+            }
+        }
+        Ok(Lightkv { store, workers: Mutex::new(workers) })
+    }
+
+    fn stop_workers(&self) {
+        self.store.work.lock().stop = true;
+        self.store.work_cv.notify_all();
+        for h in self.workers.lock().drain(..) {
+            let _ = h.join();
+        }
+        self.store.notify_flushed();
+    }
+
+    /// Flush every queued leaf in the calling thread; compactions they make due are queued
+    /// for the compaction thread (or run here without background threads).
+    fn drain_flushes(&self) -> Result<()> {
+        while let Some(slot) = self.store.flush_one()? {
+            self.after_flush(slot)?;
+        }
+        Ok(())
+    }
+
+    fn after_flush(&self, slot: u64) -> Result<()> {
+        if self.workers.lock().is_empty() {
+            self.store.compact_chain(slot)?;
+        } else {
+            let mut w = self.store.work.lock();
+            w.compact.push_back(slot);
+            self.store.work_cv.notify_all();
+        }
+        Ok(())
+    }
+}
+
+impl Drop for Lightkv {
+    fn drop(&mut self) {
+        self.stop_workers();
+    }
+}
+
+fn worker_loop(s: Arc<PwbStore>, compactor: bool) {
+    loop {
+        let slot = {
+            let mut w = s.work.lock();
+            loop {
+                if w.stop {
+                    return;
+                }
+                if compactor {
+                    if let Some(slot) = w.compact.pop_front() {
+                        break Some(slot);
+                    }
+                } else if s.pending_flushes() > 0 {
+                    break None;
+                }
+                s.work_cv.wait_for(&mut w, std::time::Duration::from_millis(50));
+            }
+        };
+        if s.poisoned.is_set() {
+            s.notify_flushed();
+            return;
+        }
+        let what = if compactor { "compaction" } else { "flush" };
+        let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| -> Result<()> {
+            match slot {
+                Some(slot) => s.compact_chain(slot).map(|_| ()),
+                None => {
+                    if let Some(slot) = s.flush_one()? {
+                        let mut w = s.work.lock();
+                        w.compact.push_back(slot);
+                        s.work_cv.notify_all();
+                    }
+                    Ok(())
+                }
+            }
+        }));
+        match r {
+            Ok(Ok(())) => {}
+            Ok(Err(e)) => s.poisoned.set(format!("background {what} failed: {e}")),
+            Err(_) => s.poisoned.set(format!("background {what} panicked")),
+        }
+        s.notify_flushed();
+    }
+}
+
+impl Engine for Lightkv {
+    fn get(&self, key: &[u8]) -> Result<Option<Vec<u8>>> {
+        self.store.get(key)
+    }
+
+    fn write(&self, ops: &[BatchOp], cond: Cond) -> Result<bool> {
+        let pops: Vec<pwb::Op<'_>> = ops
+            .iter()
+            .map(|o| match o {
+                BatchOp::Put { key, value } => (pwb::Kind::Put, key.as_slice(), value.as_slice()),
+                BatchOp::Delete { key } => (pwb::Kind::Delete, key.as_slice(), &[][..]),
+            })
+            .collect();
+        self.store.write_batch(&pops, cond)
+    }
+
+    fn scan_chunk(&self, start: Bound<&[u8]>, end: Bound<&[u8]>, max: usize) -> Result<Vec<(Vec<u8>, Vec<u8>)>> {
+        self.store.scan(start, end, max)
+    }
+
+    fn flush(&self) -> Result<()> {
+        self.store.poisoned.check()?;
+        self.drain_flushes()
+    }
+
+    fn compact(&self) -> Result<()> {
+        self.store.poisoned.check()?;
+        self.drain_flushes()?;
+        for slot in self.store.chain_slots() {
+            self.store.compact_chain(slot)?;
+        }
+        Ok(())
+    }
+
+    fn stats(&self) -> Stats {
+        let s = &self.store;
+        let c = s.stats();
+        let mut design: Vec<(&str, u64)> = vec![
+            ("flushes", c.flushes),
+            ("flush_bytes", c.flush_bytes),
+            ("compactions", c.compactions),
+            ("compaction_bytes", c.compaction_bytes),
+            ("compaction_dropped_entries", c.compaction_dropped),
+            ("segments_freed", c.segments_freed),
+            ("recovered_records", c.recovered_records),
+            ("recovered_skipped", c.recovered_skipped),
+            ("restored_from_image", c.restored_from_image),
+            ("image_rejected", c.image_rejected),
+            ("write_stalls", c.write_stalls),
+            ("pm_leaf_probes", c.pm_leaf_probes),
+        ];
+        let shape = s.shape();
+        let dram = shape.iter().find(|x| x.0 == "dram_leaf_bytes").map_or(0, |x| x.1);
+        design.extend(shape);
+        let keys = s.live_keys().unwrap_or(0);
+        Stats::engine("lightkv", s.region().stats(), s.user_bytes(), keys, dram, &design)
+    }
+
+    fn check(&self) -> Result<Vec<String>> {
+        self.store.check()
+    }
+
+    fn close(&self) -> Result<()> {
+        self.store.poisoned.check()?;
+        self.drain_flushes()?;
+        self.stop_workers();
+        self.store.poisoned.check()?;
+        self.store.write_image()?;
+        self.store.region().sync_all()?;
+        Ok(())
+    }
+}

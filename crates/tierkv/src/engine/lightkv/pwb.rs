@@ -9,12 +9,13 @@
 //! ```text
 //! header: magic "TKVLKSEG" | version u32 = 1 | segment id u64 | size u64 | crc u32 (of bytes 0..28)
 //! record: crc u32 | len u32 | seq u64 | count u32 | entry × count | pad to 8
-//! entry:  kind u8 | klen u16 | vlen u32 | key | value
+//! entry:  crc u32 (of kind .. value) | kind u8 | klen u16 | vlen u32 | key | value
 //! ```
 //!
 //! A record is one write: a put, a delete, or a whole batch (so a batch is atomic: its
 //! record verifies entirely or not at all). Index entries point at an *entry* inside its
-//! record. `len` counts the bytes after the `len` field (seq .. last entry, unpadded). The
+//! record, and carries its own checksum so that a read through the index verifies just the
+//! entry it needs (the record checksum is what recovery verifies). `len` counts the bytes after the `len` field (seq .. last entry, unpadded). The
 //! record crc covers the segment id and `len ..` the last entry, so a record left behind by
 //! an earlier segment in a reused extent never verifies as one of this segment's.
 //!
@@ -33,8 +34,8 @@ use crate::format::crc;
 pub const HEADER_LEN: usize = 64;
 /// Record header size (crc, len, seq, count).
 pub const RECORD_HEADER: usize = 4 + 4 + 8 + 4;
-/// Entry header size (kind, klen, vlen).
-pub const ENTRY_HEADER: usize = 1 + 2 + 4;
+/// Entry header size (crc, kind, klen, vlen).
+pub const ENTRY_HEADER: usize = 4 + 1 + 2 + 4;
 const MAGIC: &[u8; 8] = b"TKVLKSEG";
 const VERSION: u32 = 1;
 
@@ -102,12 +103,16 @@ pub fn encode_record(seg_id: u64, seq: u64, entries: &[Op<'_>]) -> (Vec<u8>, Vec
     r.extend_from_slice(&(entries.len() as u32).to_le_bytes());
     let mut offs = Vec::with_capacity(entries.len());
     for (kind, key, value) in entries {
-        offs.push(r.len());
+        let at = r.len();
+        offs.push(at);
+        r.extend_from_slice(&[0u8; 4]);
         r.push(*kind as u8);
         r.extend_from_slice(&(key.len() as u16).to_le_bytes());
         r.extend_from_slice(&(value.len() as u32).to_le_bytes());
         r.extend_from_slice(key);
         r.extend_from_slice(value);
+        let c = crc::masked(&r[at + 4..]);
+        r[at..at + 4].copy_from_slice(&c.to_le_bytes());
     }
     let len = (r.len() - 8) as u32;
     r[4..8].copy_from_slice(&len.to_le_bytes());
@@ -143,21 +148,30 @@ pub struct Record<'a> {
     pub entries: Vec<Entry<'a>>,
 }
 
-/// Decode the entry at the start of `b`: (kind, key, value, bytes used).
+/// The key and value lengths an entry header claims.
+pub fn entry_lens(h: &[u8]) -> Option<(usize, usize)> {
+    let h = h.get(..ENTRY_HEADER)?;
+    Some((u16::from_le_bytes([h[5], h[6]]) as usize, u32::from_le_bytes([h[7], h[8], h[9], h[10]]) as usize))
+}
+
+/// Decode and verify the entry at the start of `b`: (kind, key, value, bytes used); `None`
+/// when it is malformed or its checksum does not match.
 pub fn decode_entry(b: &[u8]) -> Option<(Kind, &[u8], &[u8], usize)> {
     let h = b.get(..ENTRY_HEADER)?;
-    let kind = match h[0] {
+    let kind = match h[4] {
         0 => Kind::Put,
         1 => Kind::Delete,
         _ => return None,
     };
-    let klen = u16::from_le_bytes([h[1], h[2]]) as usize;
-    let vlen = u32::from_le_bytes([h[3], h[4], h[5], h[6]]) as usize;
+    let (klen, vlen) = entry_lens(h)?;
     if kind == Kind::Delete && vlen != 0 {
         return None;
     }
     let end = ENTRY_HEADER.checked_add(klen)?.checked_add(vlen)?;
     let body = b.get(ENTRY_HEADER..end)?;
+    if u32::from_le_bytes([h[0], h[1], h[2], h[3]]) != crc::masked(&b[4..end]) {
+        return None;
+    }
     Some((kind, &body[..klen], &body[klen..], end))
 }
 
@@ -238,8 +252,11 @@ mod tests {
         );
         // Checked against an independent crc32c.
         let (r, offs) = encode_record(7, 3, &[(Kind::Put, b"k", b"vv"), (Kind::Delete, b"d", b"")]);
-        assert_eq!(hex(&r), "6120b6a61e000000030000000000000002000000000100020000006b767601010000000000640000");
-        assert_eq!(offs, vec![20, 30]);
+        assert_eq!(
+            hex(&r),
+            "68f9990c26000000030000000000000002000000014fb43b000100020000006b76766f01b37001010000000000640000"
+        );
+        assert_eq!(offs, vec![20, 34]);
     }
 
     #[test]
@@ -273,14 +290,14 @@ mod tests {
         let last = recs[2].off;
         let second = recs[1].off;
         drop(recs);
-        s[last + 20] ^= 0xff;
+        s[last + 24] ^= 0xff;
         let (recs, end2) = scan(&s, 9).unwrap();
         assert_eq!((recs.len(), end2), (2, last));
         assert!(end > end2);
         drop(recs);
         let mut t = s.clone();
         t[last..].fill(0);
-        t[second + 30] ^= 1;
+        t[second + 34] ^= 1;
         assert_eq!(scan(&t, 9).unwrap().0.len(), 1, "a damaged batch is not half applied");
     }
 
