@@ -6,7 +6,7 @@ use std::path::{Path, PathBuf};
 
 use parking_lot::{Mutex, RwLock};
 use tierkv::pm::{Backing, Region, RegionConfig, LINE, POOL_HEADER_LEN};
-use tierkv::{Db, HpdkOptions, Options, Preset, SlmdbOptions};
+use tierkv::{Db, HpdkOptions, LightkvOptions, LightkvPlacement, Options, Preset, SlmdbOptions};
 
 /// Result of engine calls (errors are reported, not recovered).
 pub type Result<T> = std::result::Result<T, String>;
@@ -106,13 +106,37 @@ pub fn open(spec: &EngineSpec) -> Result<Box<dyn BenchEngine>> {
 }
 
 /// Apply the variant `s` of an engine named `<preset>/<s>` to `opts`: SLM-DB's scheme list
-/// ([`slmdb_schemes`]) or HPDK's ablation ([`hpdk_variant`]).
+/// ([`slmdb_schemes`]), HPDK's ablation ([`hpdk_variant`]) or LightKV's settings
+/// ([`lightkv_variant`]).
 pub fn apply_variant(opts: &mut Options, preset: Preset, s: &str) -> Result<()> {
     match preset {
         Preset::Hpdk => opts.hpdk = hpdk_variant(s)?,
+        Preset::Lightkv => opts.lightkv = lightkv_variant(s)?,
         _ => opts.slmdb = slmdb_schemes(preset, s)?,
     }
     Ok(())
+}
+
+/// LightKV's §VI-F sensitivity settings for an engine named `lightkv/<settings>`: a
+/// `+`-joined list of `dram` (LightKV_DRAM: every leaf searched in DRAM), `hybrid` (the
+/// default placement), `leaves=N` (MAX_LEAF_NODES), `cs=N` (compaction size) and `seg=N`
+/// (segment size in KiB), e.g. `lightkv/leaves=64+cs=8`.
+pub fn lightkv_variant(s: &str) -> Result<LightkvOptions> {
+    let mut o = LightkvOptions::default();
+    for part in s.split('+') {
+        let num = |v: &str| v.parse::<u64>().map_err(|_| format!("lightkv setting `{part}`: `{v}` is not a number"));
+        match part.split_once('=') {
+            None if part == "dram" => o.placement = LightkvPlacement::Dram,
+            None if part == "hybrid" => o.placement = LightkvPlacement::Hybrid,
+            Some(("leaves", v)) => o.max_leaf_nodes = num(v)? as usize,
+            Some(("cs", v)) => o.compaction_size = num(v)? as usize,
+            Some(("seg", v)) => o.segment_size = num(v)? << 10,
+            _ => {
+                return Err(format!("unknown lightkv setting `{part}` (known: dram, hybrid, leaves=N, cs=N, seg=KiB)"))
+            }
+        }
+    }
+    Ok(o)
 }
 
 /// HPDK's Fig. 7 ablations for an engine named `hpdk/<variant>`: `nt` (no DRAM B+-tree: a
@@ -219,9 +243,19 @@ impl BenchEngine for Tierkv {
         let Ok(db) = self.db() else { return 0 };
         let s = db.stats();
         let heap = |k: &str| s.design.get(k).copied().unwrap_or(0);
-        // PM in use (heap minus free space); tierkv's disk files are tiny for pmekv.
-        heap("heap_bytes").saturating_sub(heap("heap_free_bytes"))
+        // PM in use (heap minus free space), plus the disk files of the presets that keep
+        // SSTables on disk.
+        let pm = heap("heap_bytes").saturating_sub(heap("heap_free_bytes"))
+            + heap("pm_heap_bytes").saturating_sub(heap("pm_heap_free_bytes"));
+        pm + dir_bytes(&self.dir)
     }
+}
+
+/// Bytes of the files directly in `dir`.
+fn dir_bytes(dir: &Path) -> u64 {
+    std::fs::read_dir(dir)
+        .map(|d| d.flatten().filter_map(|e| e.metadata().ok()).filter(|m| m.is_file()).map(|m| m.len()).sum())
+        .unwrap_or(0)
 }
 
 /// The physical limit: the work no design can avoid. A write appends the value to a PM

@@ -21,7 +21,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use rand::{Rng, SeedableRng};
-use tierkv::{Db, HpdkOptions, Options, Preset, SlmdbOptions};
+use tierkv::{Db, HpdkOptions, LightkvOptions, Options, Preset, SlmdbOptions};
 
 use crate::engine::Result;
 
@@ -57,6 +57,12 @@ pub fn soak_options(preset: Preset) -> Options {
         .pm_pool_size(64 << 20)
         .slmdb(SlmdbOptions { memtable_size: 1 << 20, output_file_size: 256 << 10, ..SlmdbOptions::default() })
         .hpdk(HpdkOptions { memtable_size: 256 << 10, vlog_pool_size: 4 << 20, ..HpdkOptions::default() })
+        .lightkv(LightkvOptions {
+            max_leaf_nodes: 16,
+            leaf_buckets: 64,
+            segment_size: 256 << 10,
+            ..LightkvOptions::default()
+        })
 }
 
 fn key(i: u64) -> Vec<u8> {

@@ -55,7 +55,9 @@ struct BenchFlags {
     /// rocksdb when built with them). `slmdb/<schemes>` runs SLM-DB with only the listed
     /// compaction candidate selection schemes: `none` or a `+`-joined subset of `live`,
     /// `leaf`, `seq` (e.g. `slmdb/live+leaf`), for the paper's §6.5 ablation. `hpdk/nt`
-    /// (no DRAM B+-tree) and `hpdk/ngc` (no merge) are HPDK's Fig. 7 ablations.
+    /// (no DRAM B+-tree) and `hpdk/ngc` (no merge) are HPDK's Fig. 7 ablations. `lightkv/<settings>`
+    /// sets LightKV's §VI-F knobs: a `+`-joined list of `dram` (LightKV_DRAM), `leaves=N`
+    /// (MAX_LEAF_NODES), `cs=N` (compaction size), `seg=KiB` (segment size).
     #[arg(long)]
     engines: Option<String>,
     /// Workloads in order, comma separated: fillseq, fillrandom, overwrite, readrandom,

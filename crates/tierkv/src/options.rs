@@ -239,12 +239,8 @@ pub enum LightkvPlacement {
     #[default]
     Hybrid,
     /// LightKV_DRAM: every leaf searched in DRAM (the PM copies of linked leaves are still
-    /// written, for recovery).
+    /// written, for recovery). (The paper's third variant, LightKV_PM, is not built.)
     Dram,
-    /// LightKV_PM: every leaf in PM. Top leaves are kept in PM as well: every change to a
-    /// top leaf's bucket is written to its PM image and persisted, and lookups read
-    /// the buckets from PM.
-    Pm,
 }
 
 /// Options of the `lightkv` preset (LightKV, MSST 2020). Defaults are the paper's (§VI-A).

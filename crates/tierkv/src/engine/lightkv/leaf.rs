@@ -290,6 +290,39 @@ mod tests {
     use crate::index::rhtree::{Insert, RhOptions, RhTree};
 
     #[test]
+    fn image_golden_bytes_round_trip_and_damage() {
+        let img = Image {
+            next_seq: 9,
+            segments: vec![(4096, 200)],
+            partitions: vec![(
+                PartitionDesc { prefix: b"a".to_vec(), values: vec![0, 1], end: false },
+                4096,
+                Leaf::new(1, 1),
+            )],
+        };
+        let b = encode_image(&img);
+        let hex: String = b.iter().map(|x| format!("{x:02x}")).collect();
+        // Computed independently (Python, crc32c): header, one segment, one partition with an
+        // empty two-bucket leaf, crc.
+        let want = format!(
+            "544b564c4b494d47010000000c01000000000000090000000000000001000000010000000010000000000000c800000000000000\
+             00010002006100010010000000000000c0000000\
+             544b564c4b4c454601000000010000000100000002000000{}a484c8d7{}3cad9c8d",
+            "00".repeat(36),
+            "00".repeat(128)
+        );
+        assert_eq!(hex, want);
+        assert_eq!(image_len(&b), Ok(b.len()));
+        assert_eq!(decode_image(&b), Ok(img));
+        for i in [0, 9, 13, 30, 60, b.len() / 2, b.len() - 1] {
+            let mut bad = b.clone();
+            bad[i] ^= 0x10;
+            assert!(decode_image(&bad).is_err(), "damage at {i} went unnoticed");
+        }
+        assert!(decode_image(&b[..b.len() - 1]).is_err());
+    }
+
+    #[test]
     fn leaves_and_chains_round_trip_and_reject_damage() {
         let keys: Vec<Vec<u8>> = (0..40u32).map(|i| format!("k{i}").into_bytes()).collect();
         let src = |off: u64| -> crate::Result<Vec<u8>> { Ok(keys[off as usize].clone()) };

@@ -107,8 +107,8 @@ pub const HEAP_START: u64 = CHAIN_DIR_ADDR + CHAIN_SLOTS * 8;
 pub const SST_FLAG: u64 = 1 << 63;
 /// Unflushed leaves (all partitions) beyond which a writer waits for the flush thread.
 pub const MAX_PENDING_FLUSHES: usize = 8;
-/// Partitions whose sorted DRAM entries a scan keeps between chunks.
-const SCAN_CACHE_PARTITIONS: usize = 64;
+/// DRAM entries (keys with their offsets) the scan cache holds, over all partitions.
+const SCAN_CACHE_ENTRIES: usize = 4 << 20;
 
 fn sst_off(table: u64, block: usize, entry: usize) -> u64 {
     SST_FLAG | (table & 0x7fff_ffff) << 32 | (block as u64 & 0xf_ffff) << 12 | (entry as u64 & 0xfff)
@@ -244,8 +244,11 @@ struct State {
     unflushed: HashMap<PartitionId, VecDeque<u64>>,
     /// Partitions in the order their leaves were linked: one entry per unflushed leaf.
     flush_queue: VecDeque<PartitionId>,
-    /// Bumped whenever a DRAM leaf changes (the scan cache's key).
+    /// Bumped whenever the partitions change shape (splits, new partitions); with
+    /// `part_ver`, the scan cache's key.
     epoch: u64,
+    /// Per partition: bumped whenever one of its DRAM leaves changes.
+    part_ver: Vec<u64>,
     /// Recovery is re-indexing the write buffer: no segment may be freed yet (one whose
     /// count drops to zero may still hold records not replayed).
     replaying: bool,
@@ -305,7 +308,7 @@ pub struct PwbStore {
     seg_size: u64,
     next_table: AtomicU64,
     stats: Mutex<StoreStats>,
-    scan_cache: Mutex<HashMap<PartitionId, (u64, SortedEntries)>>,
+    scan_cache: Mutex<HashMap<PartitionId, ((u64, u64), SortedEntries)>>,
     /// Serialises flush builds (the flush thread; `flush()`/close in the caller).
     flush_job: Mutex<()>,
     /// Serialises compactions.
@@ -342,6 +345,32 @@ fn read_entry(r: &Region, addr: u64) -> Result<(Kind, Vec<u8>, Vec<u8>)> {
 impl KeySource for Keys<'_> {
     fn key(&self, off: u64) -> Result<Vec<u8>> {
         Ok(self.0.record(off)?.1)
+    }
+}
+
+/// A [`Keys`] that keeps the last record it read, so a lookup that confirms a key and then
+/// returns its value reads (and verifies) the record once.
+struct Memo<'a> {
+    s: &'a PwbStore,
+    last: std::cell::RefCell<Option<(u64, Rec)>>,
+}
+
+impl Memo<'_> {
+    fn record(&self, off: u64) -> Result<Rec> {
+        if let Some((o, r)) = &*self.last.borrow() {
+            if *o == off {
+                return Ok(r.clone());
+            }
+        }
+        let r = self.s.record(off)?;
+        *self.last.borrow_mut() = Some((off, r.clone()));
+        Ok(r)
+    }
+}
+
+impl KeySource for Memo<'_> {
+    fn key(&self, off: u64) -> Result<Vec<u8>> {
+        Ok(self.record(off)?.1)
     }
 }
 
@@ -587,6 +616,7 @@ impl PwbStore {
             unflushed: HashMap::new(),
             flush_queue: VecDeque::new(),
             epoch: 0,
+            part_ver: Vec::new(),
             replaying: false,
         };
         let cache = (cfg.block_cache > 0).then(|| BlockCache::new(cfg.block_cache));
@@ -802,9 +832,11 @@ impl PwbStore {
     /// A full leaf that cannot split is linked behind a fresh one and queued for flushing;
     /// `inline` flushes it right away (recovery, or no background threads).
     fn index(&self, st: &mut State, key: &[u8], addr: u64, seq: u64, inline: bool) -> Result<()> {
+        let shape = Self::shape_key(st);
         loop {
             match st.tree.insert(key, addr, &self.keys())? {
                 Insert::Full(p) => {
+                    Self::touch(st, p);
                     st.tree.link(p);
                     // The record being indexed (and the rest of its batch) is not in the
                     // linked leaf: the flush covers sequence numbers below it.
@@ -814,8 +846,12 @@ impl PwbStore {
                         self.flush_next_locked(st)?;
                     }
                 }
-                Insert::Inserted(_) => break,
-                Insert::Updated(_, old) => {
+                Insert::Inserted(p) => {
+                    Self::touch(st, p);
+                    break;
+                }
+                Insert::Updated(p, old) => {
+                    Self::touch(st, p);
                     if old & SST_FLAG == 0 {
                         Self::release(st, old);
                     }
@@ -823,10 +859,28 @@ impl PwbStore {
                 }
             }
         }
+        if Self::shape_key(st) != shape {
+            st.epoch += 1;
+        }
         if let Some(g) = Self::seg_of(st, addr).and_then(|a| st.segs.get_mut(&a)) {
             g.live += 1;
         }
         Ok(())
+    }
+
+    /// What changes when partitions split or appear.
+    fn shape_key(st: &State) -> (usize, u64, u64) {
+        let sp = st.tree.splits();
+        (st.tree.partition_count(), sp.normal, sp.level)
+    }
+
+    /// Partition `p`'s DRAM leaves changed.
+    fn touch(st: &mut State, p: PartitionId) {
+        let i = p as usize;
+        if st.part_ver.len() <= i {
+            st.part_ver.resize(i + 1, 0);
+        }
+        st.part_ver[i] += 1;
     }
 
     fn alloc(&self, len: u64) -> Result<u64> {
@@ -952,7 +1006,7 @@ impl PwbStore {
             }
         }
         st.flush_queue.pop_front();
-        st.epoch += 1;
+        Self::touch(st, p);
         for off in job.leaf.offsets() {
             Self::release(st, off);
         }
@@ -1241,7 +1295,11 @@ impl PwbStore {
                 return Ok(false);
             }
         }
+        let shape = Self::shape_key(&st);
         let p = st.tree.route_mut(first.1);
+        if Self::shape_key(&st) != shape {
+            st.epoch += 1;
+        }
         let size = pwb::record_size(ops.iter().map(|o| (o.1.len(), o.2.len()))) as u64;
         let seg = match st.active.get(&p).copied() {
             Some(a) if st.segs.get(&a).is_some_and(|g| g.pos + size <= g.size) => a,
@@ -1277,7 +1335,6 @@ impl PwbStore {
         // its PM state, so it poisons the store (reopen recovers the record).
         let r = (|| {
             st.next_seq += 1;
-            st.epoch += 1;
             if let Some(g) = st.segs.get_mut(&seg) {
                 g.pos += rec.len() as u64;
             }
@@ -1306,31 +1363,32 @@ impl PwbStore {
     }
 
     /// Search a PM leaf for `key`.
-    fn pm_leaf_get(&self, l: &PmLeaf, key: &[u8]) -> Result<Option<u64>> {
+    fn pm_leaf_get(&self, l: &PmLeaf, key: &[u8], src: &dyn KeySource) -> Result<Option<u64>> {
         if let Some(d) = &l.dram {
-            return d.get(key, &self.keys());
+            return d.get(key, src);
         }
         let region = &self.region;
         let mut fetch = |i: usize| -> Result<rhtree::Bucket> {
             let b = region.slice_checked(l.addr + (LEAF_HEADER + 64 * i) as u64, 64, "PM leaf bucket")?;
             Ok(decode_bucket(b))
         };
-        rhtree::probe(l.normal, l.buckets, l.extra_used, key, &mut fetch, &self.keys())
+        rhtree::probe(l.normal, l.buckets, l.extra_used, key, &mut fetch, src)
     }
 
     /// The newest version of `key` with the state lock held: `Some(value)` for a put.
     fn get_locked(&self, st: &State, key: &[u8]) -> Result<Option<Vec<u8>>> {
-        let off = match st.tree.get(key, &self.keys())? {
+        let memo = Memo { s: self, last: std::cell::RefCell::new(None) };
+        let off = match st.tree.get(key, &memo)? {
             Some((_, off)) => Some(off),
-            None => self.chain_get(st, key)?,
+            None => self.chain_get(st, key, &memo)?,
         };
         let Some(off) = off else { return Ok(None) };
-        let (kind, _, v) = self.record(off)?;
+        let (kind, _, v) = memo.record(off)?;
         Ok((kind == Kind::Put).then_some(v))
     }
 
     /// Search `key`'s partition's PM leaves, newest first.
-    fn chain_get(&self, st: &State, key: &[u8]) -> Result<Option<u64>> {
+    fn chain_get(&self, st: &State, key: &[u8], src: &dyn KeySource) -> Result<Option<u64>> {
         let Some(p) = st.tree.route(key) else { return Ok(None) };
         let tag = st.tree.partition(p).tag;
         let Some(c) = tag.checked_sub(1).and_then(|s| st.chains.get(&s)) else { return Ok(None) };
@@ -1338,7 +1396,7 @@ impl PwbStore {
         let mut hit = None;
         for l in &c.leaves {
             probes += 1;
-            if let Some(off) = self.pm_leaf_get(l, key)? {
+            if let Some(off) = self.pm_leaf_get(l, key, src)? {
                 hit = Some(off);
                 break;
             }
@@ -1356,8 +1414,9 @@ impl PwbStore {
     /// Partition `p`'s DRAM entries (top leaf, then unflushed leaves), sorted by key, newest
     /// version of each key; cached until the DRAM leaves change.
     fn dram_entries(&self, st: &State, p: PartitionId) -> Result<SortedEntries> {
+        let ver = (st.epoch, st.part_ver.get(p as usize).copied().unwrap_or(0));
         if let Some((e, v)) = self.scan_cache.lock().get(&p) {
-            if *e == st.epoch {
+            if *e == ver {
                 return Ok(v.clone());
             }
         }
@@ -1371,13 +1430,11 @@ impl PwbStore {
         }
         let v: SortedEntries = Arc::new(m.into_iter().collect());
         let mut c = self.scan_cache.lock();
-        if c.len() >= SCAN_CACHE_PARTITIONS {
-            c.retain(|_, (e, _)| *e == st.epoch);
-            if c.len() >= SCAN_CACHE_PARTITIONS {
-                c.clear();
-            }
+        let held: usize = c.values().map(|x| x.1.len()).sum();
+        if held + v.len() > SCAN_CACHE_ENTRIES {
+            c.clear();
         }
-        c.insert(p, (st.epoch, v.clone()));
+        c.insert(p, (ver, v.clone()));
         Ok(v)
     }
 
@@ -1570,6 +1627,10 @@ impl PwbStore {
 
     /// Index shape figures for `Stats::design`: (name, value).
     pub fn shape(&self) -> Vec<(&'static str, u64)> {
+        let (heap_total, heap_free) = {
+            let h = self.heap.lock();
+            (h.total(), h.free_bytes())
+        };
         let st = self.state.read();
         let chains: Vec<usize> = st.chains.values().map(|c| c.leaves.len()).collect();
         let splits = st.tree.splits();
@@ -1606,6 +1667,8 @@ impl PwbStore {
             ("level_splits", splits.level),
             ("cache_slot_refreshes", splits.refreshed),
             ("pwb_segments", st.segs.len() as u64),
+            ("pm_heap_bytes", heap_total),
+            ("pm_heap_free_bytes", heap_free),
         ]
     }
 
