@@ -295,6 +295,9 @@ pub(crate) struct Work {
 /// Sorted DRAM entries of one partition: (key, offset), newest version of each key.
 type SortedEntries = Arc<Vec<(Vec<u8>, u64)>>;
 
+/// What a cached [`SortedEntries`] is valid for: (shape epoch, partition version).
+type ScanVersion = (u64, u64);
+
 /// The write buffer store.
 pub struct PwbStore {
     region: Arc<Region>,
@@ -308,7 +311,7 @@ pub struct PwbStore {
     seg_size: u64,
     next_table: AtomicU64,
     stats: Mutex<StoreStats>,
-    scan_cache: Mutex<HashMap<PartitionId, ((u64, u64), SortedEntries)>>,
+    scan_cache: Mutex<HashMap<PartitionId, (ScanVersion, SortedEntries)>>,
     /// Serialises flush builds (the flush thread; `flush()`/close in the caller).
     flush_job: Mutex<()>,
     /// Serialises compactions.
