@@ -298,6 +298,9 @@ type SortedEntries = Arc<Vec<(Vec<u8>, u64)>>;
 /// What a cached [`SortedEntries`] is valid for: (shape epoch, partition version).
 type ScanVersion = (u64, u64);
 
+/// Partitions' (lower bound, upper bound, id), sorted by lower bound.
+type PartitionBounds = Vec<(Vec<u8>, Option<Vec<u8>>, PartitionId)>;
+
 /// The write buffer store.
 pub struct PwbStore {
     region: Arc<Region>,
@@ -312,6 +315,7 @@ pub struct PwbStore {
     next_table: AtomicU64,
     stats: Mutex<StoreStats>,
     scan_cache: Mutex<HashMap<PartitionId, (ScanVersion, SortedEntries)>>,
+    bounds_cache: Mutex<Option<(u64, Arc<PartitionBounds>)>>,
     /// Serialises flush builds (the flush thread; `flush()`/close in the caller).
     flush_job: Mutex<()>,
     /// Serialises compactions.
@@ -635,6 +639,7 @@ impl PwbStore {
             next_table: AtomicU64::new(next_table),
             stats: Mutex::new(StoreStats::default()),
             scan_cache: Mutex::new(HashMap::new()),
+            bounds_cache: Mutex::new(None),
             flush_job: Mutex::new(()),
             compact_job: Mutex::new(()),
             work: Mutex::new(Work::default()),
@@ -945,16 +950,10 @@ impl PwbStore {
         }
         recs.sort_by(|a, b| a.1 .1.cmp(&b.1 .1));
         let (n, table, offs) = self.write_table(recs.iter().map(|r| Ok(r.1.clone())))?;
-        let loc: HashMap<&[u8], u64> = offs.iter().map(|(k, o)| (k.as_slice(), *o)).collect();
-        let mut by_addr: HashMap<u64, u64> = HashMap::with_capacity(recs.len());
-        for (a, r) in &recs {
-            let o = loc
-                .get(r.1.as_slice())
-                .ok_or_else(|| Error::corruption(table.path(), 0, "a flushed key is missing from its new table"))?;
-            by_addr.insert(*a, *o);
+        if offs.len() != recs.len() || offs.iter().zip(&recs).any(|(o, r)| o.0 != r.1 .1) {
+            return Err(Error::corruption(table.path(), 0, "a flushed key is missing from its new table"));
         }
-        let mut leaf = job.leaf.clone();
-        leaf.remap(|old| by_addr.get(&old).copied().unwrap_or(old));
+        let leaf = pm_leaf_of(&offs, job.leaf.depth(), job.leaf.normal());
         // Every record of the partition up to `seq_hi` is in this table or superseded by one
         // that is: recovery may skip them all.
         let meta = LeafMeta { table: n, cw: 0, seq_hi: job.seq_hi };
@@ -1122,17 +1121,10 @@ impl PwbStore {
             return Some(Ok((pwb_kind(e.0), e.1, e.2)));
         });
         let (n, table, offs) = self.write_table(merged)?;
-        // The output leaf: as many normal buckets as the inputs together (doubled until every
-        // key fits), entries pointing at the new table.
-        let depth = job.inputs[0].depth;
-        let mut normal: usize = job.inputs.iter().map(|l| l.normal).sum();
-        let leaf = loop {
-            let mut l = Leaf::new(normal, depth);
-            if offs.iter().all(|(k, o)| l.add_new(k, *o)) {
-                break l;
-            }
-            normal *= 2;
-        };
+        // The output leaf: sized from the inputs' buckets together, entries pointing at the
+        // new table.
+        let normal: usize = job.inputs.iter().map(|l| l.normal).sum();
+        let leaf = pm_leaf_of(&offs, job.inputs[0].depth, normal);
         let meta = LeafMeta { table: n, cw: job.inputs[0].meta.cw + 1, seq_hi: job.inputs[0].meta.seq_hi };
         let lb = encode_leaf(&leaf, leaf.normal(), meta);
         let la = self.put_extent(&lb)?;
@@ -1441,13 +1433,16 @@ impl PwbStore {
         Ok(v)
     }
 
-    /// Up to `max` live entries of `[start, end)` in key order. Partitions are visited in
-    /// the order of their lowest possible key and merged; within a partition the DRAM
-    /// entries and each PM leaf's table are merged newest first. A table read is cut at
-    /// `max` entries; entries past the smallest cut key are only returned by the next round.
-    pub fn scan(&self, start: Bound<&[u8]>, end: Bound<&[u8]>, max: usize) -> Result<Vec<(Vec<u8>, Vec<u8>)>> {
-        let st = self.state.read();
-        let mut bounds: Vec<(Vec<u8>, Option<Vec<u8>>, PartitionId)> = st
+    /// Every partition's key bounds, sorted by lower bound; cached until the partitions
+    /// change shape.
+    fn partition_bounds(&self, st: &State) -> Arc<PartitionBounds> {
+        let mut c = self.bounds_cache.lock();
+        if let Some((e, b)) = &*c {
+            if *e == st.epoch {
+                return b.clone();
+            }
+        }
+        let mut b: PartitionBounds = st
             .tree
             .partitions_in_order()
             .into_iter()
@@ -1456,7 +1451,19 @@ impl PwbStore {
                 (lo, up, p)
             })
             .collect();
-        bounds.sort_by(|a, b| a.0.cmp(&b.0));
+        b.sort_by(|x, y| x.0.cmp(&y.0));
+        let b = Arc::new(b);
+        *c = Some((st.epoch, b.clone()));
+        b
+    }
+
+    /// Up to `max` live entries of `[start, end)` in key order. Partitions are visited in
+    /// the order of their lowest possible key and merged; within a partition the DRAM
+    /// entries and each PM leaf's table are merged newest first. A table read is cut at
+    /// `max` entries; entries past the smallest cut key are only returned by the next round.
+    pub fn scan(&self, start: Bound<&[u8]>, end: Bound<&[u8]>, max: usize) -> Result<Vec<(Vec<u8>, Vec<u8>)>> {
+        let st = self.state.read();
+        let bounds = self.partition_bounds(&st);
         let mut out: Vec<(Vec<u8>, Vec<u8>)> = Vec::new();
         let mut from: Bound<Vec<u8>> = start.map(|k| k.to_vec());
         while out.len() < max {
@@ -1465,7 +1472,7 @@ impl PwbStore {
             // key → newest version (None = tombstone); partitions hold disjoint keys.
             let mut cand: BTreeMap<Vec<u8>, Option<Vec<u8>>> = BTreeMap::new();
             let mut horizon: Option<Vec<u8>> = None;
-            for (lo, up, p) in &bounds {
+            for (lo, up, p) in bounds.iter() {
                 // Every key of the partition is below `up`: skip it when `up` is at or below
                 // the start.
                 let below_start = match (up.as_deref(), fb) {
@@ -1483,9 +1490,12 @@ impl PwbStore {
                 }
                 // Enough live entries below this partition's lowest key: later partitions
                 // cannot come first.
-                let live: Vec<&Vec<u8>> = cand.iter().filter(|(_, v)| v.is_some()).map(|(k, _)| k).take(want).collect();
-                if live.len() >= want && live.last().is_some_and(|k| k.as_slice() < lo.as_slice()) {
-                    break;
+                if cand.len() >= want {
+                    let live: Vec<&Vec<u8>> =
+                        cand.iter().filter(|(_, v)| v.is_some()).map(|(k, _)| k).take(want).collect();
+                    if live.len() >= want && live.last().is_some_and(|k| k.as_slice() < lo.as_slice()) {
+                        break;
+                    }
                 }
                 self.scan_partition(&st, *p, fb, end, want, &mut cand, &mut horizon)?;
             }
@@ -1523,47 +1533,63 @@ impl PwbStore {
         cand: &mut BTreeMap<Vec<u8>, Option<Vec<u8>>>,
         horizon: &mut Option<Vec<u8>>,
     ) -> Result<()> {
-        // Each source is read up to `want` entries; where one is cut, nothing past the last
-        // key read from it is known this round (`horizon`).
-        let cut = |h: &[u8], horizon: &mut Option<Vec<u8>>| {
-            if horizon.as_deref().is_none_or(|x| h < x) {
-                *horizon = Some(h.to_vec());
-            }
-        };
+        // The partition's sources merged by key, newest first on equal keys: its DRAM
+        // entries, then its tables (newest leaf first). After `want` live entries the merge
+        // stops; nothing past the last key taken is known this round (`horizon`).
         let ents = self.dram_entries(st, p)?;
-        let i = ents.partition_point(|(k, _)| !after_start(k, start));
-        for (n, (k, off)) in ents[i..].iter().take_while(|(k, _)| in_end(k, end)).enumerate() {
-            if horizon.as_deref().is_some_and(|h| k.as_slice() > h) {
-                break;
-            }
-            if n == want {
-                cut(&ents[i + n - 1].0, horizon);
-                break;
-            }
-            let (kind, _, v) = self.pwb_record(*off)?;
-            cand.insert(k.clone(), (kind == Kind::Put).then_some(v));
-        }
+        let mut di = ents.partition_point(|(k, _)| !after_start(k, start));
+        let mut curs = Vec::new();
         let tag = st.tree.partition(p).tag;
-        let Some(c) = tag.checked_sub(1).and_then(|s| st.chains.get(&s)) else { return Ok(()) };
-        for l in &c.leaves {
-            let mut cur = TableCursor::seek(self.table(l.meta.table)?, start, true)?;
-            let mut n = 0;
-            let mut last: Vec<u8> = Vec::new();
-            while let Some(e) = cur.peek() {
-                if !in_end(&e.1, end) || horizon.as_deref().is_some_and(|h| e.1.as_slice() > h) {
-                    break;
-                }
-                if n == want {
-                    cut(&last, horizon);
-                    break;
-                }
-                last.clone_from(&e.1);
-                if !cand.contains_key(&e.1) {
-                    cand.insert(e.1.clone(), (e.0 == sstable::Kind::Put).then(|| e.2.clone()));
-                }
-                n += 1;
-                cur.advance()?;
+        if let Some(c) = tag.checked_sub(1).and_then(|s| st.chains.get(&s)) {
+            for l in &c.leaves {
+                curs.push(TableCursor::seek(self.table(l.meta.table)?, start, true)?);
             }
+        }
+        let mut live = 0;
+        let mut last: Option<Vec<u8>> = None;
+        loop {
+            // The smallest key among the sources; the first source holding it is the newest.
+            let mut best: Option<(&[u8], usize)> = ents.get(di).map(|e| (e.0.as_slice(), 0));
+            for (i, c) in curs.iter().enumerate() {
+                if let Some(e) = c.peek() {
+                    if best.is_none_or(|b| e.1.as_slice() < b.0) {
+                        best = Some((e.1.as_slice(), i + 1));
+                    }
+                }
+            }
+            let Some((k, src)) = best else { break };
+            if !in_end(k, end) || horizon.as_deref().is_some_and(|h| k > h) {
+                break;
+            }
+            if live == want {
+                if let Some(l) = last {
+                    if horizon.as_deref().is_none_or(|x| l.as_slice() < x) {
+                        *horizon = Some(l);
+                    }
+                }
+                break;
+            }
+            let key = k.to_vec();
+            let value = if src == 0 {
+                let (kind, _, v) = self.pwb_record(ents[di].1)?;
+                (kind == Kind::Put).then_some(v)
+            } else {
+                curs[src - 1].peek().and_then(|e| (e.0 == sstable::Kind::Put).then(|| e.2.clone()))
+            };
+            // Every source past this key.
+            while ents.get(di).is_some_and(|e| e.0 == key) {
+                di += 1;
+            }
+            for c in curs.iter_mut() {
+                while c.peek().is_some_and(|e| e.1 == key) {
+                    c.advance()?;
+                }
+            }
+            if value.is_some() {
+                live += 1;
+            }
+            cand.insert(key.clone(), value);
+            last = Some(key);
         }
         Ok(())
     }
@@ -1794,6 +1820,22 @@ impl PwbStore {
     /// The PM region.
     pub(crate) fn region(&self) -> &Arc<Region> {
         &self.region
+    }
+}
+
+/// The leaf a flush or compaction writes to PM for `offs` (a new table's keys and offset
+/// slots): at least `normal` buckets, doubled until every key sits in one of its own two
+/// buckets. A PM leaf is never changed, so it needs no extra area: a probe then reads at
+/// most two buckets, hit or miss (a leaf copied as it was in DRAM, where a full leaf spills
+/// into its extra area, would make every miss read the whole area).
+fn pm_leaf_of(offs: &[(Vec<u8>, u64)], depth: usize, normal: usize) -> Leaf {
+    let mut normal = normal.max(1);
+    loop {
+        let mut l = Leaf::new(normal, depth);
+        if offs.iter().all(|(k, o)| l.add_new_primary(k, *o)) {
+            return l;
+        }
+        normal *= 2;
     }
 }
 
