@@ -118,8 +118,8 @@ pub fn apply_variant(opts: &mut Options, preset: Preset, s: &str) -> Result<()> 
 }
 
 /// LightKV's §VI-F sensitivity settings for an engine named `lightkv/<settings>`: a
-/// `+`-joined list of `dram` (LightKV_DRAM: every leaf searched in DRAM), `hybrid` (the
-/// default placement), `leaves=N` (MAX_LEAF_NODES), `cs=N` (compaction size) and `seg=N`
+/// `+`-joined list of `dram` (LightKV_DRAM: every leaf searched in DRAM), `pm` (LightKV_PM:
+/// every leaf searched in PM), `hybrid` (the default placement), `leaves=N` (MAX_LEAF_NODES), `cs=N` (compaction size) and `seg=N`
 /// (segment size in KiB), e.g. `lightkv/leaves=64+cs=8`.
 pub fn lightkv_variant(s: &str) -> Result<LightkvOptions> {
     let mut o = LightkvOptions::default();
@@ -127,12 +127,15 @@ pub fn lightkv_variant(s: &str) -> Result<LightkvOptions> {
         let num = |v: &str| v.parse::<u64>().map_err(|_| format!("lightkv setting `{part}`: `{v}` is not a number"));
         match part.split_once('=') {
             None if part == "dram" => o.placement = LightkvPlacement::Dram,
+            None if part == "pm" => o.placement = LightkvPlacement::Pm,
             None if part == "hybrid" => o.placement = LightkvPlacement::Hybrid,
             Some(("leaves", v)) => o.max_leaf_nodes = num(v)? as usize,
             Some(("cs", v)) => o.compaction_size = num(v)? as usize,
             Some(("seg", v)) => o.segment_size = num(v)? << 10,
             _ => {
-                return Err(format!("unknown lightkv setting `{part}` (known: dram, hybrid, leaves=N, cs=N, seg=KiB)"))
+                return Err(format!(
+                    "unknown lightkv setting `{part}` (known: dram, pm, hybrid, leaves=N, cs=N, seg=KiB)"
+                ))
             }
         }
     }

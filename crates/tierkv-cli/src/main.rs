@@ -56,7 +56,7 @@ struct BenchFlags {
     /// compaction candidate selection schemes: `none` or a `+`-joined subset of `live`,
     /// `leaf`, `seq` (e.g. `slmdb/live+leaf`), for the paper's §6.5 ablation. `hpdk/nt`
     /// (no DRAM B+-tree) and `hpdk/ngc` (no merge) are HPDK's Fig. 7 ablations. `lightkv/<settings>`
-    /// sets LightKV's §VI-F knobs: a `+`-joined list of `dram` (LightKV_DRAM), `leaves=N`
+    /// sets LightKV's §VI-F knobs: a `+`-joined list of `dram` (LightKV_DRAM), `pm` (LightKV_PM), `leaves=N`
     /// (MAX_LEAF_NODES), `cs=N` (compaction size), `seg=KiB` (segment size).
     #[arg(long)]
     engines: Option<String>,

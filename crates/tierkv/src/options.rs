@@ -239,8 +239,13 @@ pub enum LightkvPlacement {
     #[default]
     Hybrid,
     /// LightKV_DRAM: every leaf searched in DRAM (the PM copies of linked leaves are still
-    /// written, for recovery). (The paper's third variant, LightKV_PM, is not built.)
+    /// written, for recovery).
     Dram,
+    /// LightKV_PM: every leaf in PM. Each top leaf (and each linked leaf waiting for its
+    /// flush) has a PM image: every bucket a write changes is written to it and persisted,
+    /// and every lookup probes the images in PM. The insert path still finds its slot in a
+    /// DRAM mirror of the top leaf (documented in docs/design/lightkv.md).
+    Pm,
 }
 
 /// Options of the `lightkv` preset (LightKV, MSST 2020). Defaults are the paper's (§VI-A).

@@ -154,6 +154,9 @@ pub struct Leaf {
     depth: usize,
     live: usize,
     extra_used: bool,
+    /// Buckets changed since the last [`Leaf::take_dirty`], when tracked (an engine that
+    /// mirrors the leaf elsewhere, e.g. LightKV_PM's PM images).
+    dirty: Option<Vec<u32>>,
 }
 
 /// Where an entry sits in a leaf.
@@ -170,6 +173,26 @@ impl Leaf {
             depth,
             live: 0,
             extra_used: false,
+            dirty: None,
+        }
+    }
+
+    /// Start (or stop) recording which buckets change.
+    pub fn track_dirty(&mut self, on: bool) {
+        self.dirty = on.then(Vec::new);
+    }
+
+    /// The buckets changed since the last call (sorted, each once); empty when untracked.
+    pub fn take_dirty(&mut self) -> Vec<u32> {
+        let mut d = self.dirty.as_mut().map(std::mem::take).unwrap_or_default();
+        d.sort_unstable();
+        d.dedup();
+        d
+    }
+
+    fn mark(&mut self, b: usize) {
+        if let Some(d) = &mut self.dirty {
+            d.push(b as u32);
         }
     }
 
@@ -181,7 +204,7 @@ impl Leaf {
         }
         let live_n = buckets.iter().flat_map(|b| b.sig).filter(|&s| live(s)).count();
         let extra_used = buckets[normal..].iter().flat_map(|b| b.sig).any(|s| s != EMPTY);
-        Some(Leaf { buckets: buckets.into_boxed_slice(), normal, depth, live: live_n, extra_used })
+        Some(Leaf { buckets: buckets.into_boxed_slice(), normal, depth, live: live_n, extra_used, dirty: None })
     }
 
     /// The buckets (normal, then extra), e.g. to copy the leaf to PM.
@@ -292,6 +315,7 @@ impl Leaf {
     }
 
     fn place(&mut self, (b, s): Pos, sig: u32, cache: u32, off: u64) {
+        self.mark(b);
         let bk = &mut self.buckets[b];
         bk.sig[s] = sig;
         bk.cache[s] = cache;
@@ -303,6 +327,7 @@ impl Leaf {
     }
 
     fn take(&mut self, (b, s): Pos) -> (u32, u32, u64) {
+        self.mark(b);
         let bk = &mut self.buckets[b];
         let e = (bk.sig[s], bk.cache[s], bk.off[s]);
         bk.sig[s] = EMPTY;
@@ -329,6 +354,58 @@ impl Leaf {
         }
         v
     }
+}
+
+/// Build a leaf of `normal` buckets at `depth` holding `entries` (key, offset), each in one
+/// of its own two buckets (never the extra area, so a lookup reads at most two buckets),
+/// placed by cuckoo displacement: an entry whose buckets are both full takes a slot and
+/// moves that slot's entry to its other bucket, up to a bounded number of moves. `None` when
+/// the entries do not fit (the caller grows `normal`). Keys must be distinct.
+pub fn build_leaf(entries: &[(Vec<u8>, u64)], depth: usize, normal: usize) -> Option<Leaf> {
+    let normal = normal.max(1);
+    let hs: Vec<Hashes> = entries.iter().map(|(k, _)| hashes(k, normal)).collect();
+    // slots[b * SLOTS + s] = entry index + 1 (0 = empty)
+    let mut slots = vec![0usize; normal * SLOTS];
+    let mut rng = 0x9e37_79b9_7f4a_7c15u64;
+    for i in 0..entries.len() {
+        let mut cur = i;
+        let mut bucket = hs[cur].b1;
+        let mut placed = false;
+        for _ in 0..500 {
+            let h = &hs[cur];
+            let free =
+                [h.b1, h.b2].into_iter().find_map(|b| (0..SLOTS).find(|&s| slots[b * SLOTS + s] == 0).map(|s| (b, s)));
+            if let Some((b, s)) = free {
+                slots[b * SLOTS + s] = cur + 1;
+                placed = true;
+                break;
+            }
+            // Both full: evict a random slot of the bucket not just left, and move on.
+            bucket = if bucket == h.b1 { h.b2 } else { h.b1 };
+            rng ^= rng << 13;
+            rng ^= rng >> 7;
+            rng ^= rng << 17;
+            let s = (rng % SLOTS as u64) as usize;
+            let victim = slots[bucket * SLOTS + s] - 1;
+            slots[bucket * SLOTS + s] = cur + 1;
+            cur = victim;
+            let vh = &hs[cur];
+            // The victim goes to its other bucket next.
+            bucket = if vh.b1 == bucket { vh.b1 } else { vh.b2 };
+        }
+        if !placed {
+            return None;
+        }
+    }
+    let mut leaf = Leaf::new(normal, depth);
+    for (idx, &e) in slots.iter().enumerate() {
+        if e > 0 {
+            let (key, off) = &entries[e - 1];
+            let (cache, clen) = cache_of(key, depth);
+            leaf.place((idx / SLOTS, idx % SLOTS), hs[e - 1].sig29 << 3 | clen, cache, *off);
+        }
+    }
+    Some(leaf)
 }
 
 /// Look `key` up in a leaf that is not in DRAM (a PM copy): `fetch(i)` reads bucket `i`.
@@ -438,6 +515,8 @@ pub struct RhTree {
     splits: SplitCounts,
     /// Partitions recreated by [`RhTree::ensure_partition`].
     restored: Vec<PartitionId>,
+    /// New top leaves record their changed buckets ([`Leaf::take_dirty`]).
+    track_dirty: bool,
 }
 
 /// Where a partition sits in the radix tree ([`RhTree::descriptor`]).
@@ -460,9 +539,18 @@ impl RhTree {
             parts: Vec::new(),
             splits: SplitCounts::default(),
             restored: Vec::new(),
+            track_dirty: false,
         };
         t.new_inner(Vec::new());
         t
+    }
+
+    /// Record changed buckets in every top leaf from now on (existing ones included).
+    pub fn set_track_dirty(&mut self, on: bool) {
+        self.track_dirty = on;
+        for p in self.parts.iter_mut() {
+            p.top.track_dirty(on);
+        }
     }
 
     /// The options.
@@ -492,14 +580,9 @@ impl RhTree {
 
     fn new_partition(&mut self, inner: u32, end: bool) -> PartitionId {
         let depth = self.inners[inner as usize].depth;
-        self.parts.push(Partition {
-            top: Leaf::new(self.opts.leaf_buckets, depth),
-            chain: Vec::new(),
-            linked: false,
-            tag: 0,
-            inner,
-            end,
-        });
+        let mut top = Leaf::new(self.opts.leaf_buckets, depth);
+        top.track_dirty(self.track_dirty);
+        self.parts.push(Partition { top, chain: Vec::new(), linked: false, tag: 0, inner, end });
         (self.parts.len() - 1) as PartitionId
     }
 
@@ -575,6 +658,7 @@ impl RhTree {
             let h = hashes(key, part.top.normal);
             if let Some((b, s)) = part.top.find(key, &h, src)? {
                 let old = std::mem::replace(&mut part.top.buckets[b].off[s], off);
+                part.top.mark(b);
                 return Ok(Insert::Updated(p, old));
             }
             if let Some(pos) = part.top.free_slot(&h) {
@@ -598,6 +682,7 @@ impl RhTree {
         let h = hashes(key, top.normal);
         let Some((b, s)) = top.find(key, &h, src)? else { return Ok(None) };
         let off = top.buckets[b].off[s];
+        top.mark(b);
         top.buckets[b].sig[s] = DELETED;
         top.buckets[b].off[s] = 0;
         top.live -= 1;
@@ -608,8 +693,10 @@ impl RhTree {
     /// (returned index 0 of the chain).
     pub fn link(&mut self, p: PartitionId) {
         let part = &mut self.parts[p as usize];
-        let fresh = Leaf::new(self.opts.leaf_buckets, part.top.depth);
-        let old = std::mem::replace(&mut part.top, fresh);
+        let mut fresh = Leaf::new(self.opts.leaf_buckets, part.top.depth);
+        fresh.track_dirty(self.track_dirty);
+        let mut old = std::mem::replace(&mut part.top, fresh);
+        old.track_dirty(false);
         part.chain.insert(0, old);
         part.linked = true;
     }

@@ -70,6 +70,17 @@ pub fn encode_leaf(leaf: &Leaf, normal: usize, meta: LeafMeta) -> Vec<u8> {
     out
 }
 
+/// The 64 bytes of one bucket, as a leaf stores it.
+pub fn bucket_bytes(b: &Bucket) -> [u8; 64] {
+    let mut o = [0u8; 64];
+    for s in 0..SLOTS {
+        o[4 * s..4 * s + 4].copy_from_slice(&b.sig[s].to_le_bytes());
+        o[16 + 4 * s..20 + 4 * s].copy_from_slice(&b.cache[s].to_le_bytes());
+        o[32 + 8 * s..40 + 8 * s].copy_from_slice(&b.off[s].to_le_bytes());
+    }
+    o
+}
+
 /// Decode one 64-byte bucket (`b` is at least 64 bytes).
 pub fn decode_bucket(b: &[u8]) -> Bucket {
     let mut bk = Bucket::default();

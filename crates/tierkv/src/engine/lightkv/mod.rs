@@ -14,7 +14,8 @@
 //!   weight are merged by the compaction thread into one of weight + 1. Two background
 //!   threads, as in the paper's evaluation.
 //! - **Placement** (§III-E, §VI-F) — [`crate::LightkvPlacement`]: radix tree and top leaves in
-//!   DRAM, linked leaves searched in PM (LightKV); everything in DRAM (LightKV_DRAM).
+//!   DRAM, linked leaves searched in PM (LightKV); everything in DRAM (LightKV_DRAM); every
+//!   leaf searched in PM, top leaves' changed buckets persisted to PM images (LightKV_PM).
 //! - **Recovery** (§V): the chain directory gives the PM leaves and tables as they are; the
 //!   DRAM part is rebuilt by scanning the write buffer, or restored from the image a clean
 //!   close writes (`restored_from_image` in stats).

@@ -71,7 +71,7 @@ use std::sync::Arc;
 use parking_lot::{Condvar, Mutex, RwLock};
 
 use super::leaf::{
-    decode_bucket, decode_chain, decode_image, decode_leaf, encode_chain, encode_image, encode_leaf, image_len,
+    self, decode_bucket, decode_chain, decode_image, decode_leaf, encode_chain, encode_image, encode_leaf, image_len,
     leaf_len, Chain, Image, LeafMeta, IMAGE_HEADER, LEAF_HEADER,
 };
 use super::pwb::{self, Kind};
@@ -252,6 +252,14 @@ struct State {
     /// Recovery is re-indexing the write buffer: no segment may be freed yet (one whose
     /// count drops to zero may still hold records not replayed).
     replaying: bool,
+    /// LightKV_PM: each partition's top-leaf image in PM (extent).
+    images: HashMap<PartitionId, (u64, u64)>,
+    /// LightKV_PM: the images of each partition's unflushed linked leaves, newest first.
+    chain_images: HashMap<PartitionId, Vec<(u64, u64)>>,
+    /// Partitions whose top leaf changed since the images were last brought up to date.
+    touched: Vec<PartitionId>,
+    /// LightKV_PM: live entries of each top leaf when its image was last written.
+    image_live: HashMap<PartitionId, usize>,
 }
 
 /// Counters.
@@ -625,6 +633,10 @@ impl PwbStore {
             epoch: 0,
             part_ver: Vec::new(),
             replaying: false,
+            images: HashMap::new(),
+            chain_images: HashMap::new(),
+            touched: Vec::new(),
+            image_live: HashMap::new(),
         };
         let cache = (cfg.block_cache > 0).then(|| BlockCache::new(cfg.block_cache));
         let s = PwbStore {
@@ -652,6 +664,7 @@ impl PwbStore {
             cfg,
         };
         s.stats.lock().image_rejected = image_rejected;
+        let pm = s.cfg.placement == LightkvPlacement::Pm;
         match image {
             Some(img) => s.restore_image(img, img_addr)?,
             None => {
@@ -662,6 +675,16 @@ impl PwbStore {
                 }
                 s.replay()?
             }
+        }
+        if pm {
+            // Images written while recovery replayed (untracked) may be stale: start afresh.
+            let mut st = s.state.write();
+            for (_, (a, l)) in std::mem::take(&mut st.images) {
+                s.heap.lock().free(a, line_round(l));
+            }
+            st.image_live.clear();
+            st.tree.set_track_dirty(true);
+            s.sync_images(&mut st, true)?;
         }
         Ok(s)
     }
@@ -845,6 +868,14 @@ impl PwbStore {
             match st.tree.insert(key, addr, &self.keys())? {
                 Insert::Full(p) => {
                     Self::touch(st, p);
+                    if self.cfg.placement == LightkvPlacement::Pm {
+                        // The full leaf's image becomes its linked leaf's image, up to date.
+                        self.sync_images(st, false)?;
+                        if let Some(img) = st.images.remove(&p) {
+                            st.chain_images.entry(p).or_default().insert(0, img);
+                        }
+                        st.image_live.remove(&p);
+                    }
                     st.tree.link(p);
                     // The record being indexed (and the rest of its batch) is not in the
                     // linked leaf: the flush covers sequence numbers below it.
@@ -889,6 +920,76 @@ impl PwbStore {
             st.part_ver.resize(i + 1, 0);
         }
         st.part_ver[i] += 1;
+        st.touched.push(p);
+    }
+
+    /// LightKV_PM: bring the top leaves' PM images up to date — each changed bucket written
+    /// and persisted; a whole new image where a partition has none yet, where its top leaf
+    /// was replaced, or (`full`) after partitions changed shape. Images of partitions that
+    /// no longer exist are freed.
+    fn sync_images(&self, st: &mut State, full: bool) -> Result<()> {
+        if self.cfg.placement != LightkvPlacement::Pm {
+            st.touched.clear();
+            return Ok(());
+        }
+        let n = st.tree.partition_count() as PartitionId;
+        let parts: Vec<PartitionId> = if full {
+            let gone: Vec<PartitionId> = st.images.keys().copied().filter(|&p| p >= n).collect();
+            for p in gone {
+                if let Some((a, l)) = st.images.remove(&p) {
+                    self.heap.lock().free(a, line_round(l));
+                }
+                st.image_live.remove(&p);
+            }
+            st.touched.clear();
+            (0..n).collect()
+        } else {
+            let mut t = std::mem::take(&mut st.touched);
+            t.sort_unstable();
+            t.dedup();
+            t
+        };
+        for p in parts {
+            let dirty = st.tree.partition_mut(p).top.take_dirty();
+            let top = &st.tree.partition(p).top;
+            let want = (LEAF_HEADER + top.buckets().len() * 64) as u64;
+            let live = top.live();
+            // After a change of shape a partition may hold another leaf than its image shows
+            // (a level split can hand it a new one): any sign of change rewrites it whole.
+            let same = st.image_live.get(&p) == Some(&live) && (!full || dirty.is_empty());
+            match st.images.get(&p).copied() {
+                Some((a, len)) if len == want && same => {
+                    for b in dirty {
+                        let b = b as usize;
+                        let at = a + (LEAF_HEADER + 64 * b) as u64;
+                        // SAFETY: the image is this partition's alone; readers probe it only
+                        // under the state lock, which the caller holds for writing.
+                        unsafe { self.region.write(at, &leaf::bucket_bytes(&top.buckets()[b]))? };
+                        self.region.persist(at, 64);
+                    }
+                }
+                old => {
+                    let bytes = encode_leaf(top, top.normal(), LeafMeta { table: 0, cw: 0, seq_hi: 0 });
+                    let a = self.put_extent(&bytes)?;
+                    if let Some((oa, ol)) = old {
+                        self.heap.lock().free(oa, line_round(ol));
+                    }
+                    st.images.insert(p, (a, bytes.len() as u64));
+                }
+            }
+            st.image_live.insert(p, live);
+        }
+        Ok(())
+    }
+
+    /// Probe a leaf image in PM (LightKV_PM), shaped like `leaf`.
+    fn image_get(&self, img: (u64, u64), leaf: &Leaf, key: &[u8], src: &dyn KeySource) -> Result<Option<u64>> {
+        let region = &self.region;
+        let mut fetch = |i: usize| -> Result<rhtree::Bucket> {
+            let b = region.slice_checked(img.0 + (LEAF_HEADER + 64 * i) as u64, 64, "PM leaf image bucket")?;
+            Ok(decode_bucket(b))
+        };
+        rhtree::probe(leaf.normal(), leaf.buckets().len(), leaf.extra_used(), key, &mut fetch, src)
     }
 
     fn alloc(&self, len: u64) -> Result<u64> {
@@ -953,7 +1054,7 @@ impl PwbStore {
         if offs.len() != recs.len() || offs.iter().zip(&recs).any(|(o, r)| o.0 != r.1 .1) {
             return Err(Error::corruption(table.path(), 0, "a flushed key is missing from its new table"));
         }
-        let leaf = pm_leaf_of(&offs, job.leaf.depth(), job.leaf.normal());
+        let leaf = pm_leaf_of(&offs, job.leaf.depth());
         // Every record of the partition up to `seq_hi` is in this table or superseded by one
         // that is: recovery may skip them all.
         let meta = LeafMeta { table: n, cw: 0, seq_hi: job.seq_hi };
@@ -1001,6 +1102,9 @@ impl PwbStore {
         let part = st.tree.partition_mut(p);
         part.tag = slot + 1;
         part.chain.pop();
+        if let Some(img) = st.chain_images.get_mut(&p).and_then(|v| v.pop()) {
+            self.heap.lock().free(img.0, line_round(img.1));
+        }
         if let Some(q) = st.unflushed.get_mut(&p) {
             q.pop_front();
             if q.is_empty() {
@@ -1081,8 +1185,15 @@ impl PwbStore {
         let cs = self.cfg.compaction_size;
         let c = st.chains.get(&slot)?;
         let ls = &c.leaves;
+        // A run whose merged leaf could not be one PM extent (at most half a pool) is left
+        // alone: the chain grows instead (see "Data skew" in docs/design/lightkv.md).
+        let fits = |run: &[PmLeaf]| {
+            let keys: usize = run.iter().map(|l| l.live).sum();
+            let buckets = (keys * 100).div_ceil(SLOTS_PER_BUCKET * 85) * 5 / 4 + 1;
+            ((LEAF_HEADER + buckets * 64) as u64) <= self.region.pool_size() / 2
+        };
         (0..ls.len().saturating_sub(cs - 1))
-            .find(|&i| ls[i..i + cs].iter().all(|l| l.meta.cw == ls[i].meta.cw))
+            .find(|&i| ls[i..i + cs].iter().all(|l| l.meta.cw == ls[i].meta.cw) && fits(&ls[i..i + cs]))
             .map(|i| CompactJob { slot, inputs: ls[i..i + cs].to_vec(), bottom: i + cs == ls.len() })
     }
 
@@ -1121,10 +1232,8 @@ impl PwbStore {
             return Some(Ok((pwb_kind(e.0), e.1, e.2)));
         });
         let (n, table, offs) = self.write_table(merged)?;
-        // The output leaf: sized from the inputs' buckets together, entries pointing at the
-        // new table.
-        let normal: usize = job.inputs.iter().map(|l| l.normal).sum();
-        let leaf = pm_leaf_of(&offs, job.inputs[0].depth, normal);
+        // The output leaf: entries pointing at the new table.
+        let leaf = pm_leaf_of(&offs, job.inputs[0].depth);
         let meta = LeafMeta { table: n, cw: job.inputs[0].meta.cw + 1, seq_hi: job.inputs[0].meta.seq_hi };
         let lb = encode_leaf(&leaf, leaf.normal(), meta);
         let la = self.put_extent(&lb)?;
@@ -1333,9 +1442,12 @@ impl PwbStore {
             if let Some(g) = st.segs.get_mut(&seg) {
                 g.pos += rec.len() as u64;
             }
+            let shape = Self::shape_key(&st);
             for (op, off) in ops.iter().zip(offs) {
                 self.index(&mut st, op.1, addr + off as u64, seq, false)?;
             }
+            let reshaped = Self::shape_key(&st) != shape;
+            self.sync_images(&mut st, reshaped)?;
             // A segment whose last entry was just superseded, and that takes no more
             // writes, goes.
             self.free_emptied(&mut st)
@@ -1373,13 +1485,40 @@ impl PwbStore {
     /// The newest version of `key` with the state lock held: `Some(value)` for a put.
     fn get_locked(&self, st: &State, key: &[u8]) -> Result<Option<Vec<u8>>> {
         let memo = Memo { s: self, last: std::cell::RefCell::new(None) };
-        let off = match st.tree.get(key, &memo)? {
-            Some((_, off)) => Some(off),
+        let dram = if self.cfg.placement == LightkvPlacement::Pm {
+            self.images_get(st, key, &memo)?
+        } else {
+            st.tree.get(key, &memo)?.map(|x| x.1)
+        };
+        let off = match dram {
+            Some(off) => Some(off),
             None => self.chain_get(st, key, &memo)?,
         };
         let Some(off) = off else { return Ok(None) };
         let (kind, _, v) = memo.record(off)?;
         Ok((kind == Kind::Put).then_some(v))
+    }
+
+    /// LightKV_PM: search `key`'s partition's top leaf and unflushed leaves in their PM
+    /// images, newest first.
+    fn images_get(&self, st: &State, key: &[u8], src: &dyn KeySource) -> Result<Option<u64>> {
+        let Some(p) = st.tree.route(key) else { return Ok(None) };
+        let part = st.tree.partition(p);
+        let missing = || Error::Poisoned("lightkv: a leaf has no PM image".into());
+        let top = st.images.get(&p).copied().ok_or_else(missing)?;
+        if let Some(off) = self.image_get(top, &part.top, key, src)? {
+            return Ok(Some(off));
+        }
+        let imgs = st.chain_images.get(&p).map(|v| v.as_slice()).unwrap_or(&[]);
+        if imgs.len() != part.chain.len() {
+            return Err(missing());
+        }
+        for (img, leaf) in imgs.iter().zip(&part.chain) {
+            if let Some(off) = self.image_get(*img, leaf, key, src)? {
+                return Ok(Some(off));
+            }
+        }
+        Ok(None)
     }
 
     /// Search `key`'s partition's PM leaves, newest first.
@@ -1760,6 +1899,29 @@ impl PwbStore {
                 }
             }
         }
+        // LightKV_PM: every leaf image holds exactly its DRAM leaf's buckets.
+        if self.cfg.placement == LightkvPlacement::Pm {
+            for p in st.tree.partitions_in_order() {
+                let part = st.tree.partition(p);
+                let imgs = std::iter::once(st.images.get(&p).copied())
+                    .chain(st.chain_images.get(&p).into_iter().flatten().map(|x| Some(*x)));
+                for (img, leaf) in imgs.zip(std::iter::once(&part.top).chain(part.chain.iter())) {
+                    let Some((a, len)) = img else {
+                        problems.push(format!("partition {p}: a leaf has no PM image"));
+                        continue;
+                    };
+                    let same = self.region.slice(a, len as usize).is_some_and(|b| {
+                        b.len() == LEAF_HEADER + leaf.buckets().len() * 64
+                            && leaf.buckets().iter().enumerate().all(|(i, bk)| {
+                                b[LEAF_HEADER + 64 * i..LEAF_HEADER + 64 * i + 64] == leaf::bucket_bytes(bk)
+                            })
+                    });
+                    if !same {
+                        problems.push(format!("partition {p}: a PM leaf image differs from its leaf"));
+                    }
+                }
+            }
+        }
         // Every index entry resolves to a record of a key that routes back to its partition
         // and that the index finds there.
         for p in st.tree.partitions_in_order() {
@@ -1824,20 +1986,23 @@ impl PwbStore {
 }
 
 /// The leaf a flush or compaction writes to PM for `offs` (a new table's keys and offset
-/// slots): at least `normal` buckets, doubled until every key sits in one of its own two
-/// buckets. A PM leaf is never changed, so it needs no extra area: a probe then reads at
-/// most two buckets, hit or miss (a leaf copied as it was in DRAM, where a full leaf spills
-/// into its extra area, would make every miss read the whole area).
-fn pm_leaf_of(offs: &[(Vec<u8>, u64)], depth: usize, normal: usize) -> Leaf {
-    let mut normal = normal.max(1);
+/// slots), every key in one of its own two buckets (cuckoo placement,
+/// [`rhtree::build_leaf`]). A PM leaf is never changed, so it needs no extra area: a probe
+/// then reads at most two buckets, hit or miss (a leaf copied as it was in DRAM, where a
+/// full leaf spills into its extra area, would make every miss read the whole area).
+fn pm_leaf_of(offs: &[(Vec<u8>, u64)], depth: usize) -> Leaf {
+    // Cuckoo placement fills two-choice, four-slot buckets to about 90 %: start at 85 % load
+    // and grow by an eighth until every key fits.
+    let mut normal = (offs.len() * 100).div_ceil(SLOTS_PER_BUCKET * 85).max(1);
     loop {
-        let mut l = Leaf::new(normal, depth);
-        if offs.iter().all(|(k, o)| l.add_new_primary(k, *o)) {
+        if let Some(l) = rhtree::build_leaf(offs, depth, normal) {
             return l;
         }
-        normal *= 2;
+        normal += normal.div_ceil(8);
     }
 }
+
+const SLOTS_PER_BUCKET: usize = rhtree::SLOTS;
 
 /// A PM leaf's DRAM descriptor (and DRAM copy with [`LightkvPlacement::Dram`]).
 fn pm_leaf(addr: u64, len: u64, meta: LeafMeta, leaf: &Leaf, placement: LightkvPlacement) -> PmLeaf {
@@ -2209,7 +2374,7 @@ mod tests {
 
     #[test]
     fn scans_merge_partitions_and_tables_in_key_order() {
-        for placement in [LightkvPlacement::Hybrid, LightkvPlacement::Dram] {
+        for placement in [LightkvPlacement::Hybrid, LightkvPlacement::Dram, LightkvPlacement::Pm] {
             let dev = SimDevice::new();
             let fs = FaultFs::new();
             let o = RhOptions { leaf_buckets: 4, t_normal: 4, max_leaf_nodes: 24 };
@@ -2266,6 +2431,7 @@ mod tests {
             let probes = s.stats().pm_leaf_probes;
             assert!(probes > 0, "gets reached PM leaves");
             assert_eq!(s.live_keys().unwrap(), m.len() as u64);
+            assert_eq!(s.check().unwrap(), Vec::<String>::new(), "{placement:?}");
         }
     }
 }
