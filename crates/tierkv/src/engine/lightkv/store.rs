@@ -956,7 +956,7 @@ impl PwbStore {
             let live = top.live();
             // After a change of shape a partition may hold another leaf than its image shows
             // (a level split can hand it a new one): any sign of change rewrites it whole.
-            let same = st.image_live.get(&p) == Some(&live) && (!full || dirty.is_empty());
+            let same = !full || (st.image_live.get(&p) == Some(&live) && dirty.is_empty());
             match st.images.get(&p).copied() {
                 Some((a, len)) if len == want && same => {
                     for b in dirty {
