@@ -237,51 +237,9 @@ impl Leaf {
         self.extra_used
     }
 
-    /// Add `key` at `off` to a leaf being built (a compaction's output leaf): no lookup of
-    /// an existing entry. Returns false when the key's buckets and the extra area are full.
-    pub fn add_new(&mut self, key: &[u8], off: u64) -> bool {
-        let h = hashes(key, self.normal);
-        match self.free_slot(&h) {
-            Some(pos) => {
-                let (cache, clen) = cache_of(key, self.depth);
-                self.place(pos, h.sig29 << 3 | clen, cache, off);
-                true
-            }
-            None => false,
-        }
-    }
-
-    /// Add `key` at `off` to a leaf being built, only in one of its two buckets (never the
-    /// extra area, so lookups of the finished leaf read at most two buckets). Returns false
-    /// when both are full.
-    pub fn add_new_primary(&mut self, key: &[u8], off: u64) -> bool {
-        let h = hashes(key, self.normal);
-        let second = (h.b2 != h.b1).then_some(h.b2);
-        for b in std::iter::once(h.b1).chain(second) {
-            if let Some(s) = (0..SLOTS).find(|&s| !live(self.buckets[b].sig[s])) {
-                let (cache, clen) = cache_of(key, self.depth);
-                self.place((b, s), h.sig29 << 3 | clen, cache, off);
-                return true;
-            }
-        }
-        false
-    }
-
     /// Offsets of every live entry.
     pub fn offsets(&self) -> impl Iterator<Item = u64> + '_ {
         self.buckets.iter().flat_map(|b| (0..SLOTS).filter(|&s| live(b.sig[s])).map(move |s| b.off[s]))
-    }
-
-    /// Replace the offset of every live entry through `f` (e.g. PWB address → SSTable
-    /// address after a flush).
-    pub fn remap(&mut self, mut f: impl FnMut(u64) -> u64) {
-        for b in self.buckets.iter_mut() {
-            for s in 0..SLOTS {
-                if live(b.sig[s]) {
-                    b.off[s] = f(b.off[s]);
-                }
-            }
-        }
     }
 
     fn candidates(&self, h: &Hashes) -> impl Iterator<Item = usize> {

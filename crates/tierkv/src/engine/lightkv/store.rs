@@ -595,7 +595,7 @@ impl PwbStore {
             match read() {
                 Ok((img, len)) if !used.iter().any(|&(a, l)| a < img_addr + len as u64 && img_addr < a + l) => {
                     used.push((img_addr, line_round(len as u64)));
-                    Some(img)
+                    Some((img, len))
                 }
                 _ => {
                     image_rejected = 1;
@@ -666,7 +666,7 @@ impl PwbStore {
         s.stats.lock().image_rejected = image_rejected;
         let pm = s.cfg.placement == LightkvPlacement::Pm;
         match image {
-            Some(img) => s.restore_image(img, img_addr)?,
+            Some((img, len)) => s.restore_image(img, img_addr, len)?,
             None => {
                 if img_addr != 0 {
                     // A rejected image: retire its pointer before the store takes a write.
@@ -691,7 +691,7 @@ impl PwbStore {
 
     /// Rebuild the DRAM part from the clean-shutdown image, then retire the image (cleared
     /// before any write, so a later crash recovers by scanning).
-    fn restore_image(&self, img: Image, img_addr: u64) -> Result<()> {
+    fn restore_image(&self, img: Image, img_addr: u64, len: usize) -> Result<()> {
         let bad = |d: String| self.region.corruption(img_addr, d);
         let mut st = self.state.write();
         for (d, _, _) in &img.partitions {
@@ -729,10 +729,6 @@ impl PwbStore {
         // Retire the image before the store takes a write.
         self.region.store_u64_atomic(IMAGE_PTR_ADDR, 0)?;
         self.region.persist(IMAGE_PTR_ADDR, 8);
-        let len = {
-            let h = self.region.slice_checked(img_addr, IMAGE_HEADER, "index image")?;
-            image_len(h).map_err(|d| self.region.corruption(img_addr, d))?
-        };
         self.heap.lock().free(img_addr, line_round(len as u64));
         self.free_emptied(&mut st)?;
         self.stats.lock().restored_from_image = 1;
@@ -1189,7 +1185,7 @@ impl PwbStore {
         // alone: the chain grows instead (see "Data skew" in docs/design/lightkv.md).
         let fits = |run: &[PmLeaf]| {
             let keys: usize = run.iter().map(|l| l.live).sum();
-            let buckets = (keys * 100).div_ceil(SLOTS_PER_BUCKET * 85) * 5 / 4 + 1;
+            let buckets = (keys * 100).div_ceil(rhtree::SLOTS * 85) * 5 / 4 + 1;
             ((LEAF_HEADER + buckets * 64) as u64) <= self.region.pool_size() / 2
         };
         (0..ls.len().saturating_sub(cs - 1))
@@ -1845,11 +1841,6 @@ impl PwbStore {
         self.user_bytes.load(Ordering::Relaxed)
     }
 
-    /// Bytes of DRAM the index holds (radix + DRAM leaves, estimated from their geometry).
-    pub fn dram_bytes(&self) -> u64 {
-        self.shape().iter().find(|x| x.0 == "dram_leaf_bytes").map_or(0, |x| x.1)
-    }
-
     /// Verify every PM structure, table and index entry; returns the problems found.
     pub fn check(&self) -> Result<Vec<String>> {
         let _f = self.flush_job.lock();
@@ -1993,7 +1984,7 @@ impl PwbStore {
 fn pm_leaf_of(offs: &[(Vec<u8>, u64)], depth: usize) -> Leaf {
     // Cuckoo placement fills two-choice, four-slot buckets to about 90 %: start at 85 % load
     // and grow by an eighth until every key fits.
-    let mut normal = (offs.len() * 100).div_ceil(SLOTS_PER_BUCKET * 85).max(1);
+    let mut normal = (offs.len() * 100).div_ceil(rhtree::SLOTS * 85).max(1);
     loop {
         if let Some(l) = rhtree::build_leaf(offs, depth, normal) {
             return l;
@@ -2001,8 +1992,6 @@ fn pm_leaf_of(offs: &[(Vec<u8>, u64)], depth: usize) -> Leaf {
         normal += normal.div_ceil(8);
     }
 }
-
-const SLOTS_PER_BUCKET: usize = rhtree::SLOTS;
 
 /// A PM leaf's DRAM descriptor (and DRAM copy with [`LightkvPlacement::Dram`]).
 fn pm_leaf(addr: u64, len: u64, meta: LeafMeta, leaf: &Leaf, placement: LightkvPlacement) -> PmLeaf {
