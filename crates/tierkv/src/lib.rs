@@ -34,6 +34,7 @@ pub mod format;
 pub mod fs;
 pub mod index;
 pub mod iter;
+pub(crate) mod lsm;
 pub mod manifest;
 pub mod options;
 pub mod options_file;

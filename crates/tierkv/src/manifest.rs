@@ -41,6 +41,9 @@ pub struct FileMeta {
     pub smallest: Vec<u8>,
     /// Largest key.
     pub largest: Vec<u8>,
+    /// LSM level (0 for designs with one level). Level 0 is encoded as tag 1, any other
+    /// level as tag 7, so manifests of single-level designs are unchanged.
+    pub level: u32,
 }
 
 /// The state a manifest describes.
@@ -59,7 +62,8 @@ pub struct Version {
 /// One change to a [`Version`]. Tags on disk never renumber.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Edit {
-    /// Tag 1: a new file.
+    /// Tag 1: a new file at level 0; tag 7: a new file at another level (the same edit
+    /// with the level written first).
     AddFile(u64, FileMeta),
     /// Tag 2: a file is gone.
     RemoveFile(u64),
@@ -129,7 +133,12 @@ pub fn encode_edits(edits: &[Edit]) -> Vec<u8> {
     for e in edits {
         match e {
             Edit::AddFile(n, m) => {
-                out.push(1);
+                if m.level == 0 {
+                    out.push(1);
+                } else {
+                    out.push(7);
+                    out.extend_from_slice(&m.level.to_le_bytes());
+                }
                 for v in [*n, m.total, m.live, m.size] {
                     out.extend_from_slice(&v.to_le_bytes());
                 }
@@ -173,7 +182,8 @@ pub fn decode_edits(p: &[u8]) -> std::result::Result<Vec<Edit>, String> {
     while c.remaining() > 0 {
         let tag = c.u8().ok_or_else(short)?;
         let e = match tag {
-            1 => {
+            1 | 7 => {
+                let level = if tag == 7 { c.u32().ok_or_else(short)? } else { 0 };
                 let n = c.u64().ok_or_else(short)?;
                 let total = c.u64().ok_or_else(short)?;
                 let live = c.u64().ok_or_else(short)?;
@@ -182,7 +192,7 @@ pub fn decode_edits(p: &[u8]) -> std::result::Result<Vec<Edit>, String> {
                 let smallest = c.bytes(l).ok_or_else(short)?.to_vec();
                 let l = c.u32().ok_or_else(short)? as usize;
                 let largest = c.bytes(l).ok_or_else(short)?.to_vec();
-                Edit::AddFile(n, FileMeta { total, live, size, smallest, largest })
+                Edit::AddFile(n, FileMeta { total, live, size, smallest, largest, level })
             }
             2 => Edit::RemoveFile(c.u64().ok_or_else(short)?),
             3 => Edit::SetLive(c.u64().ok_or_else(short)?, c.u64().ok_or_else(short)?),
@@ -317,11 +327,22 @@ mod tests {
         v.apply(&[
             Edit::AddFile(
                 4,
-                FileMeta { total: 10, live: 7, size: 4096, smallest: b"a".to_vec(), largest: b"m".to_vec() },
+                FileMeta { total: 10, live: 7, size: 4096, smallest: b"a".to_vec(), largest: b"m".to_vec(), level: 0 },
             ),
             Edit::AddFile(
                 5,
-                FileMeta { total: 5, live: 5, size: 999, smallest: b"c".to_vec(), largest: b"z".to_vec() },
+                FileMeta { total: 5, live: 5, size: 999, smallest: b"c".to_vec(), largest: b"z".to_vec(), level: 0 },
+            ),
+            Edit::AddFile(
+                6,
+                FileMeta {
+                    total: 3,
+                    live: 3,
+                    size: 512,
+                    smallest: b"b".to_vec(),
+                    largest: b"d".to_vec(),
+                    level: 2,
+                },
             ),
             Edit::Candidates(vec![4]),
         ]);

@@ -28,6 +28,7 @@
 
 pub(crate) mod bloom;
 
+use std::ops::Bound;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
@@ -503,6 +504,18 @@ impl Table {
         Ok(self.find(key)?.map(|(k, v, _)| (k, v)))
     }
 
+    /// Like [`Table::get`], reading the block through the table's block cache.
+    pub fn get_cached(&self, key: &[u8]) -> Result<Option<(Kind, Vec<u8>)>> {
+        if !self.filter.may_contain(bloom::hash(key)) {
+            return Ok(None);
+        }
+        let Some(i) = self.block_for(key) else { return Ok(None) };
+        let Some(&(_, h)) = self.index.get(i) else { return Ok(None) };
+        let b = self.read_block_cached(h)?;
+        let e = block_find(&b, key).map_err(|d| Error::corruption(&self.path, h.offset, d))?;
+        Ok(e.map(|e| (e.kind, e.value.to_vec())))
+    }
+
     /// Point lookup that also returns the handle of the block holding the key.
     pub fn find(&self, key: &[u8]) -> Result<Option<(Kind, Vec<u8>, Handle)>> {
         let Some(i) = self.block_for(key) else { return Ok(None) };
@@ -531,6 +544,74 @@ impl Table {
             if block_last != Some(last.as_slice()) {
                 return Err(Error::corruption(&self.path, h.offset, "block's last key differs from the index"));
             }
+        }
+        Ok(())
+    }
+}
+
+/// An entry a [`TableCursor`] yields: kind, key, value.
+pub type CursorEntry = (Kind, Vec<u8>, Vec<u8>);
+
+/// A forward cursor over one table's entries, one decoded block at a time (scans and
+/// merges). `cached` reads blocks through the table's block cache.
+#[derive(Debug)]
+pub struct TableCursor {
+    t: Arc<Table>,
+    block: usize,
+    ents: Vec<CursorEntry>,
+    pos: usize,
+    cached: bool,
+}
+
+impl TableCursor {
+    /// A cursor at the first entry `>= start` (or `> start` for an excluded bound).
+    pub fn seek(t: Arc<Table>, start: Bound<&[u8]>, cached: bool) -> Result<TableCursor> {
+        let block = match start {
+            Bound::Unbounded => 0,
+            Bound::Included(k) | Bound::Excluded(k) => t.block_for(k).unwrap_or(t.index().len()),
+        };
+        let mut c = TableCursor { t, block, ents: Vec::new(), pos: 0, cached };
+        c.load()?;
+        while let Some(e) = c.peek() {
+            let before = match start {
+                Bound::Included(k) => e.1.as_slice() < k,
+                Bound::Excluded(k) => e.1.as_slice() <= k,
+                Bound::Unbounded => false,
+            };
+            if !before {
+                break;
+            }
+            c.advance()?;
+        }
+        Ok(c)
+    }
+
+    fn load(&mut self) -> Result<()> {
+        self.ents.clear();
+        self.pos = 0;
+        while self.ents.is_empty() {
+            let Some(&(_, h)) = self.t.index().get(self.block) else { return Ok(()) };
+            let payload = if self.cached { self.t.read_block_cached(h)? } else { Arc::new(self.t.read_block(h)?) };
+            for e in block_entries(&payload) {
+                let e = e.map_err(|d| Error::corruption(self.t.path(), h.offset, d))?;
+                self.ents.push((e.kind, e.key.to_vec(), e.value.to_vec()));
+            }
+            if self.ents.is_empty() {
+                self.block += 1;
+            }
+        }
+        Ok(())
+    }
+
+    pub fn peek(&self) -> Option<&CursorEntry> {
+        self.ents.get(self.pos)
+    }
+
+    pub fn advance(&mut self) -> Result<()> {
+        self.pos += 1;
+        if self.pos >= self.ents.len() {
+            self.block += 1;
+            self.load()?;
         }
         Ok(())
     }

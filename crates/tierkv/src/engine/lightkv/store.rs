@@ -83,7 +83,7 @@ use crate::index::rhtree::{self, Insert, KeySource, Leaf, PartitionDesc, Partiti
 use crate::options::LightkvPlacement;
 use crate::pm::heap::{self, Heap};
 use crate::pm::Region;
-use crate::sstable::{self, block_entries, BlockCache, Table, TableBuilder};
+use crate::sstable::{self, block_entries, BlockCache, Table, TableBuilder, TableCursor};
 
 /// Superblock address.
 pub const SUPERBLOCK_ADDR: u64 = 64;
@@ -427,69 +427,6 @@ struct CompactJob {
     slot: u64,
     inputs: Vec<PmLeaf>,
     bottom: bool,
-}
-
-/// A forward cursor over one table's entries (one decoded block at a time).
-struct TableCursor {
-    t: Arc<Table>,
-    block: usize,
-    ents: Vec<(sstable::Kind, Vec<u8>, Vec<u8>)>,
-    pos: usize,
-    cached: bool,
-}
-
-impl TableCursor {
-    /// A cursor at the first entry `>= start` (or `> start` for an excluded bound).
-    fn seek(t: Arc<Table>, start: Bound<&[u8]>, cached: bool) -> Result<TableCursor> {
-        let block = match start {
-            Bound::Unbounded => 0,
-            Bound::Included(k) | Bound::Excluded(k) => t.block_for(k).unwrap_or(t.index().len()),
-        };
-        let mut c = TableCursor { t, block, ents: Vec::new(), pos: 0, cached };
-        c.load()?;
-        while let Some(e) = c.peek() {
-            let before = match start {
-                Bound::Included(k) => e.1.as_slice() < k,
-                Bound::Excluded(k) => e.1.as_slice() <= k,
-                Bound::Unbounded => false,
-            };
-            if !before {
-                break;
-            }
-            c.advance()?;
-        }
-        Ok(c)
-    }
-
-    fn load(&mut self) -> Result<()> {
-        self.ents.clear();
-        self.pos = 0;
-        while self.ents.is_empty() {
-            let Some(&(_, h)) = self.t.index().get(self.block) else { return Ok(()) };
-            let payload = if self.cached { self.t.read_block_cached(h)? } else { Arc::new(self.t.read_block(h)?) };
-            for e in block_entries(&payload) {
-                let e = e.map_err(|d| Error::corruption(self.t.path(), h.offset, d))?;
-                self.ents.push((e.kind, e.key.to_vec(), e.value.to_vec()));
-            }
-            if self.ents.is_empty() {
-                self.block += 1;
-            }
-        }
-        Ok(())
-    }
-
-    fn peek(&self) -> Option<&(sstable::Kind, Vec<u8>, Vec<u8>)> {
-        self.ents.get(self.pos)
-    }
-
-    fn advance(&mut self) -> Result<()> {
-        self.pos += 1;
-        if self.pos >= self.ents.len() {
-            self.block += 1;
-            self.load()?;
-        }
-        Ok(())
-    }
 }
 
 fn in_end(k: &[u8], end: Bound<&[u8]>) -> bool {

@@ -137,6 +137,7 @@ fn file_meta(meta: &TableMeta) -> FileMeta {
         size: meta.size,
         smallest: meta.smallest.clone(),
         largest: meta.largest.clone(),
+        level: 0,
     }
 }
 
@@ -886,7 +887,7 @@ mod tests {
     use super::*;
 
     fn meta(a: &str, b: &str) -> FileMeta {
-        FileMeta { total: 10, live: 10, size: 1, smallest: a.as_bytes().to_vec(), largest: b.as_bytes().to_vec() }
+        FileMeta { total: 10, live: 10, size: 1, smallest: a.as_bytes().to_vec(), largest: b.as_bytes().to_vec(), level: 0 }
     }
 
     #[test]
