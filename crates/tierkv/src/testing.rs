@@ -5,7 +5,7 @@
 use std::sync::Arc;
 
 use crate::fs::FaultFs;
-use crate::options::{HpdkOptions, LightkvOptions, Options, PmekvOptions, Preset, SlmdbOptions};
+use crate::options::{HoakvOptions, HpdkOptions, LightkvOptions, Options, PmekvOptions, Preset, SlmdbOptions};
 use crate::pm::sim::SimDevice;
 
 /// Every preset scaled down, on `dev` and `fs`: 1 MiB PM pools, values up to 16 KiB.
@@ -25,6 +25,30 @@ pub fn sim_options(preset: Preset, dev: &SimDevice, fs: &FaultFs) -> Options {
         .slmdb(slmdb_small())
         .hpdk(hpdk_small())
         .lightkv(lightkv_small())
+        .hoakv(hoakv_small())
+}
+
+/// HoaKV scaled down so that small tests promote and demote keys, separate values into the
+/// cold vlog, split and collect value groups and compact LSM levels: a 48 KiB HotStore of
+/// 16 KiB vTables, a 64-operation heat window, values over 64 bytes in the cold vlog,
+/// 16 KiB groups, 4 KiB MemTables and tables, a synced WAL (the crash tests drop unsynced
+/// file data: power loss), everything in the calling thread.
+pub fn hoakv_small() -> HoakvOptions {
+    HoakvOptions {
+        hot_store_size: 48 << 10,
+        vtable_size: 16 << 10,
+        heat_window: 64,
+        value_size: 64,
+        group_size: 16 << 10,
+        memtable_size: 4 << 10,
+        level1_size: 16 << 10,
+        target_file_size: 4 << 10,
+        block_size: 256,
+        block_cache_size: 64 << 10,
+        sync_wal: true,
+        background: false,
+        ..HoakvOptions::default()
+    }
 }
 
 /// LightKV scaled down so that small tests split leaves, link and flush them and compact

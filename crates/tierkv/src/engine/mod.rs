@@ -5,6 +5,7 @@
 //! [`Engine`]. A preset is a composition of the shared parts (`pm`, `fs`, `index`, `format`)
 //! behind this trait.
 
+pub mod hoakv;
 pub mod hpdk;
 pub mod lightkv;
 pub mod pmekv;
@@ -137,5 +138,6 @@ pub fn open(preset: Preset, ctx: EngineCtx) -> Result<Arc<dyn Engine>> {
         Preset::Slmdb => Ok(Arc::new(slmdb::Slmdb::open(ctx)?)),
         Preset::Hpdk => Ok(Arc::new(hpdk::Hpdk::open(ctx)?)),
         Preset::Lightkv => Ok(Arc::new(lightkv::Lightkv::open(ctx)?)),
+        Preset::Hoakv => Ok(Arc::new(hoakv::Hoakv::open(ctx)?)),
     }
 }

@@ -35,7 +35,7 @@
 
 pub mod wal;
 
-use std::collections::{BTreeMap, BTreeSet};
+use std::collections::BTreeMap;
 use std::ops::Bound;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -222,7 +222,12 @@ pub struct Lsm {
     /// Counters.
     pub counters: LsmCounters,
     worker: Mutex<Option<JoinHandle<()>>>,
+    before_durable: RwLock<Option<DurableHook>>,
 }
+
+/// Called before the LSM makes WAL records or tables durable (a WAL fsync, a flush): the
+/// owner syncs what they point at (HoaKV: its cold value-log files).
+pub type DurableHook = Arc<dyn Fn() -> Result<()> + Send + Sync>;
 
 impl std::fmt::Debug for Lsm {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -338,6 +343,7 @@ impl Lsm {
             poison,
             counters: LsmCounters::default(),
             worker: Mutex::new(None),
+            before_durable: RwLock::new(None),
             opts,
         };
         Ok((lsm, batches))
@@ -371,6 +377,20 @@ impl Lsm {
             self.signal();
         }
         Ok(())
+    }
+
+    /// Install the hook run before WAL syncs and flushes. Call before
+    /// [`Lsm::finish_recovery`].
+    pub fn set_before_durable(&self, f: DurableHook) {
+        *self.before_durable.write() = Some(f);
+    }
+
+    fn prepare_durable(&self) -> Result<()> {
+        let h = self.before_durable.read().clone();
+        match h {
+            Some(f) => f(),
+            None => Ok(()),
+        }
     }
 
     fn maybe_compact_inline(&self) -> Result<()> {
@@ -435,23 +455,17 @@ impl Lsm {
         let mut w = self.writer.lock();
         self.make_room(&mut w)?;
         let rec = crate::format::frame(&wal::encode(seq, ops.iter().copied()));
-        if let Err(e) = w.wal.append(&rec).and_then(|_| if sync || self.opts.sync_wal { w.wal.sync() } else { Ok(()) }) {
+        let sync = sync || self.opts.sync_wal;
+        if sync {
+            self.prepare_durable()?;
+        }
+        if let Err(e) = w.wal.append(&rec).and_then(|_| if sync { w.wal.sync() } else { Ok(()) }) {
             self.poison.set(format!("WAL write failed: {e}"));
             return Err(e.into());
         }
         let mem = self.mem.read();
         for (k, v) in ops {
             mem.active.insert(k, *v);
-        }
-        Ok(())
-    }
-
-    /// fsync the WAL (what was written so far survives power loss).
-    pub fn sync_wal(&self) -> Result<()> {
-        let mut w = self.writer.lock();
-        if let Err(e) = w.wal.sync() {
-            self.poison.set(format!("WAL sync failed: {e}"));
-            return Err(e.into());
         }
         Ok(())
     }
@@ -499,6 +513,7 @@ impl Lsm {
         }
         // The old WAL's tail must be durable before the new one can hold later batches
         // that recovery would replay without it.
+        self.prepare_durable()?;
         if let Err(e) = w.wal.sync() {
             self.poison.set(format!("WAL sync failed: {e}"));
             return Err(e.into());
@@ -706,6 +721,7 @@ impl Lsm {
     fn flush_imm(&self) -> Result<()> {
         let _job = self.job.lock();
         let Some(imm) = self.mem.read().imm.clone() else { return Ok(()) };
+        self.prepare_durable()?;
         let map = imm.map.read();
         let mut added = Vec::new();
         if !map.is_empty() {
@@ -983,18 +999,15 @@ impl Lsm {
             }
             self.flush_imm()?;
         }
+        self.prepare_durable()?;
         w.wal.sync()?;
         self.fs.sync_dir(&self.dir)?;
         Ok(())
     }
 
-    /// Bytes of the block cache in use.
-    pub fn cache_bytes(&self) -> u64 {
-        self.cache.bytes()
-    }
-
     /// The WAL generations still on disk and the tables of the version (tests).
-    pub fn files(&self) -> (BTreeSet<u64>, Vec<(u64, u32)>) {
+    #[cfg(test)]
+    pub fn files(&self) -> (std::collections::BTreeSet<u64>, Vec<(u64, u32)>) {
         let v = self.version.lock().version.clone();
         let wals = self.fs.list(&self.dir).unwrap_or_default().iter().filter_map(|n| wal::number(n)).collect();
         (wals, v.files.iter().map(|(n, m)| (*n, m.level)).collect())

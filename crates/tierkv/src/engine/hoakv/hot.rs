@@ -1,0 +1,696 @@
+//! The HotStore (HoaKV §3.2–3.3): the hot vlog of fixed-size vTables in PM, the DRAM hot
+//! index (N buckets, cuckoo placement over E hash functions, overflow chains), the
+//! heat-sorted list and an ordered map of the hot keys for scans.
+//!
+//! # Hot vlog
+//! A vTable (`vtable_size`, 2 MiB by default) holds slots of one size class. A slot has two
+//! halves; a record lives in one half. An update of a hot key whose record still fits the
+//! class writes the *other* half with a higher sequence number, persists it, and only then
+//! is the half current: the old value survives a crash until the new one is durable, and
+//! the slot is reused in place (the paper's recycle of the invalid value) without any
+//! allocation or log. Recovery takes, per slot, the valid half (checksum) with the higher
+//! sequence number, and per key the slot with the higher sequence number. A freed slot has
+//! both halves' headers zeroed (persisted) before it is reused, so a stale record can never
+//! come back.
+//!
+//! vTables are published in a PM directory (one 8-byte slot each, failure-atomic) after
+//! their header is persisted; a vTable whose slots are all free is unpublished and its
+//! extent returned to the PM heap (when its class has another vTable with room).
+//!
+//! # Hot index
+//! Entry `{keyTag u16, vTable u16, slot u32, heat u16, next u32}` plus the current half and
+//! the position in the heat list. Placement tries the buckets `h_1(key) … h_E(key) mod N` for
+//! an empty one (cuckoo placement without displacement, as the paper describes); when all
+//! are taken the entry is chained to bucket `h_E`. A lookup walks `h_E … h_1`, compares the
+//! keyTag (upper 16 bits of another hash) and then the full key from the PM record. The
+//! E hash functions are derived by double hashing from two crc32c hashes of the key.
+//!
+//! # Heat
+//! Each entry keeps a 16-bit heat. The heat list is sorted by heat, hottest first; a heat
+//! increase moves the entry forward one neighbour at a time until its predecessor is at
+//! least as hot (the paper's insertion step). HeatLimit is the heat of the list's tail when
+//! the store is full, 0 otherwise. Heat is not persistent: recovered entries start at 1.
+
+use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::ops::Bound;
+use std::sync::Arc;
+
+use super::layout::{self, HotRecord};
+use crate::error::{Error, Result};
+use crate::pm::heap::{self, Heap};
+use crate::pm::Region;
+
+const NONE: u32 = u32::MAX;
+
+/// One hot index entry.
+#[derive(Debug, Clone)]
+struct Entry {
+    tag: u16,
+    heat: u16,
+    vt: u16,
+    slot: u32,
+    half: u8,
+    tomb: bool,
+    next: u32,
+    pos: u32,
+    seq: u64,
+    bucket: u32,
+}
+
+#[derive(Debug)]
+struct VTable {
+    addr: u64,
+    class: u32,
+    free: Vec<u32>,
+    used: u32,
+}
+
+/// What the store looks like (stats, tests).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct HotFigures {
+    /// Hot entries (tombstones included).
+    pub entries: u64,
+    /// Bytes of slots in use (both halves).
+    pub used_bytes: u64,
+    /// Published vTables.
+    pub vtables: u64,
+    /// Entries chained behind a bucket's first entry.
+    pub overflow: u64,
+    /// Buckets.
+    pub buckets: u64,
+}
+
+/// A hot key's state as a lookup sees it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum HotGet {
+    /// Not hot.
+    Miss,
+    /// Hot, deleted.
+    Deleted,
+    /// Hot with this value.
+    Value(Vec<u8>),
+}
+
+/// A hot record read back for demotion.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Victim {
+    /// The key.
+    pub key: Vec<u8>,
+    /// Its value (`None`: a hot tombstone).
+    pub value: Option<Vec<u8>>,
+    /// Its heat when it was demoted.
+    pub heat: u16,
+    idx: u32,
+}
+
+/// The DRAM side of the HotStore, under one lock.
+#[derive(Debug)]
+pub struct Hot {
+    region: Arc<Region>,
+    heap: Heap,
+    vtable_size: u64,
+    dir_slots: u32,
+    capacity: u64,
+    e: usize,
+    buckets: Vec<u32>,
+    entries: Vec<Entry>,
+    free_entries: Vec<u32>,
+    list: Vec<u32>,
+    keys: BTreeMap<Vec<u8>, u32>,
+    vtables: Vec<Option<VTable>>,
+    /// Per class: vTables with a free slot.
+    open: HashMap<u32, BTreeSet<u16>>,
+    used_bytes: u64,
+    live: u64,
+    /// Slots whose PM record lost to a newer one at recovery (invalidated).
+    pub recovered_duplicates: u64,
+}
+
+fn hashes(key: &[u8]) -> (u32, u32, u16) {
+    let a = crc32c::crc32c_append(0x9e37_79b9, key);
+    let b = crc32c::crc32c_append(0x85eb_ca6b, key) | 1;
+    let t = crc32c::crc32c_append(0xc2b2_ae35, key);
+    (a, b, (t >> 16) as u16)
+}
+
+impl Hot {
+    /// Open (or create) the HotStore in `region`: `capacity` bytes of slots at most,
+    /// `vtable_size` vTables, `e` hash functions over `buckets` buckets (0: derived).
+    pub fn open(region: Arc<Region>, create: bool, capacity: u64, vtable_size: u64, e: usize, buckets: usize) -> Result<Hot> {
+        let want_slots = (capacity / vtable_size + 1).saturating_mul(2).saturating_add(32).min(65_535) as u32;
+        if create {
+            let sb = layout::encode_superblock(vtable_size, want_slots);
+            let zero = vec![0u8; want_slots as usize * 8];
+            // SAFETY: a new store's layout area; nobody else uses the region yet.
+            unsafe {
+                region.write(layout::DIR_ADDR, &zero)?;
+                region.write(layout::SUPERBLOCK_ADDR, &sb)?;
+            }
+            region.persist(layout::DIR_ADDR, zero.len() as u64);
+            region.persist(layout::SUPERBLOCK_ADDR, 64);
+        }
+        let sb = region.slice_checked(layout::SUPERBLOCK_ADDR, 64, "hoakv superblock")?;
+        let (vtable_size, dir_slots) =
+            layout::decode_superblock(sb).map_err(|d| region.corruption(layout::SUPERBLOCK_ADDR, d))?;
+        let nb = if buckets > 0 { buckets } else { ((capacity / 2048).max(64) as usize).next_power_of_two() };
+        let mut hot = Hot {
+            heap: Heap::new(),
+            vtable_size,
+            dir_slots,
+            capacity,
+            e: e.clamp(1, 8),
+            buckets: vec![NONE; nb],
+            entries: Vec::new(),
+            free_entries: Vec::new(),
+            list: Vec::new(),
+            keys: BTreeMap::new(),
+            vtables: (0..dir_slots).map(|_| None).collect(),
+            open: HashMap::new(),
+            used_bytes: 0,
+            live: 0,
+            recovered_duplicates: 0,
+            region,
+        };
+        hot.recover()?;
+        Ok(hot)
+    }
+
+    /// Rebuild the index from the vTables' records.
+    fn recover(&mut self) -> Result<()> {
+        let r = self.region.clone();
+        let mut extents = Vec::new();
+        // key → (seq, vt, slot, half, tomb)
+        let mut best: HashMap<Vec<u8>, (u64, u16, u32, u8, bool)> = HashMap::new();
+        let mut losers: Vec<(u16, u32)> = Vec::new();
+        for id in 0..self.dir_slots {
+            let da = layout::DIR_ADDR + u64::from(id) * 8;
+            let addr = r.load_u64_atomic(da)?;
+            if addr == 0 {
+                continue;
+            }
+            let h = r.slice_checked(addr, 64, "vTable header")?;
+            let (hid, class) = layout::decode_vtable_header(h).map_err(|d| r.corruption(addr, d))?;
+            if hid != id {
+                return Err(r.corruption(addr, format!("vTable in directory slot {id} says it is {hid}")));
+            }
+            r.slice_checked(addr, self.vtable_size as usize, "vTable")?;
+            extents.push((addr, self.vtable_size));
+            let nslots = self.slots_per(class);
+            let mut vt = VTable { addr, class, free: Vec::new(), used: 0 };
+            for s in (0..nslots).rev() {
+                let mut pick: Option<(HotRecord<'_>, u8)> = None;
+                for half in 0..2u8 {
+                    let a = self.half_addr(addr, class, s, half);
+                    let b = r.slice_checked(a, class as usize, "hot record")?;
+                    if let Some(rec) = layout::decode_hot(b) {
+                        if pick.as_ref().is_none_or(|(p, _)| rec.seq > p.seq) {
+                            pick = Some((rec, half));
+                        }
+                    }
+                }
+                match pick {
+                    None => vt.free.push(s),
+                    Some((rec, half)) => {
+                        let cand = (rec.seq, id as u16, s, half, rec.value.is_none());
+                        match best.get(rec.key) {
+                            Some(old) if old.0 >= rec.seq => losers.push((id as u16, s)),
+                            Some(old) => {
+                                losers.push((old.1, old.2));
+                                best.insert(rec.key.to_vec(), cand);
+                            }
+                            None => {
+                                best.insert(rec.key.to_vec(), cand);
+                            }
+                        }
+                        vt.used += 1;
+                    }
+                }
+            }
+            self.vtables[id as usize] = Some(vt);
+        }
+        self.heap = heap::rebuild(&r, layout::heap_start(self.dir_slots), extents)?;
+        for (vt, slot) in losers {
+            self.recovered_duplicates += 1;
+            self.invalidate(vt, slot)?;
+            if let Some(t) = self.vtables[vt as usize].as_mut() {
+                t.used -= 1;
+                t.free.push(slot);
+            }
+        }
+        let mut all: Vec<(Vec<u8>, (u64, u16, u32, u8, bool))> = best.into_iter().collect();
+        // Most recently written first: the best proxy for heat that survives a restart.
+        all.sort_by_key(|(_, c)| std::cmp::Reverse(c.0));
+        for (key, (seq, vt, slot, half, tomb)) in all {
+            let class = self.vtables[vt as usize].as_ref().map_or(0, |t| t.class);
+            self.used_bytes += 2 * u64::from(class);
+            self.link(&key, vt, slot, half, tomb, seq, 1);
+        }
+        for (id, vt) in self.vtables.iter().enumerate() {
+            if let Some(vt) = vt {
+                if !vt.free.is_empty() {
+                    self.open.entry(vt.class).or_default().insert(id as u16);
+                }
+            }
+        }
+        Ok(())
+    }
+
+    fn slots_per(&self, class: u32) -> u32 {
+        ((self.vtable_size - layout::VT_HEADER) / (2 * u64::from(class))) as u32
+    }
+
+    fn half_addr(&self, vt_addr: u64, class: u32, slot: u32, half: u8) -> u64 {
+        vt_addr + layout::VT_HEADER + u64::from(slot) * 2 * u64::from(class) + u64::from(half) * u64::from(class)
+    }
+
+    fn bucket_of(&self, h: (u32, u32, u16), i: usize) -> u32 {
+        (h.0.wrapping_add((i as u32).wrapping_mul(h.1)) % self.buckets.len() as u32) as u32
+    }
+
+    /// Insert an index entry (the PM record exists already) at the tail of the heat order.
+    #[allow(clippy::too_many_arguments)]
+    fn link(&mut self, key: &[u8], vt: u16, slot: u32, half: u8, tomb: bool, seq: u64, heat: u16) -> u32 {
+        let h = hashes(key);
+        let mut bucket = self.bucket_of(h, self.e - 1);
+        for i in 0..self.e {
+            let b = self.bucket_of(h, i);
+            if self.buckets[b as usize] == NONE {
+                bucket = b;
+                break;
+            }
+        }
+        let e = Entry { tag: h.2, heat, vt, slot, half, tomb, next: self.buckets[bucket as usize], pos: 0, seq, bucket };
+        let idx = match self.free_entries.pop() {
+            Some(i) => {
+                self.entries[i as usize] = e;
+                i
+            }
+            None => {
+                self.entries.push(e);
+                (self.entries.len() - 1) as u32
+            }
+        };
+        self.buckets[bucket as usize] = idx;
+        self.entries[idx as usize].pos = self.list.len() as u32;
+        self.list.push(idx);
+        self.sift_up(idx);
+        self.keys.insert(key.to_vec(), idx);
+        if !tomb {
+            self.live += 1;
+        }
+        idx
+    }
+
+    /// The insertion step: move `idx` forward while its predecessor is colder.
+    fn sift_up(&mut self, idx: u32) {
+        let mut p = self.entries[idx as usize].pos as usize;
+        let heat = self.entries[idx as usize].heat;
+        while p > 0 {
+            let prev = self.list[p - 1];
+            if self.entries[prev as usize].heat >= heat {
+                break;
+            }
+            self.list[p] = prev;
+            self.entries[prev as usize].pos = p as u32;
+            p -= 1;
+        }
+        self.list[p] = idx;
+        self.entries[idx as usize].pos = p as u32;
+    }
+
+    fn record(&self, idx: u32) -> Result<HotRecord<'_>> {
+        let e = &self.entries[idx as usize];
+        let vt = self.vtables[e.vt as usize].as_ref().ok_or_else(|| Error::InvalidArgument("hot entry names a missing vTable".into()))?;
+        let a = self.half_addr(vt.addr, vt.class, e.slot, e.half);
+        let b = self.region.slice_checked(a, vt.class as usize, "hot record")?;
+        layout::decode_hot(b).ok_or_else(|| self.region.corruption(a, "hot record checksum mismatch"))
+    }
+
+    /// The index entry of `key`, if hot.
+    fn find(&self, key: &[u8]) -> Result<Option<u32>> {
+        let h = hashes(key);
+        for i in (0..self.e).rev() {
+            let b = self.bucket_of(h, i);
+            let mut cur = self.buckets[b as usize];
+            while cur != NONE {
+                let e = &self.entries[cur as usize];
+                if e.tag == h.2 && self.record(cur)?.key == key {
+                    return Ok(Some(cur));
+                }
+                cur = e.next;
+            }
+        }
+        Ok(None)
+    }
+
+    /// True when `key` is hot (tombstones included).
+    pub fn contains(&self, key: &[u8]) -> Result<bool> {
+        Ok(self.find(key)?.is_some())
+    }
+
+    /// Look `key` up; with `touch`, count an access (heat + 1, insertion step).
+    pub fn get(&mut self, key: &[u8], touch: bool) -> Result<HotGet> {
+        let Some(idx) = self.find(key)? else { return Ok(HotGet::Miss) };
+        if touch {
+            self.touch(idx);
+        }
+        let r = self.record(idx)?;
+        Ok(match r.value {
+            Some(v) => HotGet::Value(v.to_vec()),
+            None => HotGet::Deleted,
+        })
+    }
+
+    fn touch(&mut self, idx: u32) {
+        let e = &mut self.entries[idx as usize];
+        e.heat = e.heat.saturating_add(1);
+        self.sift_up(idx);
+    }
+
+    /// HeatLimit: the smallest heat in the store once it is full (a new record of `need`
+    /// bytes would not fit), else 0.
+    pub fn heat_limit(&self, need: u64) -> u16 {
+        if self.used_bytes + need <= self.capacity {
+            return 0;
+        }
+        self.list.last().map_or(0, |&i| self.entries[i as usize].heat)
+    }
+
+    /// Slot bytes a record of this size takes, or `None` when it can never be hot (its
+    /// slot would not fit a vTable).
+    pub fn slot_bytes(&self, klen: usize, vlen: usize) -> Option<u64> {
+        let class = layout::class_for(layout::hot_need(klen, vlen));
+        (self.slots_per(class) >= 1).then_some(2 * u64::from(class))
+    }
+
+    /// Bytes still free under the capacity.
+    pub fn room(&self) -> u64 {
+        self.capacity.saturating_sub(self.used_bytes)
+    }
+
+    /// Write `key`'s new value (or tombstone) with sequence number `seq`: into the other
+    /// half of its slot when it fits, else into a new slot (the old one freed after). The
+    /// key must be hot. Counts an access.
+    pub fn update(&mut self, key: &[u8], value: Option<&[u8]>, seq: u64) -> Result<()> {
+        let idx = self.find(key)?.ok_or_else(|| Error::InvalidArgument("update of a key that is not hot".into()))?;
+        self.touch(idx);
+        let rec = layout::encode_hot(seq, key, value);
+        let e = self.entries[idx as usize].clone();
+        let (addr, class) = {
+            let vt = self.vtables[e.vt as usize].as_ref().ok_or_else(|| Error::InvalidArgument("hot entry names a missing vTable".into()))?;
+            (vt.addr, vt.class)
+        };
+        if rec.len() <= class as usize {
+            let half = 1 - e.half;
+            let a = self.half_addr(addr, class, e.slot, half);
+            // SAFETY: the slot belongs to this entry; the caller holds the HotStore lock,
+            // under which every read and write of hot records happens.
+            unsafe { self.region.write(a, &rec)? };
+            self.region.persist(a, rec.len() as u64);
+            let was_tomb = e.tomb;
+            let en = &mut self.entries[idx as usize];
+            en.half = half;
+            en.seq = seq;
+            en.tomb = value.is_none();
+            self.adjust_live(was_tomb, value.is_none());
+            return Ok(());
+        }
+        // Relocate: new slot first (the higher sequence number wins at recovery), then
+        // free the old one.
+        let new_class = layout::class_for(rec.len());
+        let (vt, slot) = self.alloc_slot(new_class)?;
+        let vaddr = self.vtables[vt as usize].as_ref().map_or(0, |t| t.addr);
+        let a = self.half_addr(vaddr, new_class, slot, 0);
+        // SAFETY: a free slot just taken from the allocator; HotStore lock held.
+        unsafe { self.region.write(a, &rec)? };
+        self.region.persist(a, rec.len() as u64);
+        self.release_slot(e.vt, e.slot)?;
+        self.used_bytes = self.used_bytes - 2 * u64::from(class) + 2 * u64::from(new_class);
+        let en = &mut self.entries[idx as usize];
+        en.vt = vt;
+        en.slot = slot;
+        en.half = 0;
+        en.seq = seq;
+        en.tomb = value.is_none();
+        self.adjust_live(e.tomb, value.is_none());
+        Ok(())
+    }
+
+    fn adjust_live(&mut self, was_tomb: bool, is_tomb: bool) {
+        match (was_tomb, is_tomb) {
+            (true, false) => self.live += 1,
+            (false, true) => self.live -= 1,
+            _ => {}
+        }
+    }
+
+    /// Make `key` hot with `value` (or a tombstone), sequence number `seq` and `heat`. The
+    /// caller made room (see [`Hot::heat_limit`], [`Hot::take_coldest`]).
+    pub fn insert(&mut self, key: &[u8], value: Option<&[u8]>, seq: u64, heat: u16) -> Result<()> {
+        let rec = layout::encode_hot(seq, key, value);
+        let class = layout::class_for(rec.len());
+        let (vt, slot) = self.alloc_slot(class)?;
+        let vaddr = self.vtables[vt as usize].as_ref().map_or(0, |t| t.addr);
+        let a = self.half_addr(vaddr, class, slot, 0);
+        // SAFETY: a free slot just taken from the allocator; HotStore lock held.
+        unsafe { self.region.write(a, &rec)? };
+        self.region.persist(a, rec.len() as u64);
+        self.used_bytes += 2 * u64::from(class);
+        self.link(key, vt, slot, 0, value.is_none(), seq, heat);
+        Ok(())
+    }
+
+    /// The coldest entries, from the tail of the heat order, until `bytes` of slots would
+    /// be freed (at least one entry). They stay hot until [`Hot::remove`].
+    pub fn take_coldest(&self, bytes: u64) -> Result<Vec<Victim>> {
+        let mut out = Vec::new();
+        let mut freed = 0;
+        for &idx in self.list.iter().rev() {
+            if freed >= bytes && !out.is_empty() {
+                break;
+            }
+            let e = &self.entries[idx as usize];
+            let class = self.vtables[e.vt as usize].as_ref().map_or(0, |t| t.class);
+            freed += 2 * u64::from(class);
+            let r = self.record(idx)?;
+            out.push(Victim { key: r.key.to_vec(), value: r.value.map(<[u8]>::to_vec), heat: e.heat, idx });
+        }
+        Ok(out)
+    }
+
+    /// Demote `victims` (from [`Hot::take_coldest`]): invalidate their records in PM and
+    /// drop them from the index. Call only once their values are durable in the ColdStore.
+    pub fn remove(&mut self, victims: &[Victim]) -> Result<()> {
+        for v in victims {
+            self.unlink(v.idx, &v.key)?;
+        }
+        Ok(())
+    }
+
+    /// Drop `key` from the HotStore (its record invalidated), if hot.
+    pub fn remove_key(&mut self, key: &[u8]) -> Result<bool> {
+        match self.find(key)? {
+            Some(idx) => {
+                self.unlink(idx, key)?;
+                Ok(true)
+            }
+            None => Ok(false),
+        }
+    }
+
+    fn unlink(&mut self, idx: u32, key: &[u8]) -> Result<()> {
+        let e = self.entries[idx as usize].clone();
+        let class = self.vtables[e.vt as usize].as_ref().map_or(0, |t| t.class);
+        self.release_slot(e.vt, e.slot)?;
+        self.used_bytes -= 2 * u64::from(class);
+        // Bucket chain.
+        let b = e.bucket as usize;
+        if self.buckets[b] == idx {
+            self.buckets[b] = e.next;
+        } else {
+            let mut cur = self.buckets[b];
+            while cur != NONE {
+                let n = self.entries[cur as usize].next;
+                if n == idx {
+                    self.entries[cur as usize].next = e.next;
+                    break;
+                }
+                cur = n;
+            }
+        }
+        // Heat list.
+        let p = e.pos as usize;
+        self.list.remove(p);
+        for i in p..self.list.len() {
+            let j = self.list[i];
+            self.entries[j as usize].pos = i as u32;
+        }
+        self.keys.remove(key);
+        if !e.tomb {
+            self.live -= 1;
+        }
+        self.free_entries.push(idx);
+        Ok(())
+    }
+
+    /// Zero both halves' headers of a slot and persist.
+    fn invalidate(&mut self, vt: u16, slot: u32) -> Result<()> {
+        let Some(t) = self.vtables[vt as usize].as_ref() else { return Ok(()) };
+        let (addr, class) = (t.addr, t.class);
+        for half in 0..2 {
+            let a = self.half_addr(addr, class, slot, half);
+            // SAFETY: the slot is being freed by its owner under the HotStore lock.
+            unsafe { self.region.write(a, &[0u8; layout::HOT_HEADER])? };
+            self.region.flush(a, layout::HOT_HEADER as u64);
+        }
+        self.region.fence();
+        Ok(())
+    }
+
+    fn release_slot(&mut self, vt: u16, slot: u32) -> Result<()> {
+        self.invalidate(vt, slot)?;
+        let Some(t) = self.vtables[vt as usize].as_mut() else { return Ok(()) };
+        t.used -= 1;
+        t.free.push(slot);
+        let class = t.class;
+        let empty = t.used == 0;
+        let set = self.open.entry(class).or_default();
+        set.insert(vt);
+        if empty && set.len() > 1 {
+            set.remove(&vt);
+            let addr = t.addr;
+            self.region.store_u64_atomic(layout::DIR_ADDR + u64::from(vt) * 8, 0)?;
+            self.region.persist(layout::DIR_ADDR + u64::from(vt) * 8, 8);
+            self.vtables[vt as usize] = None;
+            self.heap.free(addr, self.vtable_size);
+        }
+        Ok(())
+    }
+
+    fn alloc_slot(&mut self, class: u32) -> Result<(u16, u32)> {
+        if let Some(&vt) = self.open.get(&class).and_then(|s| s.iter().next()) {
+            if let Some(t) = self.vtables[vt as usize].as_mut() {
+                if let Some(slot) = t.free.pop() {
+                    t.used += 1;
+                    if t.free.is_empty() {
+                        if let Some(s) = self.open.get_mut(&class) {
+                            s.remove(&vt);
+                        }
+                    }
+                    return Ok((vt, slot));
+                }
+            }
+        }
+        if self.slots_per(class) == 0 {
+            return Err(Error::InvalidArgument(format!("a hot record of class {class} does not fit a vTable")));
+        }
+        let id = self.vtables.iter().position(Option::is_none).ok_or_else(|| {
+            Error::PmFull(format!("all {} vTable directory slots are in use", self.dir_slots))
+        })?;
+        let addr = heap::alloc_or_grow(&mut self.heap, &self.region, self.vtable_size)?;
+        let h = layout::encode_vtable_header(id as u32, class);
+        // SAFETY: a fresh heap extent, not yet published; HotStore lock held. Its slots
+        // hold no valid record: the extent is either new pool space (zero) or a vTable
+        // freed after every slot of it was invalidated.
+        unsafe { self.region.write(addr, &h)? };
+        self.region.persist(addr, 64);
+        let da = layout::DIR_ADDR + id as u64 * 8;
+        self.region.store_u64_atomic(da, addr)?;
+        self.region.persist(da, 8);
+        let n = self.slots_per(class);
+        let mut free: Vec<u32> = (0..n).rev().collect();
+        let slot = free.pop().unwrap_or(0);
+        let vt = VTable { addr, class, free, used: 1 };
+        if !vt.free.is_empty() {
+            self.open.entry(class).or_default().insert(id as u16);
+        }
+        self.vtables[id] = Some(vt);
+        Ok((id as u16, slot))
+    }
+
+    /// Halve every heat (the sliding window moved on). The order is unchanged.
+    pub fn decay(&mut self) {
+        for e in &mut self.entries {
+            e.heat /= 2;
+        }
+    }
+
+    /// Hot keys in `[lo, hi]` (`hi` per `end`), with their values (`None`: tombstone).
+    pub fn range(&self, lo: Bound<&[u8]>, end: Bound<&[u8]>) -> Result<Vec<(Vec<u8>, Option<Vec<u8>>)>> {
+        let mut out = Vec::new();
+        for (k, &idx) in self.keys.range::<[u8], _>((lo, end)) {
+            let r = self.record(idx)?;
+            out.push((k.clone(), r.value.map(<[u8]>::to_vec)));
+        }
+        Ok(out)
+    }
+
+    /// Every hot key with its sequence number (recovery).
+    pub fn seqs(&self) -> HashMap<Vec<u8>, u64> {
+        self.keys.iter().map(|(k, &i)| (k.clone(), self.entries[i as usize].seq)).collect()
+    }
+
+    /// The highest sequence number of any hot record.
+    pub fn max_seq(&self) -> u64 {
+        self.keys.values().map(|&i| self.entries[i as usize].seq).max().unwrap_or(0)
+    }
+
+    /// Live (non-tombstone) hot keys.
+    pub fn live(&self) -> u64 {
+        self.live
+    }
+
+    /// Shape figures.
+    pub fn figures(&self) -> HotFigures {
+        let overflow = self.keys.values().filter(|&&i| self.buckets[self.entries[i as usize].bucket as usize] != i).count();
+        HotFigures {
+            entries: self.keys.len() as u64,
+            used_bytes: self.used_bytes,
+            vtables: self.vtables.iter().flatten().count() as u64,
+            overflow: overflow as u64,
+            buckets: self.buckets.len() as u64,
+        }
+    }
+
+    /// The heat of `key`, if hot.
+    pub fn heat_of(&self, key: &[u8]) -> Result<Option<u16>> {
+        Ok(self.find(key)?.map(|i| self.entries[i as usize].heat))
+    }
+
+    /// True when the heat list is sorted hottest first (tests, `check`).
+    pub fn order_ok(&self) -> bool {
+        self.list.windows(2).all(|w| self.entries[w[0] as usize].heat >= self.entries[w[1] as usize].heat)
+            && self.list.iter().enumerate().all(|(p, &i)| self.entries[i as usize].pos as usize == p)
+    }
+
+    /// DRAM held by the index and the ordered key map.
+    pub fn dram_bytes(&self) -> u64 {
+        let keys: u64 = self.keys.keys().map(|k| k.len() as u64 + 48).sum();
+        (self.buckets.len() * 4 + self.entries.len() * std::mem::size_of::<Entry>() + self.list.len() * 4) as u64 + keys
+    }
+
+    /// Verify every hot record (checksum, key, index agreement); returns the problems.
+    pub fn check(&self) -> Vec<String> {
+        let mut p = Vec::new();
+        for (k, &i) in &self.keys {
+            match self.record(i) {
+                Ok(r) if r.key == k.as_slice() => {}
+                Ok(_) => p.push(format!("hot entry of {} points at another key's record", crate::escape(k))),
+                Err(e) => p.push(format!("hot record of {}: {e}", crate::escape(k))),
+            }
+            match self.find(k) {
+                Ok(Some(j)) if j == i => {}
+                _ => p.push(format!("hot key {} is not found through the hash index", crate::escape(k))),
+            }
+        }
+        if !self.order_ok() {
+            p.push("hot heat list is out of order".into());
+        }
+        p
+    }
+
+    /// PM heap figures: (bytes in use by vTables, free bytes).
+    pub fn heap_bytes(&self) -> (u64, u64) {
+        (self.heap.total() - self.heap.free_bytes(), self.heap.free_bytes())
+    }
+}

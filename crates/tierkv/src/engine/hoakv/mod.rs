@@ -1,0 +1,878 @@
+//! The `hoakv` preset: HoaKV (Liu et al., Electronics 2023, `papers/hoakv.txt`).
+//!
+//! # What runs here
+//! - **Heat** (§3.2): every read and write of a key counts one access. Heat is the access
+//!   count over a sliding window of `heat_window` operations (a logical clock, so tests do
+//!   not depend on machine speed): each time the window moves on, every heat is halved and
+//!   cold keys whose heat reaches 0 leave the cold index. Hot keys keep their heat in the
+//!   hot index entry, cold keys in the cold index.
+//! - **HotStore** (§3.2–3.3) — [`hot`]: the hot vlog of 2 MiB vTables in PM, the DRAM
+//!   cuckoo hot index (N buckets, E hash functions, overflow chains, entry {keyTag,
+//!   vTable, slot, heat, next}), the heat-sorted list with the insertion step, and an
+//!   ordered map of the hot keys for scans. A write to a hot key rewrites its slot in place
+//!   (crash-safe: the other half of the slot, see [`hot`]); no WAL is written for it.
+//! - **Algorithm 1**: a cold key whose heat exceeds HeatLimit (the smallest heat in the
+//!   HotStore once it is full, 0 before) and has been seen `promote_min_heat` times is
+//!   promoted — on a read with its current value, on a write with the new value (which then
+//!   goes only to the HotStore). When the HotStore has no room, the coldest hot keys are
+//!   demoted first (below).
+//! - **ColdStore** — [`crate::lsm`]: WAL + MemTable + a LevelDB-style leveled LSM on the
+//!   shared SSTable format and MANIFEST.
+//! - **Partial KV separation** (§3.4, Algorithm 2): an LSM value is tagged; values longer
+//!   than `value_size` are appended to the cold vlog and the LSM keeps a pointer, shorter
+//!   ones stay inline ([`layout`]).
+//! - **Dynamic value groups** (§3.5) — [`cold`]: cold-vlog values live in groups by key
+//!   range. A group whose files pass `group_size` is maintained by the GC thread: the
+//!   group starts a new file, its old files are scanned, a record is live when the LSM
+//!   still points at it; if the live values exceed half of `group_size` the group splits at
+//!   the median live key (two groups with non-overlapping ranges), else the live values are
+//!   copied into one new file (garbage collection). The pointers are then rewritten in one
+//!   synced LSM batch and the old files removed.
+//! - **Cold index** (§3.6): per group, key → heat ([`cold`]).
+//! - **Scans**: the LSM's merged iterator, with the hot keys of the range (ordered map)
+//!   taking precedence; hot tombstones hide cold versions.
+//!
+//! # Durability and recovery
+//! Every write gets a sequence number; hot records and WAL batches carry it.
+//! - A hot write is durable when its half is persisted (PM), whatever `sync_wal` says.
+//! - A cold write follows `sync_wal` (LevelDB's semantics: off, it survives a process
+//!   crash, not power loss).
+//! - A batch touching a hot key is written whole to the WAL (synced) before its hot keys
+//!   are updated in place, so it is atomic: at recovery a WAL operation newer than the
+//!   key's hot record (a crash between the WAL and the PM updates) replaces it.
+//! - Demotion writes the victims' values to the ColdStore, syncs the WAL (and the cold vlog
+//!   first), and only then invalidates their hot records, so a demoted value is never only
+//!   in volatile state. Victims are demoted in batches of 1/32 of the HotStore, so the sync
+//!   is paid once per batch.
+//! - Recovery: the MANIFEST gives the tables, the hot index is rebuilt from the hot
+//!   records (key + checksum + sequence number per record), the WALs newer than the last
+//!   flush are replayed except operations older than the key's hot record; hot records
+//!   older than a replayed operation are invalidated; the replayed operations are flushed
+//!   to a table before the first new write. Every acknowledged write is then readable from
+//!   exactly one place: the HotStore when the key is hot there, else the ColdStore.
+//! - A crash during group maintenance leaves the new files listed with the old ones (the
+//!   group table is rewritten before the pointers change); old files are removed only
+//!   after the pointer batch is synced. Files no group lists are removed at open.
+//!
+//! # Choices where the paper is silent or we differ
+//! - The paper keeps the HotStore "on disk"; here the hot vlog is in PM (SPEC), and each
+//!   slot has two halves for the crash-safe in-place update, so a hot record takes twice
+//!   its size class (`hot_store_size` counts both halves).
+//! - Cuckoo placement does not displace entries (the paper describes none): an entry goes
+//!   to the first empty bucket among `h_1..h_E`, else it is chained to `h_E`.
+//! - Heat is 16 bits (saturating), not persistent (recovered hot keys start at heat 1,
+//!   most recently written first).
+//! - `promote_min_heat` (default 2) keeps keys seen once out of the HotStore while it is
+//!   not full; without it every first read would promote a key and load would fill the
+//!   HotStore with the first keys written.
+//! - Demotion is batched (above); the paper demotes one key per promotion.
+//! - Split: the paper reads the keys of a group's large values from the SSTables; here the
+//!   group's value-log files are scanned and each record checked against the LSM (WiscKey's
+//!   GC check), which finds the same live set. The median is the middle live key.
+//! - A group's GC and split relocate values into new files; the group's range is locked
+//!   only while it switches to a new file (writers of other groups and of small values
+//!   never wait). The paper locks the whole group during the split.
+//! - The paper allocates a MemTable per group; here one LSM serves every group.
+
+pub mod cold;
+pub mod hot;
+pub mod layout;
+
+use std::collections::{BTreeSet, HashMap, HashSet};
+use std::ops::Bound;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::thread::JoinHandle;
+
+use parking_lot::{Condvar, Mutex};
+
+use crate::batch::BatchOp;
+use crate::engine::{Cond, Engine, EngineCtx, Poison};
+use crate::error::{Error, Result};
+use crate::lsm::{Lsm, LsmOptions};
+use crate::options::HoakvOptions;
+use crate::pm::Region;
+use crate::stats::Stats;
+use cold::{ColdVlog, Group};
+use hot::{Hot, HotGet};
+use layout::{ColdValue, Pointer};
+
+/// Counters reported in `Stats::design`.
+#[derive(Debug, Default)]
+struct Counters {
+    hot_reads: AtomicU64,
+    cold_reads: AtomicU64,
+    hot_writes: AtomicU64,
+    cold_writes: AtomicU64,
+    promotions: AtomicU64,
+    demotions: AtomicU64,
+    demotion_batches: AtomicU64,
+    vlog_values: AtomicU64,
+    inline_values: AtomicU64,
+    group_splits: AtomicU64,
+    group_gcs: AtomicU64,
+    gc_values_moved: AtomicU64,
+    gc_bytes_freed: AtomicU64,
+    decays: AtomicU64,
+    recovered_stale_hot: AtomicU64,
+    recovered_ops: AtomicU64,
+}
+
+#[derive(Debug, Default)]
+struct Work {
+    groups: BTreeSet<u32>,
+    stop: bool,
+}
+
+struct Inner {
+    opts: HoakvOptions,
+    region: Arc<Region>,
+    hot: Mutex<Hot>,
+    lsm: Arc<Lsm>,
+    cold: Arc<ColdVlog>,
+    /// Serialises writes, promotions, demotions and pointer rewrites.
+    writer: Mutex<()>,
+    /// One group maintenance at a time.
+    maint: Mutex<()>,
+    seq: AtomicU64,
+    clock: AtomicU64,
+    next_decay: AtomicU64,
+    poison: Arc<Poison>,
+    user_bytes: AtomicU64,
+    c: Counters,
+    work: Mutex<Work>,
+    work_cv: Condvar,
+}
+
+/// The HoaKV engine. See the module docs.
+pub struct Hoakv {
+    inner: Arc<Inner>,
+    worker: Mutex<Option<JoinHandle<()>>>,
+}
+
+impl std::fmt::Debug for Hoakv {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Hoakv").field("region", &self.inner.region).finish()
+    }
+}
+
+/// What group maintenance did (tests).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Maintenance {
+    /// Nothing to do (no old files).
+    Nothing,
+    /// Live values copied into one new file.
+    Collected {
+        /// Live values moved.
+        moved: usize,
+        /// Bytes of old files removed.
+        freed: u64,
+    },
+    /// The group was split at `median`.
+    Split {
+        /// The boundary key: the new group starts here.
+        median: Vec<u8>,
+        /// Live values moved.
+        moved: usize,
+    },
+}
+
+fn lsm_options(o: &HoakvOptions) -> LsmOptions {
+    LsmOptions {
+        memtable_size: o.memtable_size,
+        level1_size: o.level1_size,
+        target_file_size: o.target_file_size,
+        block_size: o.block_size,
+        bloom_bits_per_key: o.bloom_bits_per_key,
+        block_cache_size: o.block_cache_size,
+        sync_wal: o.sync_wal,
+        background: o.background,
+        ..LsmOptions::default()
+    }
+}
+
+impl Hoakv {
+    /// Open (or create, when `ctx.fresh`) a HoaKV store.
+    pub fn open(ctx: EngineCtx) -> Result<Hoakv> {
+        let opts = ctx.opts.hoakv.clone();
+        let region = Arc::new(crate::engine::open_region(&ctx)?);
+        let mut hot = Hot::open(
+            region.clone(),
+            ctx.fresh,
+            opts.hot_store_size,
+            opts.vtable_size,
+            opts.hash_functions,
+            opts.hot_buckets,
+        )?;
+        let cold = Arc::new(ColdVlog::open(ctx.fs.clone(), &ctx.dir, ctx.fresh, opts.cold_index_capacity)?);
+        let poison = Arc::new(Poison::default());
+        let (lsm, batches) = Lsm::open(ctx.fs.clone(), &ctx.dir, lsm_options(&opts), ctx.fresh, poison.clone())?;
+        let lsm = Arc::new(lsm);
+        let c2 = cold.clone();
+        lsm.set_before_durable(Arc::new(move || c2.sync()));
+        // Replay: operations older than the key's hot record are superseded by it; a hot
+        // record older than a replayed operation is stale and invalidated.
+        let seqs = hot.seqs();
+        let mut max_seq = hot.max_seq();
+        let mut ops = Vec::new();
+        let mut stale = HashSet::new();
+        for b in batches {
+            max_seq = max_seq.max(b.seq);
+            for (k, v) in b.ops {
+                match seqs.get(&k) {
+                    Some(&hs) if hs >= b.seq => continue,
+                    Some(_) => {
+                        stale.insert(k.clone());
+                    }
+                    None => {}
+                }
+                ops.push((k, v));
+            }
+        }
+        let c = Counters::default();
+        c.recovered_ops.store(ops.len() as u64, Ordering::Relaxed);
+        c.recovered_stale_hot.store(stale.len() as u64, Ordering::Relaxed);
+        for k in &stale {
+            hot.remove_key(k)?;
+        }
+        lsm.finish_recovery(ops)?;
+        let inner = Arc::new(Inner {
+            region,
+            hot: Mutex::new(hot),
+            lsm,
+            cold,
+            writer: Mutex::new(()),
+            maint: Mutex::new(()),
+            seq: AtomicU64::new(max_seq + 1),
+            clock: AtomicU64::new(0),
+            next_decay: AtomicU64::new(opts.heat_window),
+            poison,
+            user_bytes: AtomicU64::new(0),
+            c,
+            work: Mutex::new(Work::default()),
+            work_cv: Condvar::new(),
+            opts,
+        });
+        let worker = if inner.opts.background {
+            let i = inner.clone();
+            Some(std::thread::Builder::new().name("tierkv-hoakv-gc".into()).spawn(move || i.worker_loop())?)
+        } else {
+            None
+        };
+        Ok(Hoakv { inner, worker: Mutex::new(worker) })
+    }
+
+    fn stop_worker(&self) {
+        self.inner.work.lock().stop = true;
+        self.inner.work_cv.notify_all();
+        if let Some(h) = self.worker.lock().take() {
+            let _ = h.join();
+        }
+        self.inner.lsm.stop();
+    }
+
+    /// Maintain value group `gid` now (garbage collection or split; tests and tools).
+    pub fn maintain_group(&self, gid: u32) -> Result<Maintenance> {
+        let g = self.inner.cold.groups().into_iter().find(|g| g.gid == gid);
+        match g {
+            Some(g) => self.inner.maintain(&g),
+            None => Err(Error::InvalidArgument(format!("no value group {gid}"))),
+        }
+    }
+
+    /// The value groups: (gid, lo, bytes of its files).
+    pub fn groups(&self) -> Vec<(u32, Vec<u8>, u64)> {
+        let c = &self.inner.cold;
+        c.groups().iter().map(|g| (g.gid, g.lo.clone(), c.group_bytes(g))).collect()
+    }
+
+    /// Whether `key` is in the HotStore, and its heat there.
+    pub fn hot_heat(&self, key: &[u8]) -> Result<Option<u16>> {
+        self.inner.hot.lock().heat_of(key)
+    }
+
+    /// The raw LSM value of `key` (tests: inline or pointer).
+    pub fn cold_value(&self, key: &[u8]) -> Result<Option<ColdValue>> {
+        match self.inner.lsm.get(key)? {
+            Some(Some(v)) => Ok(Some(layout::decode_cold(&v).map_err(Error::InvalidArgument)?)),
+            _ => Ok(None),
+        }
+    }
+
+    /// The heat list is sorted hottest first (tests).
+    pub fn heat_order_ok(&self) -> bool {
+        self.inner.hot.lock().order_ok()
+    }
+}
+
+impl Drop for Hoakv {
+    fn drop(&mut self) {
+        self.stop_worker();
+    }
+}
+
+impl Inner {
+    fn next_seq(&self) -> u64 {
+        self.seq.fetch_add(1, Ordering::Relaxed)
+    }
+
+    /// One access on the logical clock; halves every heat when the window moves on.
+    fn tick(&self) {
+        let t = self.clock.fetch_add(1, Ordering::Relaxed) + 1;
+        let nd = self.next_decay.load(Ordering::Relaxed);
+        if t >= nd
+            && self
+                .next_decay
+                .compare_exchange(nd, nd + self.opts.heat_window, Ordering::Relaxed, Ordering::Relaxed)
+                .is_ok()
+        {
+            self.hot.lock().decay();
+            self.cold.decay();
+            self.c.decays.fetch_add(1, Ordering::Relaxed);
+        }
+    }
+
+    /// Decode an LSM value into the user's value (reading the cold vlog for a pointer).
+    fn resolve(&self, key: &[u8], raw: &[u8]) -> Result<Vec<u8>> {
+        match layout::decode_cold(raw) {
+            Ok(ColdValue::Inline(v)) => Ok(v),
+            Ok(ColdValue::Pointer(p)) => self.cold.read(key, p),
+            Err(d) => Err(Error::Corruption { file: "LSM".into(), offset: 0, detail: format!("value of {}: {d}", crate::escape(key)) }),
+        }
+    }
+
+    fn cold_get(&self, key: &[u8]) -> Result<Option<Vec<u8>>> {
+        match self.lsm.get(key)? {
+            Some(Some(raw)) => Ok(Some(self.resolve(key, &raw)?)),
+            _ => Ok(None),
+        }
+    }
+
+    /// True when a cold key with this heat and record size passes HeatLimit.
+    fn should_promote(&self, klen: usize, vlen: usize, heat: u16) -> bool {
+        if heat < self.opts.promote_min_heat {
+            return false;
+        }
+        let hot = self.hot.lock();
+        match hot.slot_bytes(klen, vlen) {
+            Some(need) if need <= self.opts.hot_store_size => heat > hot.heat_limit(need),
+            _ => false,
+        }
+    }
+
+    fn get_impl(&self, key: &[u8]) -> Result<Option<Vec<u8>>> {
+        self.tick();
+        match self.hot.lock().get(key, true)? {
+            HotGet::Value(v) => {
+                self.c.hot_reads.fetch_add(1, Ordering::Relaxed);
+                return Ok(Some(v));
+            }
+            HotGet::Deleted => {
+                self.c.hot_reads.fetch_add(1, Ordering::Relaxed);
+                return Ok(None);
+            }
+            HotGet::Miss => {}
+        }
+        self.c.cold_reads.fetch_add(1, Ordering::Relaxed);
+        let v = self.cold_get(key)?;
+        if let Some(val) = &v {
+            let heat = self.cold.bump(key);
+            if self.should_promote(key.len(), val.len(), heat) && !self.poison.is_set() {
+                let _w = self.writer.lock();
+                if !self.hot.lock().contains(key)? {
+                    // The value again, under the writer lock: a write may have come between.
+                    if let Some(cur) = self.cold_get(key)? {
+                        self.promote(key, Some(&cur), heat)?;
+                    }
+                }
+            }
+        }
+        Ok(v)
+    }
+
+    /// Whether `key` has a value (no heat counted).
+    fn exists(&self, key: &[u8]) -> Result<bool> {
+        match self.hot.lock().get(key, false)? {
+            HotGet::Value(_) => return Ok(true),
+            HotGet::Deleted => return Ok(false),
+            HotGet::Miss => {}
+        }
+        Ok(matches!(self.lsm.get(key)?, Some(Some(_))))
+    }
+
+    /// Make `key` hot with `value`; demotes the coldest keys first when there is no room.
+    /// Caller holds the writer lock.
+    fn promote(&self, key: &[u8], value: Option<&[u8]>, heat: u16) -> Result<()> {
+        let need = {
+            let hot = self.hot.lock();
+            let Some(need) = hot.slot_bytes(key.len(), value.map_or(0, <[u8]>::len)) else { return Ok(()) };
+            if hot.room() < need {
+                Some(need)
+            } else {
+                None
+            }
+        };
+        if let Some(need) = need {
+            self.demote(need.max(self.opts.hot_store_size / 32))?;
+        }
+        let seq = self.next_seq();
+        self.hot.lock().insert(key, value, seq, heat)?;
+        self.cold.forget(key);
+        self.c.promotions.fetch_add(1, Ordering::Relaxed);
+        Ok(())
+    }
+
+    /// Demote the coldest hot keys until `bytes` of slots are free: their values go to the
+    /// ColdStore (synced), then their hot records are invalidated. Caller holds the writer
+    /// lock.
+    fn demote(&self, bytes: u64) -> Result<()> {
+        let victims = self.hot.lock().take_coldest(bytes)?;
+        if victims.is_empty() {
+            return Ok(());
+        }
+        let mut enc: Vec<(Vec<u8>, Option<Vec<u8>>)> = Vec::with_capacity(victims.len());
+        for v in &victims {
+            let val = match &v.value {
+                Some(val) => Some(self.encode_cold(&v.key, val)?),
+                None => None,
+            };
+            enc.push((v.key.clone(), val));
+        }
+        let ops: Vec<(&[u8], Option<&[u8]>)> = enc.iter().map(|(k, v)| (k.as_slice(), v.as_deref())).collect();
+        let seq = self.next_seq();
+        self.lsm.write(seq, &ops, true)?;
+        if let Err(e) = self.hot.lock().remove(&victims) {
+            self.poison.set(format!("demotion failed after its values reached the ColdStore: {e}"));
+            return Err(e);
+        }
+        for v in &victims {
+            self.cold.remember(&v.key, v.heat);
+        }
+        self.c.demotions.fetch_add(victims.len() as u64, Ordering::Relaxed);
+        self.c.demotion_batches.fetch_add(1, Ordering::Relaxed);
+        Ok(())
+    }
+
+    /// The LSM value of a cold write (Algorithm 2): a pointer for a value longer than
+    /// Value_Size (appended to its group's vlog file), else the value inline.
+    fn encode_cold(&self, key: &[u8], value: &[u8]) -> Result<Vec<u8>> {
+        if value.len() > self.opts.value_size {
+            let p = self.cold.append(key, value, false)?;
+            self.c.vlog_values.fetch_add(1, Ordering::Relaxed);
+            Ok(layout::encode_pointer(p))
+        } else {
+            self.c.inline_values.fetch_add(1, Ordering::Relaxed);
+            Ok(layout::encode_inline(value))
+        }
+    }
+
+    fn write_impl(&self, ops: &[BatchOp], cond: Cond) -> Result<bool> {
+        fn value_of(o: &BatchOp) -> Option<&[u8]> {
+            match o {
+                BatchOp::Put { value, .. } => Some(value.as_slice()),
+                BatchOp::Delete { .. } => None,
+            }
+        }
+        self.poison.check()?;
+        for _ in ops {
+            self.tick();
+        }
+        let due = {
+            let _w = self.writer.lock();
+            if let (Some(first), Cond::Absent | Cond::Present) = (ops.first(), cond) {
+                if self.exists(first.key())? != (cond == Cond::Present) {
+                    return Ok(false);
+                }
+            }
+            if ops.is_empty() {
+                return Ok(true);
+            }
+            let user: u64 = ops
+                .iter()
+                .map(|o| match o {
+                    BatchOp::Put { key, value } => (key.len() + value.len()) as u64,
+                    BatchOp::Delete { key } => key.len() as u64,
+                })
+                .sum();
+            let hot_keys: Vec<bool> = {
+                let hot = self.hot.lock();
+                ops.iter().map(|o| hot.contains(o.key())).collect::<Result<_>>()?
+            };
+            if ops.len() == 1 {
+                let (key, value) = (ops[0].key(), value_of(&ops[0]));
+                if hot_keys[0] {
+                    let seq = self.next_seq();
+                    self.hot.lock().update(key, value, seq)?;
+                    self.c.hot_writes.fetch_add(1, Ordering::Relaxed);
+                    self.user_bytes.fetch_add(user, Ordering::Relaxed);
+                    return Ok(true);
+                }
+                let heat = self.cold.bump(key);
+                if let Some(v) = value {
+                    if self.should_promote(key.len(), v.len(), heat) {
+                        self.promote(key, Some(v), heat)?;
+                        self.c.hot_writes.fetch_add(1, Ordering::Relaxed);
+                        self.user_bytes.fetch_add(user, Ordering::Relaxed);
+                        return Ok(true);
+                    }
+                }
+            } else {
+                for (o, &h) in ops.iter().zip(&hot_keys) {
+                    if !h {
+                        self.cold.bump(o.key());
+                    }
+                }
+            }
+            // The ColdStore gets the whole batch; a batch with hot keys is synced before
+            // they are updated in place (the WAL then proves which version is newer).
+            let any_hot = hot_keys.iter().any(|&h| h);
+            let mut enc: Vec<(&[u8], Option<Vec<u8>>)> = Vec::with_capacity(ops.len());
+            for o in ops {
+                let v = match value_of(o) {
+                    Some(v) => Some(self.encode_cold(o.key(), v)?),
+                    None => None,
+                };
+                enc.push((o.key(), v));
+            }
+            let lops: Vec<(&[u8], Option<&[u8]>)> = enc.iter().map(|(k, v)| (*k, v.as_deref())).collect();
+            let seq = self.next_seq();
+            self.lsm.write(seq, &lops, any_hot)?;
+            self.c.cold_writes.fetch_add(ops.len() as u64, Ordering::Relaxed);
+            if any_hot {
+                let mut hot = self.hot.lock();
+                for (o, &h) in ops.iter().zip(&hot_keys) {
+                    if h {
+                        if let Err(e) = hot.update(o.key(), value_of(o), seq) {
+                            self.poison.set(format!("hot update of a logged batch failed: {e}"));
+                            return Err(e);
+                        }
+                    }
+                }
+            }
+            self.user_bytes.fetch_add(user, Ordering::Relaxed);
+            // Groups whose files outgrew GroupSize.
+            let mut due = Vec::new();
+            for o in ops {
+                if value_of(o).is_some_and(|v| v.len() > self.opts.value_size) {
+                    let g = self.cold.group_for(o.key());
+                    if self.cold.group_bytes(&g) > self.opts.group_size && !due.iter().any(|x: &Arc<Group>| x.gid == g.gid) {
+                        due.push(g);
+                    }
+                }
+            }
+            due
+        };
+        for g in due {
+            if self.opts.background {
+                self.work.lock().groups.insert(g.gid);
+                self.work_cv.notify_all();
+            } else {
+                self.maintain(&g)?;
+            }
+        }
+        Ok(true)
+    }
+
+    /// Up to `max` live entries of the range: the LSM's merged entries with the hot keys of
+    /// the same stretch taking precedence.
+    fn scan_impl(&self, start: Bound<&[u8]>, end: Bound<&[u8]>, max: usize) -> Result<Vec<(Vec<u8>, Vec<u8>)>> {
+        let mut out = Vec::new();
+        let mut lo: Bound<Vec<u8>> = start.map(<[u8]>::to_vec);
+        while out.len() < max {
+            let want = max - out.len();
+            let cold = self.lsm.scan(lo.as_ref().map(Vec::as_slice), end, want)?;
+            let full = cold.len() >= want;
+            let hi: Bound<&[u8]> = match (full, cold.last()) {
+                (true, Some((k, _))) => Bound::Included(k.as_slice()),
+                _ => end,
+            };
+            let hot = self.hot.lock().range(lo.as_ref().map(Vec::as_slice), hi)?;
+            let mut h = hot.into_iter().peekable();
+            let mut c = cold.iter().peekable();
+            loop {
+                let take_hot = match (h.peek(), c.peek()) {
+                    (None, None) => break,
+                    (Some(_), None) => true,
+                    (None, Some(_)) => false,
+                    (Some(a), Some(b)) => a.0 <= b.0,
+                };
+                if take_hot {
+                    let Some((k, v)) = h.next() else { break };
+                    if c.peek().is_some_and(|b| b.0 == k) {
+                        c.next();
+                    }
+                    if let Some(v) = v {
+                        out.push((k, v));
+                    }
+                } else if let Some((k, raw)) = c.next() {
+                    out.push((k.clone(), self.resolve(k, raw)?));
+                }
+                if out.len() >= max {
+                    break;
+                }
+            }
+            match (full, cold.last()) {
+                (true, Some((k, _))) if out.len() < max => lo = Bound::Excluded(k.clone()),
+                _ => break,
+            }
+        }
+        out.truncate(max);
+        Ok(out)
+    }
+
+    fn worker_loop(self: Arc<Self>) {
+        loop {
+            let gid = {
+                let mut w = self.work.lock();
+                loop {
+                    if w.stop {
+                        return;
+                    }
+                    if let Some(g) = w.groups.pop_first() {
+                        break g;
+                    }
+                    self.work_cv.wait(&mut w);
+                }
+            };
+            if self.poison.is_set() {
+                return;
+            }
+            let Some(g) = self.cold.groups().into_iter().find(|g| g.gid == gid) else { continue };
+            if self.cold.group_bytes(&g) <= self.opts.group_size {
+                continue;
+            }
+            let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| self.maintain(&g)));
+            match r {
+                Ok(Ok(_)) => {}
+                Ok(Err(e)) => self.poison.set(format!("value-group maintenance failed: {e}")),
+                Err(_) => self.poison.set("value-group maintenance panicked".into()),
+            }
+        }
+    }
+
+    /// Garbage-collect group `g`, splitting it at its median live key when its live values
+    /// exceed half of GroupSize. See the module docs for the crash-safety order.
+    fn maintain(&self, g: &Arc<Group>) -> Result<Maintenance> {
+        let _m = self.maint.lock();
+        if g.files.lock().len() <= 1 && self.cold.group_bytes(g) <= 8 {
+            return Ok(Maintenance::Nothing);
+        }
+        let old = self.cold.seal(g)?;
+        // Barrier: every cold write that appended to an old file has reached the LSM.
+        drop(self.writer.lock());
+        let lo = g.lo.clone();
+        let hi = self.cold.range_end(g);
+        let in_range = |k: &[u8]| k >= lo.as_slice() && hi.as_ref().is_none_or(|h| k < h.as_slice());
+        let mut live: Vec<(Vec<u8>, Pointer)> = Vec::new();
+        // A hot key's cold version is shadowed (and rewritten at its demotion): not live.
+        for &f in &old {
+            for (k, p) in self.cold.records(f)? {
+                if in_range(&k)
+                    && self.lsm.get(&k)? == Some(Some(layout::encode_pointer(p)))
+                    && !self.hot.lock().contains(&k)?
+                {
+                    live.push((k, p));
+                }
+            }
+        }
+        live.sort_by(|a, b| a.0.cmp(&b.0));
+        live.dedup_by(|a, b| a.0 == b.0);
+        let live_bytes: u64 = live.iter().map(|(_, p)| u64::from(p.len)).sum();
+        let split = live.len() >= 2 && live_bytes * 2 > self.opts.group_size;
+        let median = split.then(|| live[live.len() / 2].0.clone());
+        let (mut a, na) = self.cold.relocation_file()?;
+        let mut b = if split { Some(self.cold.relocation_file()?) } else { None };
+        let mut moves = Vec::with_capacity(live.len());
+        for (k, p) in &live {
+            let v = self.cold.read(k, *p)?;
+            let right = median.as_ref().is_some_and(|m| k >= m);
+            let np = match (&mut b, right) {
+                (Some((bf, _)), true) => self.cold.append_to(bf, k, &v)?,
+                _ => self.cold.append_to(&mut a, k, &v)?,
+            };
+            moves.push((k.clone(), *p, np));
+        }
+        self.cold.finish_file(a)?;
+        let mut touched: Vec<Arc<Group>> = vec![g.clone()];
+        let outcome = match (b, &median) {
+            (Some((bf, nb)), Some(m)) => {
+                self.cold.finish_file(bf)?;
+                let ng = self.cold.split(g, m.clone(), na, nb, &old)?;
+                touched.push(ng);
+                self.c.group_splits.fetch_add(1, Ordering::Relaxed);
+                Maintenance::Split { median: m.clone(), moved: moves.len() }
+            }
+            _ => {
+                self.cold.add_file(g, na)?;
+                self.c.group_gcs.fetch_add(1, Ordering::Relaxed);
+                Maintenance::Collected { moved: moves.len(), freed: 0 }
+            }
+        };
+        // Rewrite the pointers still current (a write may have replaced some meanwhile). Keys
+        // that became hot are left alone: the rewrite carries a new sequence number, which
+        // at recovery would override their newer hot record.
+        {
+            let _w = self.writer.lock();
+            let mut enc = Vec::new();
+            for (k, oldp, np) in &moves {
+                if self.lsm.get(k)? == Some(Some(layout::encode_pointer(*oldp))) && !self.hot.lock().contains(k)? {
+                    enc.push((k.clone(), layout::encode_pointer(*np)));
+                }
+            }
+            if !enc.is_empty() {
+                let ops: Vec<(&[u8], Option<&[u8]>)> = enc.iter().map(|(k, v)| (k.as_slice(), Some(v.as_slice()))).collect();
+                let seq = self.next_seq();
+                self.lsm.write(seq, &ops, true)?;
+            }
+        }
+        self.c.gc_values_moved.fetch_add(moves.len() as u64, Ordering::Relaxed);
+        let freed = self.cold.drop_files(&touched, &old)?;
+        self.c.gc_bytes_freed.fetch_add(freed, Ordering::Relaxed);
+        Ok(match outcome {
+            Maintenance::Collected { moved, .. } => Maintenance::Collected { moved, freed },
+            o => o,
+        })
+    }
+
+    fn live_keys(&self) -> Result<u64> {
+        let hot = self.hot.lock();
+        let hot_keys: HashMap<Vec<u8>, u64> = hot.seqs();
+        let live_hot = hot.live();
+        drop(hot);
+        let mut n = live_hot;
+        self.lsm.for_each_live(|k, _| {
+            if !hot_keys.contains_key(k) {
+                n += 1;
+            }
+            Ok(())
+        })?;
+        Ok(n)
+    }
+
+    fn check_impl(&self) -> Result<Vec<String>> {
+        let mut p = self.lsm.check()?;
+        p.extend(self.hot.lock().check());
+        p.extend(self.cold.check());
+        let mut bad = Vec::new();
+        let hot_keys = self.hot.lock().seqs();
+        self.lsm.for_each_live(|k, raw| {
+            if hot_keys.contains_key(k) {
+                // Shadowed by the hot record; its cold value may point into a value-log file
+                // a group maintenance removed (it is rewritten at the key's demotion).
+                return Ok(());
+            }
+            match layout::decode_cold(raw) {
+                Ok(ColdValue::Inline(_)) => {}
+                Ok(ColdValue::Pointer(ptr)) => {
+                    if let Err(e) = self.cold.read(k, ptr) {
+                        bad.push(format!("cold value of {}: {e}", crate::escape(k)));
+                    }
+                }
+                Err(d) => bad.push(format!("LSM value of {}: {d}", crate::escape(k))),
+            }
+            Ok(())
+        })?;
+        p.extend(bad);
+        Ok(p)
+    }
+
+    fn stats_impl(&self) -> Stats {
+        let (figs, heat_limit, (heap_used, heap_free), dup, hot_dram) = {
+            let h = self.hot.lock();
+            (h.figures(), h.heat_limit(2048), h.heap_bytes(), h.recovered_duplicates, h.dram_bytes())
+        };
+        let c = &self.c;
+        let l = &self.lsm.counters;
+        let r = |a: &AtomicU64| a.load(Ordering::Relaxed);
+        let mut design: Vec<(String, u64)> = vec![
+            ("hot_entries".into(), figs.entries),
+            ("hot_used_bytes".into(), figs.used_bytes),
+            ("hot_vtables".into(), figs.vtables),
+            ("hot_overflow_entries".into(), figs.overflow),
+            ("hot_buckets".into(), figs.buckets),
+            ("heat_limit".into(), u64::from(heat_limit)),
+            ("hot_reads".into(), r(&c.hot_reads)),
+            ("cold_reads".into(), r(&c.cold_reads)),
+            ("hot_writes".into(), r(&c.hot_writes)),
+            ("cold_writes".into(), r(&c.cold_writes)),
+            ("promotions".into(), r(&c.promotions)),
+            ("demotions".into(), r(&c.demotions)),
+            ("demotion_batches".into(), r(&c.demotion_batches)),
+            ("vlog_values".into(), r(&c.vlog_values)),
+            ("inline_values".into(), r(&c.inline_values)),
+            ("vlog_bytes".into(), self.cold.total_bytes()),
+            ("groups".into(), self.cold.groups().len() as u64),
+            ("group_splits".into(), r(&c.group_splits)),
+            ("group_gcs".into(), r(&c.group_gcs)),
+            ("gc_values_moved".into(), r(&c.gc_values_moved)),
+            ("gc_bytes_freed".into(), r(&c.gc_bytes_freed)),
+            ("cold_index_entries".into(), self.cold.index_entries()),
+            ("heat_decays".into(), r(&c.decays)),
+            ("recovered_ops".into(), r(&c.recovered_ops)),
+            ("recovered_stale_hot".into(), r(&c.recovered_stale_hot)),
+            ("recovered_duplicate_slots".into(), dup),
+            ("flushes".into(), r(&l.flushes)),
+            ("compactions".into(), r(&l.compactions)),
+            ("trivial_moves".into(), r(&l.trivial_moves)),
+            ("compaction_read_bytes".into(), r(&l.compact_read)),
+            ("compaction_written_bytes".into(), r(&l.compact_written)),
+            ("tombstones_dropped".into(), r(&l.tombstones_dropped)),
+            ("write_stalls".into(), r(&l.write_stalls)),
+            ("pm_heap_bytes".into(), heap_used + heap_free),
+            ("pm_heap_free_bytes".into(), heap_free),
+        ];
+        for (i, (n, b)) in self.lsm.level_shape().into_iter().enumerate() {
+            design.push((format!("level{i}_tables"), n as u64));
+            design.push((format!("level{i}_bytes"), b));
+        }
+        let design: Vec<(&str, u64)> = design.iter().map(|(k, v)| (k.as_str(), *v)).collect();
+        let dram = hot_dram + self.lsm.mem_bytes() + self.cold.index_entries() * 48;
+        let keys = self.live_keys().unwrap_or(0);
+        Stats::engine("hoakv", self.region.stats(), self.user_bytes.load(Ordering::Relaxed), keys, dram, &design)
+    }
+}
+
+impl Engine for Hoakv {
+    fn get(&self, key: &[u8]) -> Result<Option<Vec<u8>>> {
+        self.inner.get_impl(key)
+    }
+
+    fn write(&self, ops: &[BatchOp], cond: Cond) -> Result<bool> {
+        self.inner.write_impl(ops, cond)
+    }
+
+    fn scan_chunk(&self, start: Bound<&[u8]>, end: Bound<&[u8]>, max: usize) -> Result<Vec<(Vec<u8>, Vec<u8>)>> {
+        self.inner.scan_impl(start, end, max)
+    }
+
+    fn flush(&self) -> Result<()> {
+        self.inner.poison.check()?;
+        self.inner.lsm.flush(false)
+    }
+
+    fn compact(&self) -> Result<()> {
+        self.inner.poison.check()?;
+        self.inner.lsm.compact_all()?;
+        for g in self.inner.cold.groups() {
+            self.inner.maintain(&g)?;
+        }
+        Ok(())
+    }
+
+    fn stats(&self) -> Stats {
+        self.inner.stats_impl()
+    }
+
+    fn check(&self) -> Result<Vec<String>> {
+        self.inner.check_impl()
+    }
+
+    fn close(&self) -> Result<()> {
+        self.inner.poison.check()?;
+        self.stop_worker();
+        self.inner.lsm.close()?;
+        self.inner.cold.sync()?;
+        self.inner.region.sync_all()?;
+        Ok(())
+    }
+}
