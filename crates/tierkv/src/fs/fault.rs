@@ -62,6 +62,21 @@ struct State {
     read_only: bool,
     /// Panic at the next operation on a path containing this (tests of background panics).
     panic_on: Option<String>,
+    /// Durability points (file and directory syncs) so far.
+    sync_points: u64,
+    /// Freeze just before this durability point takes effect.
+    crash_at_sync: Option<u64>,
+    /// Called when that crash point is reached (e.g. to freeze a PM device too).
+    on_freeze: Option<FreezeHook>,
+}
+
+/// A callback run when a crash point armed with [`FaultFs::crash_before_sync`] is reached.
+struct FreezeHook(Box<dyn Fn() + Send>);
+
+impl std::fmt::Debug for FreezeHook {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("FreezeHook")
+    }
 }
 
 impl State {
@@ -86,6 +101,21 @@ impl State {
             self.panic_on = None;
             panic!("FaultFs: injected panic at an operation on {}", path.display());
         }
+    }
+
+    /// A durability point (a file or directory sync): a crash point. Returns true when the
+    /// file system is frozen (nothing becomes durable).
+    fn sync_point(&mut self) -> bool {
+        if !self.frozen {
+            self.sync_points += 1;
+            if self.crash_at_sync == Some(self.sync_points) {
+                self.frozen = true;
+                if let Some(f) = &self.on_freeze {
+                    (f.0)();
+                }
+            }
+        }
+        self.frozen
     }
 
     /// [`State::tick`] for an operation that changes the file system.
@@ -132,6 +162,29 @@ impl FaultFs {
         self.state.lock().panic_on = Some(fragment.to_string());
     }
 
+    /// Freeze the file system just before its `n`-th durability point from now (file or
+    /// directory sync, 1-based) takes effect, and call the hook set by
+    /// [`FaultFs::on_freeze`]: a crash point between two syncs.
+    pub fn crash_before_sync(&self, n: u64) {
+        let mut s = self.state.lock();
+        s.crash_at_sync = Some(s.sync_points + n);
+    }
+
+    /// Call `f` when the crash point armed by [`FaultFs::crash_before_sync`] is reached.
+    pub fn on_freeze(&self, f: impl Fn() + Send + 'static) {
+        self.state.lock().on_freeze = Some(FreezeHook(Box::new(f)));
+    }
+
+    /// Durability points (file and directory syncs) so far.
+    pub fn sync_points(&self) -> u64 {
+        self.state.lock().sync_points
+    }
+
+    /// True once frozen (a crash point was reached here or elsewhere).
+    pub fn frozen(&self) -> bool {
+        self.state.lock().frozen
+    }
+
     /// Stop injecting faults.
     pub fn clear_faults(&self) {
         self.state.lock().fault = None;
@@ -167,6 +220,9 @@ impl FaultFs {
             frozen: false,
             read_only: s.read_only,
             panic_on: None,
+            sync_points: 0,
+            crash_at_sync: None,
+            on_freeze: None,
         };
         FaultFs { state: Arc::new(Mutex::new(state)) }
     }
@@ -228,7 +284,7 @@ impl FsFile for FaultFile {
         let mut s = self.state.lock();
         s.maybe_panic(&self.path);
         s.tick_write()?;
-        let frozen = s.frozen;
+        let frozen = s.sync_point();
         let f = s.files.get_mut(&self.id).ok_or_else(|| io::Error::from(io::ErrorKind::NotFound))?;
         if !frozen {
             f.synced = f.data.len();
@@ -329,7 +385,7 @@ impl Fs for FaultFs {
     fn sync_dir(&self, dir: &Path) -> io::Result<()> {
         let mut s = self.state.lock();
         s.tick_write()?;
-        if s.frozen {
+        if s.sync_point() {
             return Ok(());
         }
         let in_dir = |p: &PathBuf| p.parent() == Some(dir);

@@ -139,6 +139,19 @@ impl SimDevice {
         self.state.lock().on_freeze = Some(Box::new(f));
     }
 
+    /// Freeze the device now, as a crash point reached elsewhere (a file sync) would: nothing
+    /// persisted from now on becomes durable. Does not call the [`SimDevice::on_freeze`]
+    /// hook.
+    pub fn freeze(&self) {
+        let mut s = self.state.lock();
+        if s.frozen.is_none() {
+            let volatile = s.pools.iter().map(|p| p.volatile().to_vec()).collect();
+            let durable = s.pools.iter().map(|p| p.durable.clone()).collect();
+            s.frozen = Some(Frozen { volatile, durable });
+            s.pending.clear();
+        }
+    }
+
     /// Freeze the device just before fence number `n` (1-based) takes effect.
     pub fn crash_before_fence(&self, n: u64) {
         self.state.lock().crash_at = Some(n);

@@ -12,8 +12,14 @@ use tierkv::pm::sim::SimDevice;
 use tierkv::{Db, Options, Preset, WriteBatch};
 
 /// Every preset; a new preset joins every generic test by being in `Preset::ALL`.
+/// The presets the shared suites run on: all of them, or the comma-separated names in
+/// `TIERKV_PRESETS` (to iterate on one design).
 pub fn presets() -> &'static [Preset] {
-    Preset::ALL
+    static P: std::sync::OnceLock<Vec<Preset>> = std::sync::OnceLock::new();
+    P.get_or_init(|| match std::env::var("TIERKV_PRESETS") {
+        Ok(names) => names.split(',').map(|n| n.trim().parse().expect("TIERKV_PRESETS names a preset")).collect(),
+        Err(_) => Preset::ALL.to_vec(),
+    })
 }
 
 /// Store directory used inside a `FaultFs`.
@@ -253,4 +259,102 @@ pub fn hex(b: &[u8]) -> String {
 /// `n` zero bytes in hex (golden-bytes tests).
 pub fn zeros(n: usize) -> String {
     "00".repeat(n)
+}
+
+/// A crash point: just before the `n`-th PM fence, or just before the `n`-th file or
+/// directory sync, counted from the end of open (1-based). PM and files freeze together.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum CrashAt {
+    Fence(u64),
+    Sync(u64),
+}
+
+/// Options on a device and file system.
+pub type OptsFn<'a> = &'a dyn Fn(&SimDevice, &FaultFs) -> Options;
+
+/// A run of a workload up to a crash point.
+pub struct CrashRun {
+    pub dev: SimDevice,
+    pub fs: FaultFs,
+    /// Index of the step during which the crash point was reached (None: never reached).
+    pub inflight: Option<usize>,
+    /// Fences and syncs executed after open (the whole run when no crash point was hit).
+    pub fences: u64,
+    pub syncs: u64,
+}
+
+/// Run the write steps of `steps` (and flushes) on a fresh store, crashing at `at`.
+pub fn crash_run(opts: OptsFn<'_>, steps: &[Step], at: Option<CrashAt>) -> CrashRun {
+    let dev = SimDevice::new();
+    let fs = FaultFs::new();
+    let f = fs.clone();
+    dev.on_freeze(move || f.freeze());
+    let d = dev.clone();
+    fs.on_freeze(move || d.freeze());
+    let db = Db::open(dir(), opts(&dev, &fs)).unwrap();
+    let (f0, s0) = (dev.fences(), fs.sync_points());
+    match at {
+        Some(CrashAt::Fence(n)) => dev.crash_before_fence(f0 + n),
+        Some(CrashAt::Sync(n)) => fs.crash_before_sync(n),
+        None => {}
+    }
+    let mut inflight = None;
+    for (i, s) in steps.iter().enumerate() {
+        if s.writes() || matches!(s, Step::Flush) {
+            db_apply(&db, s).unwrap();
+        }
+        if dev.crashed() || fs.frozen() {
+            inflight = Some(i);
+            break;
+        }
+    }
+    let (fences, syncs) = (dev.fences() - f0, fs.sync_points() - s0);
+    db.simulate_process_crash();
+    // The hooks hold each other's handles: replace them to free both.
+    dev.on_freeze(|| {});
+    fs.on_freeze(|| {});
+    CrashRun { dev, fs, inflight, fences, syncs }
+}
+
+fn model_upto(steps: &[Step], n: usize) -> Model {
+    let mut m = Model::new();
+    for s in &steps[..n] {
+        model_apply(&mut m, s);
+    }
+    m
+}
+
+/// Crash at `at`, reopen: the store holds the acknowledged writes plus all or none of the
+/// step in flight, passes `check`, keeps working through more writes and another crash.
+pub fn crash_check(opts: OptsFn<'_>, name: &str, steps: &[Step], at: CrashAt, seed: u64, frac: f64) {
+    let r = crash_run(opts, steps, Some(at));
+    let Some(i) = r.inflight else { panic!("{name}: crash point {at:?} not reached") };
+    let ctx = format!("{name} seed {seed} {at:?} (step {i}: {:?}) evict {frac}", steps[i]);
+    let before = model_upto(steps, i);
+    let mut after = before.clone();
+    model_apply(&mut after, &steps[i]);
+    let n = match at {
+        CrashAt::Fence(n) | CrashAt::Sync(n) => n,
+    };
+    let dev = r.dev.simulate_crash(seed ^ n, frac);
+    let fs = r.fs.crash();
+    let db = Db::open(dir(), opts(&dev, &fs)).unwrap_or_else(|e| panic!("{ctx}: reopen failed: {e}"));
+    let got = dump(&db);
+    let mut m = if got == after {
+        after
+    } else {
+        assert_matches(&db, &before, &format!("{ctx} (neither old nor new state)"));
+        before
+    };
+    let problems = db.check().unwrap();
+    assert!(problems.is_empty(), "{ctx}: check found {problems:?}");
+    for s in steps.iter().skip(i + 1).filter(|s| s.writes()).take(8) {
+        let want = model_apply(&mut m, s);
+        assert_eq!(db_apply(&db, s).unwrap(), want, "{ctx}: after reopen {s:?}");
+    }
+    db.simulate_process_crash();
+    let dev = dev.simulate_crash(seed.wrapping_add(n), 0.5);
+    let fs = fs.crash();
+    let db = Db::open(dir(), opts(&dev, &fs)).unwrap();
+    assert_matches(&db, &m, &format!("{ctx}: second crash"));
 }

@@ -216,6 +216,14 @@ impl Hoakv {
         let mut max_seq = hot.max_seq();
         let mut ops = Vec::new();
         let mut stale = HashSet::new();
+        if std::env::var("DBG_HOAKV").is_ok() {
+            let mut hs: Vec<_> = seqs.iter().map(|(k, v)| (crate::escape(k), *v)).collect();
+            hs.sort();
+            eprintln!("DBG open hot={hs:?}");
+            for b in &batches {
+                eprintln!("DBG batch seq {} {:?}", b.seq, b.ops.iter().map(|o| (crate::escape(&o.0), o.1.as_ref().map(|v| v.len()))).collect::<Vec<_>>());
+            }
+        }
         for b in batches {
             max_seq = max_seq.max(b.seq);
             for (k, v) in b.ops {
@@ -539,9 +547,12 @@ impl Inner {
             self.lsm.write(seq, &lops, any_hot)?;
             self.c.cold_writes.fetch_add(ops.len() as u64, Ordering::Relaxed);
             if any_hot {
+                // One update per hot key, its last operation: two halves written with the
+                // batch's one sequence number would tie at recovery.
                 let mut hot = self.hot.lock();
-                for (o, &h) in ops.iter().zip(&hot_keys) {
-                    if h {
+                let mut done: HashSet<&[u8]> = HashSet::new();
+                for (o, &h) in ops.iter().zip(&hot_keys).rev() {
+                    if h && done.insert(o.key()) {
                         if let Err(e) = hot.update(o.key(), value_of(o), seq) {
                             self.poison.set(format!("hot update of a logged batch failed: {e}"));
                             return Err(e);
