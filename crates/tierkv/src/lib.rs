@@ -47,7 +47,9 @@ pub use batch::{BatchOp, WriteBatch};
 pub use db::Db;
 pub use error::{Error, Result};
 pub use iter::{DbIterator, Scan};
-pub use options::{HoakvOptions, HpdkOptions, LightkvOptions, LightkvPlacement, Options, PmekvOptions, Preset, SlmdbOptions};
+pub use options::{
+    HoakvOptions, HpdkOptions, LightkvOptions, LightkvPlacement, Options, PmekvOptions, Preset, SlmdbOptions,
+};
 pub use stats::Stats;
 
 /// Render bytes for humans: printable ASCII as is, everything else (and `\`) as `\xNN`.

@@ -335,14 +335,7 @@ mod tests {
             ),
             Edit::AddFile(
                 6,
-                FileMeta {
-                    total: 3,
-                    live: 3,
-                    size: 512,
-                    smallest: b"b".to_vec(),
-                    largest: b"d".to_vec(),
-                    level: 2,
-                },
+                FileMeta { total: 3, live: 3, size: 512, smallest: b"b".to_vec(), largest: b"d".to_vec(), level: 2 },
             ),
             Edit::Candidates(vec![4]),
         ]);

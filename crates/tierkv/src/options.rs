@@ -666,7 +666,9 @@ impl Options {
             return bad("hoakv: hash_functions must be in 1..=8, hot_buckets at most 2^30, heat_window >= 1".into());
         }
         if h.group_size < 4096 || h.memtable_size < 4096 || h.level1_size < 4096 || h.target_file_size < 1024 {
-            return bad("hoakv: group_size, memtable_size and level1_size must be >= 4 KiB, target_file_size >= 1 KiB".into());
+            return bad(
+                "hoakv: group_size, memtable_size and level1_size must be >= 4 KiB, target_file_size >= 1 KiB".into()
+            );
         }
         if !(256..=(1 << 20)).contains(&h.block_size) {
             return bad(format!("hoakv.block_size {} not in 256..=1 MiB", h.block_size));

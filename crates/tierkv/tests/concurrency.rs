@@ -11,7 +11,7 @@ use std::sync::Arc;
 use common::*;
 use rand::rngs::SmallRng;
 use rand::{Rng, SeedableRng};
-use tierkv::{Db, HpdkOptions, LightkvOptions, Options, PmekvOptions, Preset, SlmdbOptions, WriteBatch};
+use tierkv::{Db, HoakvOptions, HpdkOptions, LightkvOptions, Options, PmekvOptions, Preset, SlmdbOptions, WriteBatch};
 
 fn opts(preset: Preset) -> Options {
     Options::new()
@@ -46,6 +46,20 @@ fn opts(preset: Preset) -> Options {
             segment_size: 64 << 10,
             block_size: 512,
             ..LightkvOptions::default()
+        })
+        // HoaKV with its LSM and value-group threads, a HotStore small enough to demote,
+        // MemTables that flush and values that reach the cold vlog and split groups.
+        .hoakv(HoakvOptions {
+            hot_store_size: 128 << 10,
+            vtable_size: 32 << 10,
+            heat_window: 512,
+            value_size: 48,
+            group_size: 64 << 10,
+            memtable_size: 64 << 10,
+            level1_size: 128 << 10,
+            target_file_size: 32 << 10,
+            block_size: 512,
+            ..HoakvOptions::default()
         })
 }
 
@@ -141,7 +155,7 @@ fn writers_and_readers_agree_with_the_model() {
         assert_matches(&db, &model, &format!("{preset} after concurrent run"));
         // The background work of each design really ran while the threads did.
         let what = match preset {
-            Preset::Slmdb | Preset::Hpdk | Preset::Lightkv => "flushes",
+            Preset::Slmdb | Preset::Hpdk | Preset::Lightkv | Preset::Hoakv => "flushes",
             _ => "checkpoints",
         };
         let n = db.stats().design.get(what).copied().unwrap_or(0);
@@ -149,6 +163,12 @@ fn writers_and_readers_agree_with_the_model() {
         if preset == Preset::Lightkv {
             let c = db.stats().design.get("compactions").copied().unwrap_or(0);
             assert!(c > 0, "lightkv: no partition compaction ran during the concurrent run");
+        }
+        if preset == Preset::Hoakv {
+            let d = db.stats().design;
+            for what in ["compactions", "promotions", "demotions", "vlog_values", "hot_writes"] {
+                assert!(d.get(what).copied().unwrap_or(0) > 0, "hoakv: no {what} during the concurrent run: {d:?}");
+            }
         }
         Arc::try_unwrap(db).unwrap().close().unwrap();
         let db = Db::open(t.path(), opts(preset)).unwrap();

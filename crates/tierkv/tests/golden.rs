@@ -143,3 +143,63 @@ fn options_record() {
     assert_eq!(hex(&b), want);
     assert_eq!(OptionsRecord::decode(&b), Ok(r));
 }
+
+/// HoaKV's layouts (docs/format/hoakv.md); crcs computed independently (Python crc32c).
+#[test]
+fn hoakv_layouts() {
+    use tierkv::engine::hoakv::layout as h;
+    assert_eq!(
+        hex(&h::encode_hot(9, b"key", Some(b"value"))),
+        "65b3a19a".to_string() // crc
+            + "01" // kind put
+            + "00"
+            + "0300" // klen
+            + "05000000" // vlen
+            + "00000000"
+            + "0900000000000000" // seq 9
+            + "6b6579" // key
+            + "76616c7565" // value
+    );
+    assert_eq!(
+        hex(&h::encode_superblock(2 << 20, 96)),
+        "544b56484f414b01".to_string() // magic "TKVHOAK\x01"
+            + "01000000" // version 1
+            + "0000200000000000" // vTable size 2 MiB
+            + "60000000" // 96 directory slots
+            + &zeros(36)
+            + "98ebf5b6" // crc
+    );
+    assert_eq!(
+        hex(&h::encode_vtable_header(5, 1152)),
+        "544b565654414201".to_string() // magic "TKVVTAB\x01"
+            + "05000000" // directory slot 5
+            + "80040000" // class 1152
+            + &zeros(44)
+            + "d6bfa8fa" // crc
+    );
+    assert_eq!(h::seal_word(0x1c0), 0xff1b_0000_0000_01c0);
+    assert_eq!(h::open_word(0xff1b_0000_0000_01c0), Ok(Some(0x1c0)));
+    assert!(h::open_word(0xff1b_0000_0000_01c1).is_err());
+    assert_eq!(hex(&h::encode_vlog(b"k", b"vv")), "30bf244b0100020000006b7676");
+    let p = h::Pointer { file: 3, offset: 8, len: 13 };
+    assert_eq!(hex(&h::encode_pointer(p)), "01".to_string() + "0300000000000000" + "0800000000000000" + "0d000000");
+    assert_eq!(hex(&h::encode_inline(b"x")), "0078");
+    let g = h::GroupsRec {
+        next_gid: 3,
+        next_file: 9,
+        groups: vec![
+            h::GroupRec { gid: 0, lo: vec![], files: vec![4, 1] },
+            h::GroupRec { gid: 2, lo: b"m".to_vec(), files: vec![7] },
+        ],
+    };
+    assert_eq!(
+        hex(&h::encode_groups(&g)),
+        "544b564752505301".to_string() // magic "TKVGRPS\x01"
+            + "03000000" // next gid
+            + "0900000000000000" // next file
+            + "02000000" // 2 groups
+            + "00000000" + "00000000" + "02000000" + "0400000000000000" + "0100000000000000" // gid 0, lo "", files 4, 1
+            + "02000000" + "01000000" + "6d" + "01000000" + "0700000000000000" // gid 2, lo "m", file 7
+            + "d609e9df" // crc
+    );
+}

@@ -55,7 +55,10 @@ fn sstable_file() {
 fn manifest_record() {
     let e = vec![
         Edit::NextFile(9),
-        Edit::AddFile(4, FileMeta { total: 10, live: 7, size: 4096, smallest: b"a".to_vec(), largest: b"m".to_vec(), level: 0 }),
+        Edit::AddFile(
+            4,
+            FileMeta { total: 10, live: 7, size: 4096, smallest: b"a".to_vec(), largest: b"m".to_vec(), level: 0 },
+        ),
         Edit::SetLive(4, 6),
         Edit::RemoveFile(3),
         Edit::Candidates(vec![4]),

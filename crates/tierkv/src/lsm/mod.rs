@@ -151,7 +151,10 @@ impl Levels {
         self.levels
             .get(l)
             .map(|v| {
-                v.iter().filter(|f| f.meta.smallest.as_slice() <= hi && f.meta.largest.as_slice() >= lo).cloned().collect()
+                v.iter()
+                    .filter(|f| f.meta.smallest.as_slice() <= hi && f.meta.largest.as_slice() >= lo)
+                    .cloned()
+                    .collect()
             })
             .unwrap_or_default()
     }
@@ -223,7 +226,12 @@ pub struct Lsm {
     pub counters: LsmCounters,
     worker: Mutex<Option<JoinHandle<()>>>,
     before_durable: RwLock<Option<DurableHook>>,
+    commit_hook: RwLock<Option<CommitHook>>,
 }
+
+/// Called with `true` before a MANIFEST commit is appended and `false` once it is durable,
+/// so the owner can tell a torn last record (a crash during the commit) from damage.
+pub type CommitHook = Arc<dyn Fn(bool) -> Result<()> + Send + Sync>;
 
 /// Called before the LSM makes WAL records or tables durable (a WAL fsync, a flush): the
 /// owner syncs what they point at (HoaKV: its cold value-log files).
@@ -257,7 +265,7 @@ fn in_end(k: &[u8], end: Bound<&[u8]>) -> bool {
 }
 
 /// The entries of a MemTable range, at most `n` of them, and whether more remain.
-fn mem_range(m: &Mem, lo: Bound<&[u8]>, end: Bound<&[u8]>, n: usize) -> (Vec<(Vec<u8>, Option<Vec<u8>>)>, bool) {
+fn mem_range(m: &Mem, lo: Bound<&[u8]>, end: Bound<&[u8]>, n: usize) -> (Vec<wal::Op>, bool) {
     let map = m.map.read();
     let mut it = map.range::<[u8], _>((lo, end));
     let out: Vec<_> = it.by_ref().take(n).map(|(k, v)| (k.clone(), v.clone())).collect();
@@ -270,7 +278,18 @@ impl Lsm {
     /// not yet flushed, oldest first, which the caller filters and hands to
     /// [`Lsm::finish_recovery`] before any write. The WAL files are fsynced here, so what
     /// the caller saw stays durable.
-    pub fn open(fs: CountingFs, dir: &Path, opts: LsmOptions, fresh: bool, poison: Arc<Poison>) -> Result<(Lsm, Vec<wal::Batch>)> {
+    ///
+    /// `torn_ok` is asked when the MANIFEST's last record is torn: true when a commit was
+    /// in flight (see [`CommitHook`]) and the record is dropped, false when it is damage
+    /// ([`Error::Corruption`]).
+    pub fn open(
+        fs: CountingFs,
+        dir: &Path,
+        opts: LsmOptions,
+        fresh: bool,
+        poison: Arc<Poison>,
+        torn_ok: &dyn Fn() -> bool,
+    ) -> Result<(Lsm, Vec<wal::Batch>)> {
         let (version, manifest) = if fresh {
             let v = Version { next_file: 1, ..Version::default() };
             let m = Manifest::create(&fs, dir, 1, &v)?;
@@ -279,7 +298,14 @@ impl Lsm {
             if !Manifest::exists(&fs, dir) {
                 return Err(Error::corruption(dir.join("CURRENT"), 0, "the store's MANIFEST is missing"));
             }
-            let (v, number, _torn) = Manifest::recover(&fs, dir)?;
+            let (v, number, torn) = Manifest::recover(&fs, dir)?;
+            if torn && !torn_ok() {
+                return Err(Error::corruption(
+                    dir.join(Manifest::name(number)),
+                    0,
+                    "the MANIFEST's last record is damaged (no commit was in flight)",
+                ));
+            }
             let m = Manifest::create(&fs, dir, number + 1, &v)?;
             let _ = fs.remove(&dir.join(Manifest::name(number)));
             (v, m)
@@ -289,7 +315,11 @@ impl Lsm {
         for (&n, m) in &version.files {
             let l = m.level as usize;
             if l >= levels.levels.len() {
-                return Err(Error::corruption(dir.join(Manifest::name(manifest.number())), 0, format!("table {n} at level {l}: the store has {} levels", levels.levels.len())));
+                return Err(Error::corruption(
+                    dir.join(Manifest::name(manifest.number())),
+                    0,
+                    format!("table {n} at level {l}: the store has {} levels", levels.levels.len()),
+                ));
             }
             let path = dir.join(table_name(n));
             if !fs.exists(&path) {
@@ -319,7 +349,12 @@ impl Lsm {
         for &g in &wals {
             let path = dir.join(wal::name(g));
             let data = fs.read_all(&path).map_err(io_err(&path))?;
-            let (b, _torn) = wal::parse(&data).map_err(|(off, d)| Error::corruption(&path, off, d))?;
+            let (b, torn) = wal::parse(&data).map_err(|(off, d)| Error::corruption(&path, off, d))?;
+            // Only the newest WAL was being appended to; the older ones were synced whole
+            // before the next one started.
+            if torn && Some(&g) != wals.last() {
+                return Err(Error::corruption(&path, 0, "a WAL that was complete has a damaged last record"));
+            }
             fs.open(&path)?.sync()?;
             batches.extend(b);
         }
@@ -344,6 +379,7 @@ impl Lsm {
             counters: LsmCounters::default(),
             worker: Mutex::new(None),
             before_durable: RwLock::new(None),
+            commit_hook: RwLock::new(None),
             opts,
         };
         Ok((lsm, batches))
@@ -377,6 +413,11 @@ impl Lsm {
             self.signal();
         }
         Ok(())
+    }
+
+    /// Install the hook run around MANIFEST commits. Call before [`Lsm::finish_recovery`].
+    pub fn set_commit_hook(&self, f: CommitHook) {
+        *self.commit_hook.write() = Some(f);
     }
 
     /// Install the hook run before WAL syncs and flushes. Call before
@@ -692,12 +733,19 @@ impl Lsm {
     }
 
     fn commit(&self, edits: Vec<Edit>) -> Result<()> {
+        let hook = self.commit_hook.read().clone();
         let mut vs = self.version.lock();
         let mut after = vs.version.clone();
         after.apply(&edits);
+        if let Some(h) = &hook {
+            h(true)?;
+        }
         let VersionState { manifest, .. } = &mut *vs;
         manifest.log(&self.fs, &edits, &after)?;
         vs.version = after;
+        if let Some(h) = &hook {
+            h(false)?;
+        }
         Ok(())
     }
 
@@ -709,7 +757,12 @@ impl Lsm {
     }
 
     fn new_builder(&self, n: u64) -> Result<TableBuilder> {
-        TableBuilder::create(&self.fs, &self.dir.join(table_name(n)), self.opts.block_size, self.opts.bloom_bits_per_key)
+        TableBuilder::create(
+            &self.fs,
+            &self.dir.join(table_name(n)),
+            self.opts.block_size,
+            self.opts.bloom_bits_per_key,
+        )
     }
 
     fn open_table(&self, n: u64, meta: FileMeta) -> Result<Arc<TFile>> {
@@ -1036,7 +1089,14 @@ fn curs_key_lt(e: &crate::sstable::CursorEntry, other: &TableCursor) -> bool {
 
 fn finish_meta(b: TableBuilder, level: usize) -> Result<FileMeta> {
     let m = b.finish()?;
-    Ok(FileMeta { total: m.entries, live: m.entries, size: m.size, smallest: m.smallest, largest: m.largest, level: level as u32 })
+    Ok(FileMeta {
+        total: m.entries,
+        live: m.entries,
+        size: m.size,
+        smallest: m.smallest,
+        largest: m.largest,
+        level: level as u32,
+    })
 }
 
 fn range_of(files: &[Arc<TFile>]) -> (Vec<u8>, Vec<u8>) {
@@ -1151,7 +1211,7 @@ mod tests {
         if fresh {
             cfs.create_dir_all(d).unwrap();
         }
-        let (l, b) = Lsm::open(cfs, d, small(), fresh, Arc::new(Poison::default())).unwrap();
+        let (l, b) = Lsm::open(cfs, d, small(), fresh, Arc::new(Poison::default()), &|| true).unwrap();
         (Arc::new(l), b)
     }
 
@@ -1168,8 +1228,7 @@ mod tests {
             let a = format!("k{:05}", rng.random_range(0..1000)).into_bytes();
             let max = rng.random_range(1..60);
             let got = l.scan(Bound::Included(&a), Bound::Unbounded, max).unwrap();
-            let want: Vec<_> =
-                model.range(a.clone()..).take(max).map(|(k, v)| (k.clone(), v.clone())).collect();
+            let want: Vec<_> = model.range(a.clone()..).take(max).map(|(k, v)| (k.clone(), v.clone())).collect();
             assert_eq!(got, want);
         }
     }

@@ -88,7 +88,11 @@ impl ColdVlog {
             if !fresh {
                 return Err(Error::corruption(&path, 0, "the GROUPS file is missing"));
             }
-            GroupsRec { next_gid: 1, next_file: 1, groups: vec![GroupRec { gid: 0, lo: Vec::new(), files: Vec::new() }] }
+            GroupsRec {
+                next_gid: 1,
+                next_file: 1,
+                groups: vec![GroupRec { gid: 0, lo: Vec::new(), files: Vec::new() }],
+            }
         } else {
             let data = fs.read_all(&path)?;
             layout::decode_groups(&data).map_err(|d| Error::corruption(&path, 0, d))?
@@ -219,11 +223,17 @@ impl ColdVlog {
         Ok(())
     }
 
+    /// True when value-log file `n` exists (is listed or not yet removed).
+    pub fn has_file(&self, n: u64) -> bool {
+        self.readers.read().contains_key(&n)
+    }
+
     /// Read the value `p` points at, checking the record's checksum and key.
     pub fn read(&self, key: &[u8], p: Pointer) -> Result<Vec<u8>> {
         let f = self.readers.read().get(&p.file).cloned();
         let path = self.dir.join(vlog_name(p.file));
-        let f = f.ok_or_else(|| Error::corruption(&path, p.offset, "pointer into a value-log file that does not exist"))?;
+        let f =
+            f.ok_or_else(|| Error::corruption(&path, p.offset, "pointer into a value-log file that does not exist"))?;
         let mut buf = vec![0u8; p.len as usize];
         let mut got = 0;
         while got < buf.len() {
@@ -320,7 +330,10 @@ impl ColdVlog {
     pub fn split(&self, g: &Group, median: Vec<u8>, left: u64, right: u64, old: &[u64]) -> Result<Arc<Group>> {
         let (appender, number) = self.new_file()?;
         let mut gs = self.groups.write();
-        let i = gs.iter().position(|x| x.gid == g.gid).ok_or_else(|| Error::InvalidArgument("splitting an unknown group".into()))?;
+        let i = gs
+            .iter()
+            .position(|x| x.gid == g.gid)
+            .ok_or_else(|| Error::InvalidArgument("splitting an unknown group".into()))?;
         let shared = {
             let mut files = g.files.lock();
             files.insert(1, left);

@@ -4,18 +4,21 @@
 //!
 //! # Hot vlog
 //! A vTable (`vtable_size`, 2 MiB by default) holds slots of one size class. A slot has two
-//! halves; a record lives in one half. An update of a hot key whose record still fits the
-//! class writes the *other* half with a higher sequence number, persists it, and only then
-//! is the half current: the old value survives a crash until the new one is durable, and
-//! the slot is reused in place (the paper's recycle of the invalid value) without any
-//! allocation or log. Recovery takes, per slot, the valid half (checksum) with the higher
-//! sequence number, and per key the slot with the higher sequence number. A freed slot has
-//! both halves' headers zeroed (persisted) before it is reused, so a stale record can never
-//! come back.
+//! halves and an 8-byte *selector* (sealed, self-checking: [`layout::seal_word`]) naming
+//! the current half and its sequence number; 0 means free. An update of a hot key whose
+//! record still fits the class writes the *other* half, persists it, then stores and
+//! persists the selector (failure-atomic): the old value survives a crash until the new one
+//! is durable, and the slot is reused in place (the paper's recycle of the invalid value)
+//! without allocation or log. Freeing a slot is one selector store of 0. Recovery reads
+//! each selector: the half it names must verify (checksum, same sequence number), else the
+//! store is corrupt — a damaged hot record is reported, never silently replaced by an
+//! older cold version. Per key, the slot with the higher sequence number wins (a crash
+//! between a relocation's two selector stores leaves two); the other is freed.
 //!
-//! vTables are published in a PM directory (one 8-byte slot each, failure-atomic) after
-//! their header is persisted; a vTable whose slots are all free is unpublished and its
-//! extent returned to the PM heap (when its class has another vTable with room).
+//! vTables are published in a PM directory (one sealed 8-byte word each) after their
+//! header is persisted and their selectors zeroed; a vTable whose slots are all free is
+//! unpublished and its extent returned to the PM heap (when its class has another vTable
+//! with room).
 //!
 //! # Hot index
 //! Entry `{keyTag u16, vTable u16, slot u32, heat u16, next u32}` plus the current half and
@@ -42,6 +45,12 @@ use crate::pm::Region;
 
 const NONE: u32 = u32::MAX;
 
+/// A recovered hot record's place: (seq, vTable, slot, half, tombstone).
+type Found = (u64, u16, u32, u8, bool);
+
+/// Keys with their values (`None`: a tombstone).
+pub type KeyValues = Vec<(Vec<u8>, Option<Vec<u8>>)>;
+
 /// One hot index entry.
 #[derive(Debug, Clone)]
 struct Entry {
@@ -61,8 +70,23 @@ struct Entry {
 struct VTable {
     addr: u64,
     class: u32,
+    nslots: u32,
     free: Vec<u32>,
     used: u32,
+}
+
+impl VTable {
+    fn half_addr(&self, slot: u32, half: u8) -> u64 {
+        self.addr
+            + layout::VT_HEADER
+            + layout::selectors_len(u64::from(self.nslots))
+            + u64::from(slot) * 2 * u64::from(self.class)
+            + u64::from(half) * u64::from(self.class)
+    }
+
+    fn sel_addr(&self, slot: u32) -> u64 {
+        self.addr + layout::VT_HEADER + u64::from(slot) * 8
+    }
 }
 
 /// What the store looks like (stats, tests).
@@ -136,7 +160,14 @@ fn hashes(key: &[u8]) -> (u32, u32, u16) {
 impl Hot {
     /// Open (or create) the HotStore in `region`: `capacity` bytes of slots at most,
     /// `vtable_size` vTables, `e` hash functions over `buckets` buckets (0: derived).
-    pub fn open(region: Arc<Region>, create: bool, capacity: u64, vtable_size: u64, e: usize, buckets: usize) -> Result<Hot> {
+    pub fn open(
+        region: Arc<Region>,
+        create: bool,
+        capacity: u64,
+        vtable_size: u64,
+        e: usize,
+        buckets: usize,
+    ) -> Result<Hot> {
         let want_slots = (capacity / vtable_size + 1).saturating_mul(2).saturating_add(32).min(65_535) as u32;
         if create {
             let sb = layout::encode_superblock(vtable_size, want_slots);
@@ -175,19 +206,20 @@ impl Hot {
         Ok(hot)
     }
 
-    /// Rebuild the index from the vTables' records.
+    /// Rebuild the index from the vTables' selectors and records.
     fn recover(&mut self) -> Result<()> {
         let r = self.region.clone();
         let mut extents = Vec::new();
         // key → (seq, vt, slot, half, tomb)
-        let mut best: HashMap<Vec<u8>, (u64, u16, u32, u8, bool)> = HashMap::new();
+        let mut best: HashMap<Vec<u8>, Found> = HashMap::new();
         let mut losers: Vec<(u16, u32)> = Vec::new();
         for id in 0..self.dir_slots {
             let da = layout::DIR_ADDR + u64::from(id) * 8;
-            let addr = r.load_u64_atomic(da)?;
-            if addr == 0 {
+            let Some(addr) = layout::open_word(r.load_u64_atomic(da)?)
+                .map_err(|_| r.corruption(da, "damaged vTable directory entry"))?
+            else {
                 continue;
-            }
+            };
             let h = r.slice_checked(addr, 64, "vTable header")?;
             let (hid, class) = layout::decode_vtable_header(h).map_err(|d| r.corruption(addr, d))?;
             if hid != id {
@@ -195,36 +227,34 @@ impl Hot {
             }
             r.slice_checked(addr, self.vtable_size as usize, "vTable")?;
             extents.push((addr, self.vtable_size));
-            let nslots = self.slots_per(class);
-            let mut vt = VTable { addr, class, free: Vec::new(), used: 0 };
+            let nslots = layout::slots_per(self.vtable_size, class);
+            let mut vt = VTable { addr, class, nslots, free: Vec::new(), used: 0 };
             for s in (0..nslots).rev() {
-                let mut pick: Option<(HotRecord<'_>, u8)> = None;
-                for half in 0..2u8 {
-                    let a = self.half_addr(addr, class, s, half);
-                    let b = r.slice_checked(a, class as usize, "hot record")?;
-                    if let Some(rec) = layout::decode_hot(b) {
-                        if pick.as_ref().is_none_or(|(p, _)| rec.seq > p.seq) {
-                            pick = Some((rec, half));
-                        }
+                let sa = vt.sel_addr(s);
+                let sel = layout::open_word(r.load_u64_atomic(sa)?)
+                    .map_err(|_| r.corruption(sa, "damaged hot slot selector"))?;
+                let Some(sel) = sel else {
+                    vt.free.push(s);
+                    continue;
+                };
+                let (seq, half) = (sel >> 1, (sel & 1) as u8);
+                let a = vt.half_addr(s, half);
+                let b = r.slice_checked(a, class as usize, "hot record")?;
+                let rec = layout::decode_hot(b)
+                    .filter(|rec| rec.seq == seq)
+                    .ok_or_else(|| r.corruption(a, "hot record does not match its selector (damaged)"))?;
+                let cand = (rec.seq, id as u16, s, half, rec.value.is_none());
+                match best.get(rec.key) {
+                    Some(old) if old.0 >= rec.seq => losers.push((id as u16, s)),
+                    Some(old) => {
+                        losers.push((old.1, old.2));
+                        best.insert(rec.key.to_vec(), cand);
+                    }
+                    None => {
+                        best.insert(rec.key.to_vec(), cand);
                     }
                 }
-                match pick {
-                    None => vt.free.push(s),
-                    Some((rec, half)) => {
-                        let cand = (rec.seq, id as u16, s, half, rec.value.is_none());
-                        match best.get(rec.key) {
-                            Some(old) if old.0 >= rec.seq => losers.push((id as u16, s)),
-                            Some(old) => {
-                                losers.push((old.1, old.2));
-                                best.insert(rec.key.to_vec(), cand);
-                            }
-                            None => {
-                                best.insert(rec.key.to_vec(), cand);
-                            }
-                        }
-                        vt.used += 1;
-                    }
-                }
+                vt.used += 1;
             }
             self.vtables[id as usize] = Some(vt);
         }
@@ -237,7 +267,7 @@ impl Hot {
                 t.free.push(slot);
             }
         }
-        let mut all: Vec<(Vec<u8>, (u64, u16, u32, u8, bool))> = best.into_iter().collect();
+        let mut all: Vec<(Vec<u8>, Found)> = best.into_iter().collect();
         // Most recently written first: the best proxy for heat that survives a restart.
         all.sort_by_key(|(_, c)| std::cmp::Reverse(c.0));
         for (key, (seq, vt, slot, half, tomb)) in all {
@@ -256,15 +286,33 @@ impl Hot {
     }
 
     fn slots_per(&self, class: u32) -> u32 {
-        ((self.vtable_size - layout::VT_HEADER) / (2 * u64::from(class))) as u32
+        layout::slots_per(self.vtable_size, class)
     }
 
-    fn half_addr(&self, vt_addr: u64, class: u32, slot: u32, half: u8) -> u64 {
-        vt_addr + layout::VT_HEADER + u64::from(slot) * 2 * u64::from(class) + u64::from(half) * u64::from(class)
+    fn vt(&self, id: u16) -> Result<&VTable> {
+        self.vtables
+            .get(id as usize)
+            .and_then(Option::as_ref)
+            .ok_or_else(|| Error::InvalidArgument("hot entry names a missing vTable".into()))
+    }
+
+    /// Write `rec` into `half` of a slot, persist, then make it current (selector).
+    fn write_half(&self, vt: u16, slot: u32, half: u8, seq: u64, rec: &[u8]) -> Result<()> {
+        let t = self.vt(vt)?;
+        let a = t.half_addr(slot, half);
+        // SAFETY: the slot belongs to the entry being written (or was just allocated) and
+        // the half is not the current one; every access to hot records happens under the
+        // HotStore lock, which the caller holds.
+        unsafe { self.region.write(a, rec)? };
+        self.region.persist(a, rec.len() as u64);
+        let sa = t.sel_addr(slot);
+        self.region.store_u64_atomic(sa, layout::seal_word((seq << 1) | u64::from(half)))?;
+        self.region.persist(sa, 8);
+        Ok(())
     }
 
     fn bucket_of(&self, h: (u32, u32, u16), i: usize) -> u32 {
-        (h.0.wrapping_add((i as u32).wrapping_mul(h.1)) % self.buckets.len() as u32) as u32
+        h.0.wrapping_add((i as u32).wrapping_mul(h.1)) % self.buckets.len() as u32
     }
 
     /// Insert an index entry (the PM record exists already) at the tail of the heat order.
@@ -279,7 +327,8 @@ impl Hot {
                 break;
             }
         }
-        let e = Entry { tag: h.2, heat, vt, slot, half, tomb, next: self.buckets[bucket as usize], pos: 0, seq, bucket };
+        let e =
+            Entry { tag: h.2, heat, vt, slot, half, tomb, next: self.buckets[bucket as usize], pos: 0, seq, bucket };
         let idx = match self.free_entries.pop() {
             Some(i) => {
                 self.entries[i as usize] = e;
@@ -320,8 +369,8 @@ impl Hot {
 
     fn record(&self, idx: u32) -> Result<HotRecord<'_>> {
         let e = &self.entries[idx as usize];
-        let vt = self.vtables[e.vt as usize].as_ref().ok_or_else(|| Error::InvalidArgument("hot entry names a missing vTable".into()))?;
-        let a = self.half_addr(vt.addr, vt.class, e.slot, e.half);
+        let vt = self.vt(e.vt)?;
+        let a = vt.half_addr(e.slot, e.half);
         let b = self.region.slice_checked(a, vt.class as usize, "hot record")?;
         layout::decode_hot(b).ok_or_else(|| self.region.corruption(a, "hot record checksum mismatch"))
     }
@@ -396,34 +445,25 @@ impl Hot {
         self.touch(idx);
         let rec = layout::encode_hot(seq, key, value);
         let e = self.entries[idx as usize].clone();
-        let (addr, class) = {
-            let vt = self.vtables[e.vt as usize].as_ref().ok_or_else(|| Error::InvalidArgument("hot entry names a missing vTable".into()))?;
-            (vt.addr, vt.class)
-        };
+        let class = self.vt(e.vt)?.class;
         if rec.len() <= class as usize {
             let half = 1 - e.half;
-            let a = self.half_addr(addr, class, e.slot, half);
-            // SAFETY: the slot belongs to this entry; the caller holds the HotStore lock,
-            // under which every read and write of hot records happens.
-            unsafe { self.region.write(a, &rec)? };
-            self.region.persist(a, rec.len() as u64);
-            let was_tomb = e.tomb;
+            self.write_half(e.vt, e.slot, half, seq, &rec)?;
             let en = &mut self.entries[idx as usize];
             en.half = half;
             en.seq = seq;
             en.tomb = value.is_none();
-            self.adjust_live(was_tomb, value.is_none());
+            self.adjust_live(e.tomb, value.is_none());
             return Ok(());
         }
-        // Relocate: new slot first (the higher sequence number wins at recovery), then
+        // Relocate: the new slot first (the higher sequence number wins at recovery), then
         // free the old one.
         let new_class = layout::class_for(rec.len());
         let (vt, slot) = self.alloc_slot(new_class)?;
-        let vaddr = self.vtables[vt as usize].as_ref().map_or(0, |t| t.addr);
-        let a = self.half_addr(vaddr, new_class, slot, 0);
-        // SAFETY: a free slot just taken from the allocator; HotStore lock held.
-        unsafe { self.region.write(a, &rec)? };
-        self.region.persist(a, rec.len() as u64);
+        if let Err(err) = self.write_half(vt, slot, 0, seq, &rec) {
+            let _ = self.release_slot(vt, slot);
+            return Err(err);
+        }
         self.release_slot(e.vt, e.slot)?;
         self.used_bytes = self.used_bytes - 2 * u64::from(class) + 2 * u64::from(new_class);
         let en = &mut self.entries[idx as usize];
@@ -450,11 +490,10 @@ impl Hot {
         let rec = layout::encode_hot(seq, key, value);
         let class = layout::class_for(rec.len());
         let (vt, slot) = self.alloc_slot(class)?;
-        let vaddr = self.vtables[vt as usize].as_ref().map_or(0, |t| t.addr);
-        let a = self.half_addr(vaddr, class, slot, 0);
-        // SAFETY: a free slot just taken from the allocator; HotStore lock held.
-        unsafe { self.region.write(a, &rec)? };
-        self.region.persist(a, rec.len() as u64);
+        if let Err(e) = self.write_half(vt, slot, 0, seq, &rec) {
+            let _ = self.release_slot(vt, slot);
+            return Err(e);
+        }
         self.used_bytes += 2 * u64::from(class);
         self.link(key, vt, slot, 0, value.is_none(), seq, heat);
         Ok(())
@@ -533,17 +572,12 @@ impl Hot {
         Ok(())
     }
 
-    /// Zero both halves' headers of a slot and persist.
+    /// Free a slot in PM: its selector becomes 0 (persisted).
     fn invalidate(&mut self, vt: u16, slot: u32) -> Result<()> {
         let Some(t) = self.vtables[vt as usize].as_ref() else { return Ok(()) };
-        let (addr, class) = (t.addr, t.class);
-        for half in 0..2 {
-            let a = self.half_addr(addr, class, slot, half);
-            // SAFETY: the slot is being freed by its owner under the HotStore lock.
-            unsafe { self.region.write(a, &[0u8; layout::HOT_HEADER])? };
-            self.region.flush(a, layout::HOT_HEADER as u64);
-        }
-        self.region.fence();
+        let sa = t.sel_addr(slot);
+        self.region.store_u64_atomic(sa, 0)?;
+        self.region.persist(sa, 8);
         Ok(())
     }
 
@@ -584,23 +618,25 @@ impl Hot {
         if self.slots_per(class) == 0 {
             return Err(Error::InvalidArgument(format!("a hot record of class {class} does not fit a vTable")));
         }
-        let id = self.vtables.iter().position(Option::is_none).ok_or_else(|| {
-            Error::PmFull(format!("all {} vTable directory slots are in use", self.dir_slots))
-        })?;
+        let id = self
+            .vtables
+            .iter()
+            .position(Option::is_none)
+            .ok_or_else(|| Error::PmFull(format!("all {} vTable directory slots are in use", self.dir_slots)))?;
         let addr = heap::alloc_or_grow(&mut self.heap, &self.region, self.vtable_size)?;
-        let h = layout::encode_vtable_header(id as u32, class);
-        // SAFETY: a fresh heap extent, not yet published; HotStore lock held. Its slots
-        // hold no valid record: the extent is either new pool space (zero) or a vTable
-        // freed after every slot of it was invalidated.
-        unsafe { self.region.write(addr, &h)? };
-        self.region.persist(addr, 64);
-        let da = layout::DIR_ADDR + id as u64 * 8;
-        self.region.store_u64_atomic(da, addr)?;
-        self.region.persist(da, 8);
         let n = self.slots_per(class);
+        let mut head = layout::encode_vtable_header(id as u32, class).to_vec();
+        head.resize((layout::VT_HEADER + layout::selectors_len(u64::from(n))) as usize, 0);
+        // SAFETY: a fresh heap extent, not yet published; HotStore lock held. Header and
+        // zeroed selectors (every slot free) are persisted before the directory names it.
+        unsafe { self.region.write(addr, &head)? };
+        self.region.persist(addr, head.len() as u64);
+        let da = layout::DIR_ADDR + id as u64 * 8;
+        self.region.store_u64_atomic(da, layout::seal_word(addr))?;
+        self.region.persist(da, 8);
         let mut free: Vec<u32> = (0..n).rev().collect();
         let slot = free.pop().unwrap_or(0);
-        let vt = VTable { addr, class, free, used: 1 };
+        let vt = VTable { addr, class, nslots: n, free, used: 1 };
         if !vt.free.is_empty() {
             self.open.entry(class).or_default().insert(id as u16);
         }
@@ -616,7 +652,7 @@ impl Hot {
     }
 
     /// Hot keys in `[lo, hi]` (`hi` per `end`), with their values (`None`: tombstone).
-    pub fn range(&self, lo: Bound<&[u8]>, end: Bound<&[u8]>) -> Result<Vec<(Vec<u8>, Option<Vec<u8>>)>> {
+    pub fn range(&self, lo: Bound<&[u8]>, end: Bound<&[u8]>) -> Result<KeyValues> {
         let mut out = Vec::new();
         for (k, &idx) in self.keys.range::<[u8], _>((lo, end)) {
             let r = self.record(idx)?;
@@ -642,7 +678,8 @@ impl Hot {
 
     /// Shape figures.
     pub fn figures(&self) -> HotFigures {
-        let overflow = self.keys.values().filter(|&&i| self.buckets[self.entries[i as usize].bucket as usize] != i).count();
+        let overflow =
+            self.keys.values().filter(|&&i| self.buckets[self.entries[i as usize].bucket as usize] != i).count();
         HotFigures {
             entries: self.keys.len() as u64,
             used_bytes: self.used_bytes,

@@ -6,8 +6,12 @@ use crate::format::{crc, Cursor};
 
 /// Superblock address (right after pool 0's header).
 pub const SUPERBLOCK_ADDR: u64 = 64;
-/// vTable directory: slot `i` holds the address of vTable `i` (0: none).
-pub const DIR_ADDR: u64 = 128;
+/// An 8-byte word: 1 while a ColdStore MANIFEST commit is in flight, else 0. At open, a
+/// torn last MANIFEST record is a crash's only when this says a commit was in flight;
+/// otherwise it is damage.
+pub const INFLIGHT_ADDR: u64 = 128;
+/// vTable directory: slot `i` holds the sealed address of vTable `i` (0: none).
+pub const DIR_ADDR: u64 = 192;
 /// Layout version.
 pub const VERSION: u32 = 1;
 const SB_MAGIC: &[u8; 8] = b"TKVHOAK\x01";
@@ -31,6 +35,46 @@ pub const TAG_INLINE: u8 = 0;
 pub const TAG_POINTER: u8 = 1;
 /// Bytes of a tagged pointer.
 pub const POINTER_LEN: usize = 21;
+
+/// Seal a value below 2^48 into a self-checking 8-byte word (directory entries and slot
+/// selectors): the top 16 bits are `0x8000 | (crc32c of the value's 6 bytes & 0x7fff)`. 0
+/// means "none"; any single damaged byte of a sealed word makes it neither 0 nor valid.
+pub fn seal_word(v: u64) -> u64 {
+    let low = v & ((1 << 48) - 1);
+    let c = u64::from(crc32c::crc32c(&low.to_le_bytes()[..6]) & 0x7fff);
+    ((0x8000 | c) << 48) | low
+}
+
+/// Open a sealed word: `Ok(None)` for 0, `Ok(Some(v))` for a valid word, `Err` otherwise.
+#[allow(clippy::result_unit_err)]
+pub fn open_word(w: u64) -> Result<Option<u64>, ()> {
+    if w == 0 {
+        return Ok(None);
+    }
+    let v = w & ((1 << 48) - 1);
+    if seal_word(v) == w {
+        Ok(Some(v))
+    } else {
+        Err(())
+    }
+}
+
+/// Slots of a vTable of `vtable_size` bytes in size class `class` (half size): the
+/// header, one 8-byte selector per slot (rounded up to whole lines), then the slots of two
+/// halves each.
+pub fn slots_per(vtable_size: u64, class: u32) -> u32 {
+    let slot = 2 * u64::from(class);
+    let mut n = (vtable_size - VT_HEADER) / (slot + 8);
+    while n > 0 && VT_HEADER + selectors_len(n) + n * slot > vtable_size {
+        n -= 1;
+    }
+    n as u32
+}
+
+/// Bytes of the selector array of `n` slots.
+pub fn selectors_len(n: u64) -> u64 {
+    crate::format::align_up(n * 8, 64)
+}
 
 /// First heap byte in pool 0 for a directory of `slots` entries.
 pub fn heap_start(slots: u32) -> u64 {
@@ -381,7 +425,7 @@ mod tests {
     fn size_classes_waste_at_most_an_eighth() {
         for need in 1..70_000 {
             let c = class_for(need) as usize;
-            assert!(c >= need && c % 64 == 0, "{need} -> {c}");
+            assert!(c >= need && c.is_multiple_of(64), "{need} -> {c}");
             assert!(c <= 64 || (c - need) * 8 <= c.max(512), "{need} -> {c}");
         }
         assert_eq!(class_for(hot_need(16, 1024)), 1152);

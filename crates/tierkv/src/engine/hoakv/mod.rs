@@ -84,7 +84,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::thread::JoinHandle;
 
-use parking_lot::{Condvar, Mutex};
+use parking_lot::{Condvar, Mutex, RwLock};
 
 use crate::batch::BatchOp;
 use crate::engine::{Cond, Engine, EngineCtx, Poison};
@@ -134,6 +134,9 @@ struct Inner {
     writer: Mutex<()>,
     /// One group maintenance at a time.
     maint: Mutex<()>,
+    /// Readers hold it shared from an LSM lookup to the value-log read it leads to; the
+    /// maintenance takes it exclusively to remove value-log files (WiscKey's GC race).
+    files_gate: RwLock<()>,
     seq: AtomicU64,
     clock: AtomicU64,
     next_decay: AtomicU64,
@@ -206,8 +209,16 @@ impl Hoakv {
         )?;
         let cold = Arc::new(ColdVlog::open(ctx.fs.clone(), &ctx.dir, ctx.fresh, opts.cold_index_capacity)?);
         let poison = Arc::new(Poison::default());
-        let (lsm, batches) = Lsm::open(ctx.fs.clone(), &ctx.dir, lsm_options(&opts), ctx.fresh, poison.clone())?;
+        let inflight = region.load_u64_atomic(layout::INFLIGHT_ADDR)? != 0;
+        let (lsm, batches) =
+            Lsm::open(ctx.fs.clone(), &ctx.dir, lsm_options(&opts), ctx.fresh, poison.clone(), &|| inflight)?;
         let lsm = Arc::new(lsm);
+        let r2 = region.clone();
+        lsm.set_commit_hook(Arc::new(move |on| {
+            r2.store_u64_atomic(layout::INFLIGHT_ADDR, u64::from(on))?;
+            r2.persist(layout::INFLIGHT_ADDR, 8);
+            Ok(())
+        }));
         let c2 = cold.clone();
         lsm.set_before_durable(Arc::new(move || c2.sync()));
         // Replay: operations older than the key's hot record are superseded by it; a hot
@@ -221,7 +232,11 @@ impl Hoakv {
             hs.sort();
             eprintln!("DBG open hot={hs:?}");
             for b in &batches {
-                eprintln!("DBG batch seq {} {:?}", b.seq, b.ops.iter().map(|o| (crate::escape(&o.0), o.1.as_ref().map(|v| v.len()))).collect::<Vec<_>>());
+                eprintln!(
+                    "DBG batch seq {} {:?}",
+                    b.seq,
+                    b.ops.iter().map(|o| (crate::escape(&o.0), o.1.as_ref().map(|v| v.len()))).collect::<Vec<_>>()
+                );
             }
         }
         for b in batches {
@@ -251,6 +266,7 @@ impl Hoakv {
             cold,
             writer: Mutex::new(()),
             maint: Mutex::new(()),
+            files_gate: RwLock::new(()),
             seq: AtomicU64::new(max_seq + 1),
             clock: AtomicU64::new(0),
             next_decay: AtomicU64::new(opts.heat_window),
@@ -345,14 +361,45 @@ impl Inner {
         match layout::decode_cold(raw) {
             Ok(ColdValue::Inline(v)) => Ok(v),
             Ok(ColdValue::Pointer(p)) => self.cold.read(key, p),
-            Err(d) => Err(Error::Corruption { file: "LSM".into(), offset: 0, detail: format!("value of {}: {d}", crate::escape(key)) }),
+            Err(d) => Err(Error::Corruption {
+                file: "LSM".into(),
+                offset: 0,
+                detail: format!("value of {}: {d}", crate::escape(key)),
+            }),
         }
     }
 
     fn cold_get(&self, key: &[u8]) -> Result<Option<Vec<u8>>> {
+        let _g = self.files_gate.read();
         match self.lsm.get(key)? {
-            Some(Some(raw)) => Ok(Some(self.resolve(key, &raw)?)),
+            Some(Some(raw)) => self.resolve_current(key, &raw),
             _ => Ok(None),
+        }
+    }
+
+    /// [`Inner::resolve`], for a value read without the writer lock. A pointer into a file
+    /// a group maintenance removed can only be a hot key's shadowed cold version (the
+    /// maintenance rewrites every other pointer first): the key changed place since the
+    /// caller looked, so it is looked up again (HotStore, then LSM). `None`: deleted since.
+    fn resolve_current(&self, key: &[u8], raw: &[u8]) -> Result<Option<Vec<u8>>> {
+        match self.resolve(key, raw) {
+            Ok(v) => Ok(Some(v)),
+            Err(e) => {
+                let gone = matches!(layout::decode_cold(raw), Ok(ColdValue::Pointer(p)) if !self.cold.has_file(p.file));
+                if !gone {
+                    return Err(e);
+                }
+                match self.hot.lock().get(key, false)? {
+                    HotGet::Value(v) => return Ok(Some(v)),
+                    HotGet::Deleted => return Ok(None),
+                    HotGet::Miss => {}
+                }
+                match self.lsm.get(key)? {
+                    Some(Some(now)) if now != raw => self.resolve(key, &now).map(Some),
+                    Some(None) | None => Ok(None),
+                    Some(Some(_)) => Err(e),
+                }
+            }
         }
     }
 
@@ -566,7 +613,9 @@ impl Inner {
             for o in ops {
                 if value_of(o).is_some_and(|v| v.len() > self.opts.value_size) {
                     let g = self.cold.group_for(o.key());
-                    if self.cold.group_bytes(&g) > self.opts.group_size && !due.iter().any(|x: &Arc<Group>| x.gid == g.gid) {
+                    if self.cold.group_bytes(&g) > self.opts.group_size
+                        && !due.iter().any(|x: &Arc<Group>| x.gid == g.gid)
+                    {
                         due.push(g);
                     }
                 }
@@ -589,6 +638,7 @@ impl Inner {
     fn scan_impl(&self, start: Bound<&[u8]>, end: Bound<&[u8]>, max: usize) -> Result<Vec<(Vec<u8>, Vec<u8>)>> {
         let mut out = Vec::new();
         let mut lo: Bound<Vec<u8>> = start.map(<[u8]>::to_vec);
+        let _g = self.files_gate.read();
         while out.len() < max {
             let want = max - out.len();
             let cold = self.lsm.scan(lo.as_ref().map(Vec::as_slice), end, want)?;
@@ -616,7 +666,9 @@ impl Inner {
                         out.push((k, v));
                     }
                 } else if let Some((k, raw)) = c.next() {
-                    out.push((k.clone(), self.resolve(k, raw)?));
+                    if let Some(v) = self.resolve_current(k, raw)? {
+                        out.push((k.clone(), v));
+                    }
                 }
                 if out.len() >= max {
                     break;
@@ -731,13 +783,17 @@ impl Inner {
                 }
             }
             if !enc.is_empty() {
-                let ops: Vec<(&[u8], Option<&[u8]>)> = enc.iter().map(|(k, v)| (k.as_slice(), Some(v.as_slice()))).collect();
+                let ops: Vec<(&[u8], Option<&[u8]>)> =
+                    enc.iter().map(|(k, v)| (k.as_slice(), Some(v.as_slice()))).collect();
                 let seq = self.next_seq();
                 self.lsm.write(seq, &ops, true)?;
             }
         }
         self.c.gc_values_moved.fetch_add(moves.len() as u64, Ordering::Relaxed);
-        let freed = self.cold.drop_files(&touched, &old)?;
+        let freed = {
+            let _g = self.files_gate.write();
+            self.cold.drop_files(&touched, &old)?
+        };
         self.c.gc_bytes_freed.fetch_add(freed, Ordering::Relaxed);
         Ok(match outcome {
             Maintenance::Collected { moved, .. } => Maintenance::Collected { moved, freed },
@@ -765,6 +821,7 @@ impl Inner {
         p.extend(self.hot.lock().check());
         p.extend(self.cold.check());
         let mut bad = Vec::new();
+        let _g = self.files_gate.read();
         let hot_keys = self.hot.lock().seqs();
         self.lsm.for_each_live(|k, raw| {
             if hot_keys.contains_key(k) {
@@ -885,5 +942,150 @@ impl Engine for Hoakv {
         self.inner.cold.sync()?;
         self.inner.region.sync_all()?;
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used, clippy::expect_used)]
+    use super::*;
+    use crate::fs::{CountingFs, FaultFs, Fs};
+    use crate::pm::sim::SimDevice;
+
+    fn open_with(dev: &SimDevice, fs: &FaultFs, o: HoakvOptions, fresh: bool) -> Hoakv {
+        let opts = crate::testing::sim_options(crate::Preset::Hoakv, dev, fs).hoakv(o);
+        let cfs = CountingFs::new(Arc::new(fs.clone()));
+        let dir = std::path::PathBuf::from("/h");
+        if fresh {
+            cfs.create_dir_all(&dir).unwrap();
+        }
+        Hoakv::open(EngineCtx { dir, opts, fs: cfs, db_id: 7, fresh, pm_health: Arc::default() }).unwrap()
+    }
+
+    fn put(h: &Hoakv, k: &[u8], v: &[u8]) {
+        assert!(h.write(&[BatchOp::Put { key: k.to_vec(), value: v.to_vec() }], Cond::None).unwrap());
+    }
+
+    fn stat(h: &Hoakv, k: &str) -> u64 {
+        h.stats().design.get(k).copied().unwrap_or(0)
+    }
+
+    /// Algorithm 1: a key read often enough crosses HeatLimit and is promoted; when the
+    /// HotStore is full, the coldest hot keys are demoted into the ColdStore, and the heat
+    /// list stays sorted hottest first.
+    #[test]
+    fn a_key_crossing_heat_limit_is_promoted_and_the_coldest_demoted() {
+        let (dev, fs) = (SimDevice::new(), FaultFs::new());
+        let o = HoakvOptions { hot_store_size: 8 << 10, heat_window: 1 << 30, ..crate::testing::hoakv_small() };
+        let h = open_with(&dev, &fs, o, true);
+        for i in 0..64u32 {
+            put(&h, format!("k{i:03}").as_bytes(), &[b'v'; 40]);
+        }
+        assert_eq!(stat(&h, "promotions"), 0, "a key seen once is not hot");
+        // 256-byte slots in an 8 KiB store: 32 hot keys. The put counted one access; the
+        // first read (heat 2) promotes, the second makes heat 3.
+        for _ in 0..2 {
+            for i in 0..32u32 {
+                h.get(format!("k{i:03}").as_bytes()).unwrap();
+            }
+        }
+        assert_eq!(stat(&h, "promotions"), 32);
+        assert_eq!(h.hot_heat(b"k000").unwrap(), Some(3));
+        assert!(h.hot_heat(b"k040").unwrap().is_none());
+        h.get(b"k000").unwrap();
+        // HeatLimit is now 3 (the full store's coldest): k040 is promoted once its heat
+        // exceeds it, at 4, and a batch of the coldest hot keys is demoted for it.
+        for heat in 2..=3u16 {
+            h.get(b"k040").unwrap();
+            assert!(h.hot_heat(b"k040").unwrap().is_none(), "heat {heat} does not exceed HeatLimit 3");
+        }
+        h.get(b"k040").unwrap();
+        assert_eq!(h.hot_heat(b"k040").unwrap(), Some(4));
+        assert!(stat(&h, "demotions") >= 1, "the HotStore was full: someone was demoted");
+        assert_eq!(h.hot_heat(b"k000").unwrap(), Some(4), "the hottest key stays");
+        assert!(h.heat_order_ok());
+        // Demoted keys are cold again, with their values.
+        let demoted: Vec<u32> =
+            (1..32).filter(|i| h.hot_heat(format!("k{i:03}").as_bytes()).unwrap().is_none()).collect();
+        assert_eq!(demoted.len() as u64, stat(&h, "demotions"));
+        for i in demoted {
+            let k = format!("k{i:03}");
+            assert!(matches!(h.cold_value(k.as_bytes()).unwrap(), Some(ColdValue::Inline(_))));
+            assert_eq!(h.get(k.as_bytes()).unwrap(), Some(vec![b'v'; 40]));
+        }
+        // A hot write is an in-place update (no WAL), and survives a crash.
+        put(&h, b"k000", b"new");
+        assert!(h.check().unwrap().is_empty());
+        drop(h);
+        let h = open_with(&dev.simulate_crash(1, 0.5), &fs.crash(), crate::testing::hoakv_small(), false);
+        assert_eq!(h.get(b"k000").unwrap(), Some(b"new".to_vec()));
+        assert_eq!(h.get(b"k040").unwrap(), Some(vec![b'v'; 40]));
+    }
+
+    /// Algorithm 2: cold values longer than Value_Size go to the cold vlog (the LSM keeps a
+    /// pointer), shorter ones stay inline.
+    #[test]
+    fn large_cold_values_go_to_the_vlog_small_ones_inline() {
+        let h = open_with(&SimDevice::new(), &FaultFs::new(), crate::testing::hoakv_small(), true);
+        put(&h, b"small", &[1; 64]);
+        put(&h, b"large", &[2; 65]);
+        assert!(matches!(h.cold_value(b"small").unwrap(), Some(ColdValue::Inline(v)) if v == vec![1; 64]));
+        assert!(matches!(h.cold_value(b"large").unwrap(), Some(ColdValue::Pointer(_))));
+        assert_eq!(h.get(b"large").unwrap(), Some(vec![2; 65]));
+        assert_eq!((stat(&h, "vlog_values"), stat(&h, "inline_values")), (1, 1));
+    }
+
+    /// A group over GroupSize splits at its median live key into two groups with
+    /// non-overlapping ranges; garbage collection reclaims overwritten values.
+    #[test]
+    fn a_group_over_group_size_splits_at_the_median_and_gc_reclaims_space() {
+        // No promotions here: every value stays in the ColdStore.
+        let o = HoakvOptions { group_size: 1 << 20, promote_min_heat: u16::MAX, ..crate::testing::hoakv_small() };
+        let h = open_with(&SimDevice::new(), &FaultFs::new(), o, true);
+        // 200 live values of 1 KiB, written twice: 400 KiB of files, 200 KiB live.
+        for round in 0..2u8 {
+            for i in 0..200u32 {
+                put(&h, format!("g{i:04}").as_bytes(), &[round; 1000]);
+            }
+        }
+        let before = h.groups();
+        assert_eq!(before.len(), 1);
+        assert!(before[0].2 > 400_000);
+        // Garbage collection: live 200 KiB < GroupSize / 2: one group, half the bytes.
+        match h.maintain_group(0).unwrap() {
+            Maintenance::Collected { moved, freed } => {
+                assert_eq!(moved, 200);
+                assert!(freed > 400_000, "freed {freed}");
+            }
+            m => panic!("expected a collection, got {m:?}"),
+        }
+        let after = h.groups();
+        assert!(after[0].2 < 220_000, "group bytes after GC: {}", after[0].2);
+        for i in 0..200u32 {
+            assert_eq!(h.get(format!("g{i:04}").as_bytes()).unwrap(), Some(vec![1; 1000]));
+        }
+        // Now a smaller GroupSize makes the same live set a split: at the median key.
+        drop(h);
+        let o = HoakvOptions { group_size: 150 << 10, promote_min_heat: u16::MAX, ..crate::testing::hoakv_small() };
+        let h = open_with(&SimDevice::new(), &FaultFs::new(), o, true);
+        for i in 0..200u32 {
+            put(&h, format!("g{i:04}").as_bytes(), &[3; 1000]);
+        }
+        // Writes past GroupSize triggered the maintenance (inline in this mode).
+        assert_eq!(stat(&h, "group_splits"), 1);
+        let g = h.groups();
+        assert_eq!(g.len(), 2);
+        assert!(g[0].1.is_empty() && g[1].1.as_slice() > b"g0000".as_slice());
+        // The boundary is the median of the live keys present at the split.
+        let split_at = String::from_utf8(g[1].1.clone()).unwrap();
+        let n: u32 = split_at[1..].parse().unwrap();
+        let live_then = stat(&h, "gc_values_moved") as u32;
+        assert_eq!(n, live_then / 2, "median of {live_then} keys");
+        for i in 0..200u32 {
+            assert_eq!(h.get(format!("g{i:04}").as_bytes()).unwrap(), Some(vec![3; 1000]));
+        }
+        assert!(h.check().unwrap().is_empty());
+        let scanned = h.scan_chunk(Bound::Unbounded, Bound::Unbounded, 1000).unwrap();
+        assert_eq!(scanned.len(), 200);
     }
 }

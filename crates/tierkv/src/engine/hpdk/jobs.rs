@@ -158,7 +158,14 @@ impl Inner {
             let mut after = v.version.clone();
             after.files.insert(
                 number,
-                FileMeta { total: meta.entries, live, size: meta.size, smallest: meta.smallest, largest: meta.largest, level: 0 },
+                FileMeta {
+                    total: meta.entries,
+                    live,
+                    size: meta.size,
+                    smallest: meta.smallest,
+                    largest: meta.largest,
+                    level: 0,
+                },
             );
             edits.push(Edit::AddFile(number, after.files[&number].clone()));
             // A merge output not installed yet is not in the version: its live count is
@@ -281,8 +288,14 @@ impl Inner {
                     }
                 }
             }
-            let fm =
-                FileMeta { total: meta.entries, live, size: meta.size, smallest: meta.smallest, largest: meta.largest, level: 0 };
+            let fm = FileMeta {
+                total: meta.entries,
+                live,
+                size: meta.size,
+                smallest: meta.smallest,
+                largest: meta.largest,
+                level: 0,
+            };
             out = Some((t, fm));
         }
         // Line 21: InstallMergeResult, with the writes that raced with the merge settled.

@@ -887,7 +887,14 @@ mod tests {
     use super::*;
 
     fn meta(a: &str, b: &str) -> FileMeta {
-        FileMeta { total: 10, live: 10, size: 1, smallest: a.as_bytes().to_vec(), largest: b.as_bytes().to_vec(), level: 0 }
+        FileMeta {
+            total: 10,
+            live: 10,
+            size: 1,
+            smallest: a.as_bytes().to_vec(),
+            largest: b.as_bytes().to_vec(),
+            level: 0,
+        }
     }
 
     #[test]
