@@ -6,7 +6,7 @@ use std::path::{Path, PathBuf};
 
 use parking_lot::{Mutex, RwLock};
 use tierkv::pm::{Backing, Region, RegionConfig, LINE, POOL_HEADER_LEN};
-use tierkv::{Db, HpdkOptions, LightkvOptions, LightkvPlacement, Options, Preset, SlmdbOptions};
+use tierkv::{Db, HoakvOptions, HpdkOptions, LightkvOptions, LightkvPlacement, Options, Preset, SlmdbOptions};
 
 /// Result of engine calls (errors are reported, not recovered).
 pub type Result<T> = std::result::Result<T, String>;
@@ -112,6 +112,7 @@ pub fn apply_variant(opts: &mut Options, preset: Preset, s: &str) -> Result<()> 
     match preset {
         Preset::Hpdk => opts.hpdk = hpdk_variant(s)?,
         Preset::Lightkv => opts.lightkv = lightkv_variant(s)?,
+        Preset::Hoakv => opts.hoakv = hoakv_variant(s)?,
         _ => opts.slmdb = slmdb_schemes(preset, s)?,
     }
     Ok(())
@@ -135,6 +136,30 @@ pub fn lightkv_variant(s: &str) -> Result<LightkvOptions> {
             _ => {
                 return Err(format!(
                     "unknown lightkv setting `{part}` (known: dram, pm, hybrid, leaves=N, cs=N, seg=KiB)"
+                ))
+            }
+        }
+    }
+    Ok(o)
+}
+
+/// HoaKV's §4.4 parameters for an engine named `hoakv/<settings>`: a `+`-joined list of
+/// `hot=MiB` (HotStore size), `group=MiB` (GroupSize), `vs=bytes` (Value_Size),
+/// `window=N` (heat window in operations) and `mem=MiB` (MemTable size), e.g.
+/// `hoakv/hot=16+vs=512`.
+pub fn hoakv_variant(s: &str) -> Result<HoakvOptions> {
+    let mut o = HoakvOptions::default();
+    for part in s.split('+') {
+        let num = |v: &str| v.parse::<u64>().map_err(|_| format!("hoakv setting `{part}`: `{v}` is not a number"));
+        match part.split_once('=') {
+            Some(("hot", v)) => o.hot_store_size = num(v)? << 20,
+            Some(("group", v)) => o.group_size = num(v)? << 20,
+            Some(("vs", v)) => o.value_size = num(v)? as usize,
+            Some(("window", v)) => o.heat_window = num(v)?,
+            Some(("mem", v)) => o.memtable_size = num(v)? << 20,
+            _ => {
+                return Err(format!(
+                    "unknown hoakv setting `{part}` (known: hot=MiB, group=MiB, vs=bytes, window=N, mem=MiB)"
                 ))
             }
         }
