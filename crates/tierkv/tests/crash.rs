@@ -58,12 +58,7 @@ fn crash_at_every_fence_every_preset() {
 /// counted from the very start; returns the crashed device and file system, or `None`
 /// when open finished first, with the fences and syncs open took.
 fn crash_open(preset: Preset, at: Option<u64>, files: bool) -> (SimDevice, FaultFs, bool, u64, u64) {
-    let dev = SimDevice::new();
-    let fs = FaultFs::new();
-    let f = fs.clone();
-    dev.on_freeze(move || f.freeze());
-    let d = dev.clone();
-    fs.on_freeze(move || d.freeze());
+    let (dev, fs) = linked();
     match (at, files) {
         (Some(n), false) => dev.crash_before_fence(n),
         (Some(n), true) => fs.crash_before_sync(n),
@@ -73,9 +68,7 @@ fn crash_open(preset: Preset, at: Option<u64>, files: bool) -> (SimDevice, Fault
     let crashed = dev.crashed() || fs.frozen();
     let (fences, syncs) = (dev.fences(), fs.sync_points());
     db.simulate_process_crash();
-    // The hooks hold each other's handles: replace them to free both.
-    dev.on_freeze(|| {});
-    fs.on_freeze(|| {});
+    unlink(&dev, &fs);
     (dev, fs, crashed, fences, syncs)
 }
 

@@ -725,7 +725,7 @@ impl Lsm {
             if l + 1 >= cur.levels.len() {
                 return Ok(());
             }
-            let inputs = if l == 0 { cur.levels[0].clone() } else { cur.levels[l].clone() };
+            let inputs = cur.levels[l].clone();
             let (lo, hi) = range_of(&inputs);
             let below = cur.overlapping(l + 1, &lo, &hi);
             self.run_job(Job { level: l, inputs, below })?;

@@ -284,13 +284,26 @@ pub struct CrashRun {
 }
 
 /// Run the write steps of `steps` (and flushes) on a fresh store, crashing at `at`.
-pub fn crash_run(opts: OptsFn<'_>, steps: &[Step], at: Option<CrashAt>) -> CrashRun {
+/// A device and file system that freeze together at either one's crash point. Call
+/// [`unlink`] when done: the hooks hold each other's handles.
+pub fn linked() -> (SimDevice, FaultFs) {
     let dev = SimDevice::new();
     let fs = FaultFs::new();
     let f = fs.clone();
     dev.on_freeze(move || f.freeze());
     let d = dev.clone();
     fs.on_freeze(move || d.freeze());
+    (dev, fs)
+}
+
+/// Replace the hooks [`linked`] set, freeing both handles.
+pub fn unlink(dev: &SimDevice, fs: &FaultFs) {
+    dev.on_freeze(|| {});
+    fs.on_freeze(|| {});
+}
+
+pub fn crash_run(opts: OptsFn<'_>, steps: &[Step], at: Option<CrashAt>) -> CrashRun {
+    let (dev, fs) = linked();
     let db = Db::open(dir(), opts(&dev, &fs)).unwrap();
     let (f0, s0) = (dev.fences(), fs.sync_points());
     match at {
@@ -310,9 +323,7 @@ pub fn crash_run(opts: OptsFn<'_>, steps: &[Step], at: Option<CrashAt>) -> Crash
     }
     let (fences, syncs) = (dev.fences() - f0, fs.sync_points() - s0);
     db.simulate_process_crash();
-    // The hooks hold each other's handles: replace them to free both.
-    dev.on_freeze(|| {});
-    fs.on_freeze(|| {});
+    unlink(&dev, &fs);
     CrashRun { dev, fs, inflight, fences, syncs }
 }
 

@@ -13,7 +13,7 @@
 //! (`cold_index_capacity` entries); the sliding window halves every heat and drops the ones
 //! that reach 0.
 
-use std::collections::{BTreeMap, HashMap, HashSet};
+use std::collections::{HashMap, HashSet};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 use std::sync::Arc;
@@ -456,10 +456,5 @@ impl ColdVlog {
             }
         }
         p
-    }
-
-    /// Heat of every key of the cold index, by group id (tests).
-    pub fn heat_snapshot(&self) -> BTreeMap<u32, HashMap<Vec<u8>, u16>> {
-        self.groups().iter().map(|g| (g.gid, g.heat.lock().clone())).collect()
     }
 }
