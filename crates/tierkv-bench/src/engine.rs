@@ -50,6 +50,11 @@ pub trait BenchEngine: Send + Sync {
     fn space(&self) -> u64 {
         0
     }
+    /// The design's own figures (tierkv's `Stats::design`: promotions, flushes, …); empty
+    /// for the peers.
+    fn design(&self) -> std::collections::BTreeMap<String, u64> {
+        std::collections::BTreeMap::new()
+    }
     /// Drop the store as a killed process would (no clean shutdown), then open it again.
     /// Engines that cannot simulate that in-process return an error and are reported as
     /// not measured.
@@ -211,12 +216,24 @@ pub struct Tierkv {
     db: Option<Db>,
     opts: Options,
     dir: PathBuf,
+    /// The statistics [`BenchEngine::usage`] read last, for `space` and `design` right
+    /// after it (some presets count live keys by walking their data: one walk, not three);
+    /// `design` clears it.
+    last: Mutex<Option<tierkv::Stats>>,
 }
 
 impl Tierkv {
     fn open(name: String, opts: Options, dir: &Path) -> Result<Tierkv> {
         let db = Db::open(dir, opts.clone()).map_err(|e| e.to_string())?;
-        Ok(Tierkv { name, db: Some(db), opts, dir: dir.to_path_buf() })
+        Ok(Tierkv { name, db: Some(db), opts, dir: dir.to_path_buf(), last: Mutex::new(None) })
+    }
+
+    /// The statistics `usage` read, or fresh ones.
+    fn stats(&self) -> Option<tierkv::Stats> {
+        if let Some(s) = self.last.lock().clone() {
+            return Some(s);
+        }
+        self.db().ok().map(Db::stats)
     }
 
     fn db(&self) -> Result<&Db> {
@@ -245,6 +262,7 @@ impl BenchEngine for Tierkv {
     fn usage(&self) -> Usage {
         let Ok(db) = self.db() else { return Usage::default() };
         let s = db.stats();
+        *self.last.lock() = Some(s.clone());
         Usage {
             pm_bytes_written: s.pm_bytes_written,
             disk_bytes_written: s.disk_bytes_written,
@@ -268,14 +286,18 @@ impl BenchEngine for Tierkv {
         Ok(())
     }
     fn space(&self) -> u64 {
-        let Ok(db) = self.db() else { return 0 };
-        let s = db.stats();
+        let Some(s) = self.stats() else { return 0 };
         let heap = |k: &str| s.design.get(k).copied().unwrap_or(0);
         // PM in use (heap minus free space), plus the disk files of the presets that keep
         // SSTables on disk.
         let pm = heap("heap_bytes").saturating_sub(heap("heap_free_bytes"))
             + heap("pm_heap_bytes").saturating_sub(heap("pm_heap_free_bytes"));
         pm + dir_bytes(&self.dir)
+    }
+    fn design(&self) -> std::collections::BTreeMap<String, u64> {
+        // The last reader of the cached statistics (the harness asks usage, space, design).
+        let cached = self.last.lock().take();
+        cached.or_else(|| self.stats()).map(|s| s.design).unwrap_or_default()
     }
 }
 

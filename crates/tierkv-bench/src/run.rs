@@ -43,6 +43,11 @@ pub enum Workload {
     /// `--threads` readers doing readrandom while one writer overwrites random keys as fast
     /// as it can (db_bench); read latency is reported.
     Readwhilewriting,
+    /// 100% updates of existing keys, zipfian (HoaKV §4.2's update micro-benchmark).
+    YcsbUpdate,
+    /// `num / 10` scans of uniform 1..=100 entries from zipfian start keys (HoaKV §4.2's
+    /// scan micro-benchmark: workload E without its inserts).
+    YcsbScan,
 }
 
 impl Workload {
@@ -62,6 +67,8 @@ impl Workload {
         Workload::YcsbE,
         Workload::YcsbF,
         Workload::Readwhilewriting,
+        Workload::YcsbUpdate,
+        Workload::YcsbScan,
     ];
 
     /// Command-line name.
@@ -81,13 +88,18 @@ impl Workload {
             Workload::YcsbE => "ycsb-e",
             Workload::YcsbF => "ycsb-f",
             Workload::Readwhilewriting => "readwhilewriting",
+            Workload::YcsbUpdate => "ycsb-update",
+            Workload::YcsbScan => "ycsb-scan",
         }
     }
 
-    /// Parse a command-line name (`load` and `a`..`f` are accepted for YCSB).
+    /// Parse a command-line name (`load`, `a`..`f`, `update` and `scan` are accepted for
+    /// YCSB).
     pub fn parse(s: &str) -> Option<Workload> {
         let s = match s {
             "load" => "ycsb-load",
+            "update" => "ycsb-update",
+            "scan" => "ycsb-scan",
             "a" | "b" | "c" | "d" | "e" | "f" => {
                 return Workload::ALL.iter().copied().find(|w| w.name() == format!("ycsb-{s}"))
             }
@@ -99,12 +111,19 @@ impl Workload {
     fn is_ycsb_run(self) -> bool {
         matches!(
             self,
-            Workload::YcsbA | Workload::YcsbB | Workload::YcsbC | Workload::YcsbD | Workload::YcsbE | Workload::YcsbF
+            Workload::YcsbA
+                | Workload::YcsbB
+                | Workload::YcsbC
+                | Workload::YcsbD
+                | Workload::YcsbE
+                | Workload::YcsbF
+                | Workload::YcsbUpdate
+                | Workload::YcsbScan
         )
     }
 
     fn needs_scan(self) -> bool {
-        matches!(self, Workload::Readseq | Workload::Seekrandom | Workload::YcsbE)
+        matches!(self, Workload::Readseq | Workload::Seekrandom | Workload::YcsbE | Workload::YcsbScan)
     }
 }
 
@@ -174,6 +193,10 @@ pub struct Outcome {
     pub write_amp_pm: f64,
     /// Disk bytes written / user bytes written during the workload.
     pub write_amp_disk: f64,
+    /// The design's own figures after the workload (tierkv presets: promotions, flushes,
+    /// merges, …; counters are totals since open).
+    #[serde(skip_serializing_if = "std::collections::BTreeMap::is_empty")]
+    pub design: std::collections::BTreeMap<String, u64>,
 }
 
 /// What the store holds so far (for reads and YCSB), carried between workloads.
@@ -335,6 +358,7 @@ pub fn run_with_progress(
         space_bytes: e.space(),
         write_amp_pm: ratio(usage.pm_bytes_written),
         write_amp_disk: ratio(usage.disk_bytes_written),
+        design: e.design(),
         usage,
     }))
 }
@@ -401,14 +425,17 @@ fn worker(
             let mut count = inserted.load(Ordering::Relaxed);
             let mut zipf = ScrambledZipfian::new(count);
             let mut latest = Latest::new(count);
+            // Scans are counted like seekrandom's: a tenth of the operations.
+            let ops = if w == Workload::YcsbScan { (ops / 10).max(1) } else { ops };
             for _ in 0..ops {
                 let r: f64 = rng.random();
                 let pick = |rng: &mut SmallRng, z: &ScrambledZipfian| ycsb_key(z.next(rng));
                 match w {
-                    Workload::YcsbA | Workload::YcsbB | Workload::YcsbC => {
+                    Workload::YcsbA | Workload::YcsbB | Workload::YcsbC | Workload::YcsbUpdate => {
                         let read = match w {
                             Workload::YcsbA => 0.5,
                             Workload::YcsbB => 0.95,
+                            Workload::YcsbUpdate => 0.0,
                             _ => 1.0,
                         };
                         let k = pick(&mut rng, &zipf);
@@ -429,8 +456,8 @@ fn worker(
                             latest.grow_to(count);
                         }
                     }
-                    Workload::YcsbE => {
-                        if r < 0.95 {
+                    Workload::YcsbE | Workload::YcsbScan => {
+                        if r < 0.95 || w == Workload::YcsbScan {
                             let k = pick(&mut rng, &zipf);
                             let len = scan_len(&mut rng, 100) as usize;
                             found += m.time(|| e.scan(&k, len))? as u64;

@@ -25,7 +25,7 @@ fn every_engine_every_workload_tiny() {
         for &vs in &[100usize, 1024] {
             let mine: Vec<_> = rep.outcomes.iter().filter(|o| o.engine == e && o.value_size == vs).collect();
             // `limit` has no ordered index: it skips the scan workloads.
-            let want = if e == "limit" { Workload::ALL.len() - 3 } else { Workload::ALL.len() };
+            let want = if e == "limit" { Workload::ALL.len() - 4 } else { Workload::ALL.len() };
             assert_eq!(mine.len(), want, "{e} {vs}");
             for o in &mine {
                 assert!(o.ops > 0 && o.ops_per_sec > 0.0, "{e} {:?}", o.workload);
@@ -35,6 +35,14 @@ fn every_engine_every_workload_tiny() {
                     Workload::Readrandom => assert_eq!(o.found, o.ops, "{e}: readrandom misses"),
                     Workload::Readseq => assert_eq!(o.found, 400, "{e}: the db_bench keys (YCSB loads later)"),
                     Workload::YcsbC => assert_eq!(o.found, o.ops, "{e}: ycsb-c reads loaded keys"),
+                    // Every operation is a write of one value; every scan starts at a loaded
+                    // key and reads 1..=100 entries.
+                    Workload::YcsbUpdate => {
+                        assert!(o.usage.user_bytes_written >= o.ops * vs as u64, "{e}: ycsb-update writes")
+                    }
+                    Workload::YcsbScan => {
+                        assert!(o.found >= o.ops && o.found <= o.ops * 100, "{e}: ycsb-scan read {}", o.found)
+                    }
                     Workload::Fillseq | Workload::YcsbLoad => {
                         let keys: u64 = if o.workload == Workload::Fillseq {
                             400 * 16

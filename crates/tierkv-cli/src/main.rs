@@ -57,11 +57,14 @@ struct BenchFlags {
     /// `leaf`, `seq` (e.g. `slmdb/live+leaf`), for the paper's §6.5 ablation. `hpdk/nt`
     /// (no DRAM B+-tree) and `hpdk/ngc` (no merge) are HPDK's Fig. 7 ablations. `lightkv/<settings>`
     /// sets LightKV's §VI-F knobs: a `+`-joined list of `dram` (LightKV_DRAM), `pm` (LightKV_PM), `leaves=N`
-    /// (MAX_LEAF_NODES), `cs=N` (compaction size), `seg=KiB` (segment size).
+    /// (MAX_LEAF_NODES), `cs=N` (compaction size), `seg=KiB` (segment size). `hoakv/<settings>`
+    /// sets HoaKV's §4.4 parameters: a `+`-joined list of `hot=MiB` (HotStore size),
+    /// `group=MiB` (GroupSize), `vs=bytes` (Value_Size), `window=N` (heat window), `mem=MiB`.
     #[arg(long)]
     engines: Option<String>,
     /// Workloads in order, comma separated: fillseq, fillrandom, overwrite, readrandom,
-    /// readseq, seekrandom, ycsb-load (or load), ycsb-a..ycsb-f (or a..f).
+    /// readseq, seekrandom, ycsb-load (or load), ycsb-a..ycsb-f (or a..f), ycsb-update (or
+    /// update: 100% zipfian updates), ycsb-scan (or scan: 100% zipfian scans of 1..100).
     #[arg(long)]
     workloads: Option<String>,
     /// Seed of every random stream (the same key sequence for every engine).

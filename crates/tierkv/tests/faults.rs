@@ -135,7 +135,7 @@ fn fill_until_error(db: &Db, limit: u32) -> (Model, tierkv::Error) {
 #[test]
 fn a_full_pm_device_fails_the_write_and_keeps_every_acknowledged_one() {
     // HoaKV keeps only its bounded HotStore in PM, and new keys start cold (on disk): this
-    // workload of fresh keys never fills PM there.
+    // workload of fresh keys never fills PM there (its own test follows).
     for &preset in presets().iter().filter(|&&p| p != Preset::Hoakv) {
         let dev = SimDevice::new();
         dev.limit_pools(3);
@@ -175,6 +175,56 @@ fn a_full_pm_device_fails_the_write_and_keeps_every_acknowledged_one() {
         db.put(b"after", b"room").unwrap();
         eprintln!("{ctx}: {err} (poisoned: {poisoned})");
     }
+}
+
+/// HoaKV keeps only its bounded HotStore in PM, with the ColdStore behind it: on a full PM
+/// device a promotion is refused (the key stays cold) and a hot key whose grown record finds
+/// no slot moves to the ColdStore. No write fails, none is lost, before or after a crash.
+#[test]
+fn hoakv_on_a_full_pm_device_keeps_keys_cold_and_loses_nothing() {
+    if !presets().contains(&Preset::Hoakv) {
+        return;
+    }
+    let dev = SimDevice::new();
+    dev.limit_pools(2);
+    let fs = FaultFs::new();
+    // A HotStore far larger than the device, and the heat window wide enough that every
+    // rewritten key is a promotion candidate.
+    let hoakv =
+        tierkv::HoakvOptions { hot_store_size: 64 << 20, heat_window: 1 << 30, ..tierkv::testing::hoakv_small() };
+    let opts = |d: &SimDevice| sim_options(Preset::Hoakv, d, &fs).hoakv(hoakv.clone());
+    let db = Db::open(dir(), opts(&dev)).unwrap();
+    let mut m = Model::new();
+    let d = |db: &Db, k: &str| db.stats().design.get(k).copied().unwrap_or(0);
+    // Every key written twice: the second write promotes it while PM lasts.
+    for i in 0..2500u32 {
+        let k = format!("key{i:05}").into_bytes();
+        for round in 0..2u8 {
+            let v = vec![round; 600];
+            db.put(&k, &v).unwrap_or_else(|e| panic!("write {i}.{round} on a full device: {e}"));
+            m.insert(k.clone(), v);
+        }
+    }
+    let (promoted, refused) = (d(&db, "promotions"), d(&db, "promotions_refused"));
+    assert!(promoted > 100 && refused > 100, "promotions {promoted}, refused {refused}: PM filled up");
+    // Hot keys whose records grow past their class need a new slot: none is left.
+    let hot: Vec<Vec<u8>> = m.keys().take(400).cloned().collect();
+    for k in &hot {
+        let v = vec![9u8; 1400];
+        db.put(k, &v).unwrap();
+        m.insert(k.clone(), v);
+    }
+    let overflows = d(&db, "hot_overflows");
+    assert!(overflows > 0, "no hot key overflowed to the ColdStore");
+    assert_eq!(dump(&db), m);
+    assert_eq!(db.check().unwrap(), Vec::<String>::new());
+    db.simulate_process_crash();
+    let dev = dev.simulate_crash(3, 0.5);
+    let db = Db::open(dir(), opts(&dev)).unwrap();
+    assert_eq!(dump(&db), m, "after a crash");
+    assert_eq!(db.check().unwrap(), Vec::<String>::new(), "after a crash");
+    db.put(b"after", b"crash").unwrap();
+    eprintln!("hoakv on a full device: {promoted} promotions, {refused} refused, {overflows} hot overflows");
 }
 
 #[test]

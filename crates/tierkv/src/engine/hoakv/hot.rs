@@ -29,15 +29,23 @@
 //! E hash functions are derived by double hashing from two crc32c hashes of the key.
 //!
 //! # Heat
-//! Each entry keeps a 16-bit heat. The heat list is sorted by heat, hottest first; a heat
-//! increase moves the entry forward one neighbour at a time until its predecessor is at
-//! least as hot (the paper's insertion step). HeatLimit is the heat of the list's tail when
-//! the store is full, 0 otherwise. Heat is not persistent: recovered entries start at 1.
+//! Each entry has a 16-bit heat, kept in the heat-sorted order ([`super::heat`]), hottest
+//! first; a heat increase is the paper's insertion step (done in O(1), see there).
+//! HeatLimit is the heat of the order's tail when the store is full, 0 otherwise. Heat is
+//! not persistent: recovered entries start at 1.
+//!
+//! # Clean entries
+//! An entry promoted by a read whose cold value is inline in the LSM is *clean* until it is
+//! written: the ColdStore still holds its value (nothing changes an LSM key's newest version
+//! but a write, and a write to a hot key clears the flag; group GC never touches inline
+//! values). Demoting a clean entry writes nothing back: its hot record is invalidated and
+//! the older LSM version is again the newest. Recovered entries are not clean.
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::ops::Bound;
 use std::sync::Arc;
 
+use super::heat::HeatOrder;
 use super::layout::{self, HotRecord};
 use crate::error::{Error, Result};
 use crate::pm::heap::{self, Heap};
@@ -55,15 +63,16 @@ pub type KeyValues = Vec<(Vec<u8>, Option<Vec<u8>>)>;
 #[derive(Debug, Clone)]
 struct Entry {
     tag: u16,
-    heat: u16,
     vt: u16,
     slot: u32,
     half: u8,
     tomb: bool,
     next: u32,
-    pos: u32,
     seq: u64,
     bucket: u32,
+    /// Promoted by a read and not written since: the ColdStore still holds this value
+    /// inline, so a demotion need not write it back.
+    clean: bool,
 }
 
 #[derive(Debug)]
@@ -124,6 +133,8 @@ pub struct Victim {
     pub value: Option<Vec<u8>>,
     /// Its heat when it was demoted.
     pub heat: u16,
+    /// The ColdStore holds this value already (inline): demotion writes nothing back.
+    pub clean: bool,
     idx: u32,
 }
 
@@ -139,12 +150,15 @@ pub struct Hot {
     buckets: Vec<u32>,
     entries: Vec<Entry>,
     free_entries: Vec<u32>,
-    list: Vec<u32>,
+    order: HeatOrder,
     keys: BTreeMap<Vec<u8>, u32>,
     vtables: Vec<Option<VTable>>,
     /// Per class: vTables with a free slot.
     open: HashMap<u32, BTreeSet<u16>>,
     used_bytes: u64,
+    /// The store has been full (a demotion ran, or a recovered store is within 1/16 of its
+    /// capacity): HeatLimit is the smallest heat from now on.
+    filled: bool,
     live: u64,
     /// Slots whose PM record lost to a newer one at recovery (invalidated).
     pub recovered_duplicates: u64,
@@ -193,16 +207,18 @@ impl Hot {
             buckets: vec![NONE; nb],
             entries: Vec::new(),
             free_entries: Vec::new(),
-            list: Vec::new(),
+            order: HeatOrder::default(),
             keys: BTreeMap::new(),
             vtables: (0..dir_slots).map(|_| None).collect(),
             open: HashMap::new(),
             used_bytes: 0,
+            filled: false,
             live: 0,
             recovered_duplicates: 0,
             region,
         };
         hot.recover()?;
+        hot.filled = hot.used_bytes >= hot.capacity - hot.capacity / 16;
         Ok(hot)
     }
 
@@ -273,7 +289,7 @@ impl Hot {
         for (key, (seq, vt, slot, half, tomb)) in all {
             let class = self.vtables[vt as usize].as_ref().map_or(0, |t| t.class);
             self.used_bytes += 2 * u64::from(class);
-            self.link(&key, vt, slot, half, tomb, seq, 1);
+            self.link(&key, vt, slot, half, tomb, seq, 1, false);
         }
         for (id, vt) in self.vtables.iter().enumerate() {
             if let Some(vt) = vt {
@@ -317,7 +333,7 @@ impl Hot {
 
     /// Insert an index entry (the PM record exists already) at the tail of the heat order.
     #[allow(clippy::too_many_arguments)]
-    fn link(&mut self, key: &[u8], vt: u16, slot: u32, half: u8, tomb: bool, seq: u64, heat: u16) -> u32 {
+    fn link(&mut self, key: &[u8], vt: u16, slot: u32, half: u8, tomb: bool, seq: u64, heat: u16, clean: bool) -> u32 {
         let h = hashes(key);
         let mut bucket = self.bucket_of(h, self.e - 1);
         for i in 0..self.e {
@@ -327,8 +343,7 @@ impl Hot {
                 break;
             }
         }
-        let e =
-            Entry { tag: h.2, heat, vt, slot, half, tomb, next: self.buckets[bucket as usize], pos: 0, seq, bucket };
+        let e = Entry { tag: h.2, vt, slot, half, tomb, next: self.buckets[bucket as usize], seq, bucket, clean };
         let idx = match self.free_entries.pop() {
             Some(i) => {
                 self.entries[i as usize] = e;
@@ -340,31 +355,12 @@ impl Hot {
             }
         };
         self.buckets[bucket as usize] = idx;
-        self.entries[idx as usize].pos = self.list.len() as u32;
-        self.list.push(idx);
-        self.sift_up(idx);
+        self.order.insert(idx, heat);
         self.keys.insert(key.to_vec(), idx);
         if !tomb {
             self.live += 1;
         }
         idx
-    }
-
-    /// The insertion step: move `idx` forward while its predecessor is colder.
-    fn sift_up(&mut self, idx: u32) {
-        let mut p = self.entries[idx as usize].pos as usize;
-        let heat = self.entries[idx as usize].heat;
-        while p > 0 {
-            let prev = self.list[p - 1];
-            if self.entries[prev as usize].heat >= heat {
-                break;
-            }
-            self.list[p] = prev;
-            self.entries[prev as usize].pos = p as u32;
-            p -= 1;
-        }
-        self.list[p] = idx;
-        self.entries[idx as usize].pos = p as u32;
     }
 
     fn record(&self, idx: u32) -> Result<HotRecord<'_>> {
@@ -375,7 +371,21 @@ impl Hot {
         layout::decode_hot(b).ok_or_else(|| self.region.corruption(a, "hot record checksum mismatch"))
     }
 
-    /// The index entry of `key`, if hot.
+    /// The key bytes of entry `idx`'s record, unverified (bounds-checked).
+    fn raw_key(&self, idx: u32) -> Result<&[u8]> {
+        let e = &self.entries[idx as usize];
+        let vt = self.vt(e.vt)?;
+        let a = vt.half_addr(e.slot, e.half);
+        let b = self.region.slice_checked(a, vt.class as usize, "hot record")?;
+        let kl = b.get(6..8).map_or(0, |x| usize::from(u16::from_le_bytes([x[0], x[1]])));
+        b.get(layout::HOT_HEADER..layout::HOT_HEADER + kl)
+            .ok_or_else(|| self.region.corruption(a, "hot record key length past its slot"))
+    }
+
+    /// The index entry of `key`, if hot. A candidate whose key bytes differ is verified
+    /// (checksum) before it is passed over: a damaged key must not make a hot key look
+    /// cold (its older cold version would be served). A matching key is verified by
+    /// whoever reads the record.
     fn find(&self, key: &[u8]) -> Result<Option<u32>> {
         let h = hashes(key);
         for i in (0..self.e).rev() {
@@ -383,8 +393,11 @@ impl Hot {
             let mut cur = self.buckets[b as usize];
             while cur != NONE {
                 let e = &self.entries[cur as usize];
-                if e.tag == h.2 && self.record(cur)?.key == key {
-                    return Ok(Some(cur));
+                if e.tag == h.2 {
+                    if self.raw_key(cur)? == key {
+                        return Ok(Some(cur));
+                    }
+                    self.record(cur)?;
                 }
                 cur = e.next;
             }
@@ -392,9 +405,12 @@ impl Hot {
         Ok(None)
     }
 
-    /// True when `key` is hot (tombstones included).
+    /// True when `key` is hot (tombstones included); its record verifies.
     pub fn contains(&self, key: &[u8]) -> Result<bool> {
-        Ok(self.find(key)?.is_some())
+        match self.find(key)? {
+            Some(idx) => self.record(idx).map(|_| true),
+            None => Ok(false),
+        }
     }
 
     /// Look `key` up; with `touch`, count an access (heat + 1, insertion step).
@@ -411,18 +427,18 @@ impl Hot {
     }
 
     fn touch(&mut self, idx: u32) {
-        let e = &mut self.entries[idx as usize];
-        e.heat = e.heat.saturating_add(1);
-        self.sift_up(idx);
+        self.order.touch(idx);
     }
 
-    /// HeatLimit: the smallest heat in the store once it is full (a new record of `need`
-    /// bytes would not fit), else 0.
+    /// HeatLimit: the smallest heat in the store once it has filled up, else 0 (while a new
+    /// record of `need` bytes still fits a store that never filled). The room a demotion
+    /// batch leaves does not lower the bar: without this, every key seen
+    /// `promote_min_heat` times would be promoted into that room and demoted again.
     pub fn heat_limit(&self, need: u64) -> u16 {
-        if self.used_bytes + need <= self.capacity {
+        if !self.filled && self.used_bytes + need <= self.capacity {
             return 0;
         }
-        self.list.last().map_or(0, |&i| self.entries[i as usize].heat)
+        self.order.min_heat().unwrap_or(0)
     }
 
     /// Slot bytes a record of this size takes, or `None` when it can never be hot (its
@@ -453,6 +469,7 @@ impl Hot {
             en.half = half;
             en.seq = seq;
             en.tomb = value.is_none();
+            en.clean = false;
             self.adjust_live(e.tomb, value.is_none());
             return Ok(());
         }
@@ -472,6 +489,7 @@ impl Hot {
         en.half = 0;
         en.seq = seq;
         en.tomb = value.is_none();
+        en.clean = false;
         self.adjust_live(e.tomb, value.is_none());
         Ok(())
     }
@@ -486,7 +504,8 @@ impl Hot {
 
     /// Make `key` hot with `value` (or a tombstone), sequence number `seq` and `heat`. The
     /// caller made room (see [`Hot::heat_limit`], [`Hot::take_coldest`]).
-    pub fn insert(&mut self, key: &[u8], value: Option<&[u8]>, seq: u64, heat: u16) -> Result<()> {
+    /// `clean`: the value was just read from the ColdStore, where it is stored inline.
+    pub fn insert(&mut self, key: &[u8], value: Option<&[u8]>, seq: u64, heat: u16, clean: bool) -> Result<()> {
         let rec = layout::encode_hot(seq, key, value);
         let class = layout::class_for(rec.len());
         let (vt, slot) = self.alloc_slot(class)?;
@@ -495,16 +514,17 @@ impl Hot {
             return Err(e);
         }
         self.used_bytes += 2 * u64::from(class);
-        self.link(key, vt, slot, 0, value.is_none(), seq, heat);
+        self.link(key, vt, slot, 0, value.is_none(), seq, heat, clean);
         Ok(())
     }
 
     /// The coldest entries, from the tail of the heat order, until `bytes` of slots would
     /// be freed (at least one entry). They stay hot until [`Hot::remove`].
-    pub fn take_coldest(&self, bytes: u64) -> Result<Vec<Victim>> {
+    pub fn take_coldest(&mut self, bytes: u64) -> Result<Vec<Victim>> {
+        self.filled = true;
         let mut out = Vec::new();
         let mut freed = 0;
-        for &idx in self.list.iter().rev() {
+        for idx in self.order.coldest() {
             if freed >= bytes && !out.is_empty() {
                 break;
             }
@@ -512,7 +532,13 @@ impl Hot {
             let class = self.vtables[e.vt as usize].as_ref().map_or(0, |t| t.class);
             freed += 2 * u64::from(class);
             let r = self.record(idx)?;
-            out.push(Victim { key: r.key.to_vec(), value: r.value.map(<[u8]>::to_vec), heat: e.heat, idx });
+            out.push(Victim {
+                key: r.key.to_vec(),
+                value: r.value.map(<[u8]>::to_vec),
+                heat: self.order.heat(idx),
+                clean: e.clean,
+                idx,
+            });
         }
         Ok(out)
     }
@@ -558,12 +584,7 @@ impl Hot {
             }
         }
         // Heat list.
-        let p = e.pos as usize;
-        self.list.remove(p);
-        for i in p..self.list.len() {
-            let j = self.list[i];
-            self.entries[j as usize].pos = i as u32;
-        }
+        self.order.remove(idx);
         self.keys.remove(key);
         if !e.tomb {
             self.live -= 1;
@@ -646,9 +667,7 @@ impl Hot {
 
     /// Halve every heat (the sliding window moved on). The order is unchanged.
     pub fn decay(&mut self) {
-        for e in &mut self.entries {
-            e.heat /= 2;
-        }
+        self.order.halve();
     }
 
     /// Hot keys in `[lo, hi]` (`hi` per `end`), with their values (`None`: tombstone).
@@ -691,19 +710,20 @@ impl Hot {
 
     /// The heat of `key`, if hot.
     pub fn heat_of(&self, key: &[u8]) -> Result<Option<u16>> {
-        Ok(self.find(key)?.map(|i| self.entries[i as usize].heat))
+        Ok(self.find(key)?.map(|i| self.order.heat(i)))
     }
 
     /// True when the heat list is sorted hottest first (tests, `check`).
     pub fn order_ok(&self) -> bool {
-        self.list.windows(2).all(|w| self.entries[w[0] as usize].heat >= self.entries[w[1] as usize].heat)
-            && self.list.iter().enumerate().all(|(p, &i)| self.entries[i as usize].pos as usize == p)
+        self.order.check()
     }
 
     /// DRAM held by the index and the ordered key map.
     pub fn dram_bytes(&self) -> u64 {
         let keys: u64 = self.keys.keys().map(|k| k.len() as u64 + 48).sum();
-        (self.buckets.len() * 4 + self.entries.len() * std::mem::size_of::<Entry>() + self.list.len() * 4) as u64 + keys
+        (self.buckets.len() * 4 + self.entries.len() * std::mem::size_of::<Entry>()) as u64
+            + self.order.dram_bytes()
+            + keys
     }
 
     /// Verify every hot record (checksum, key, index agreement); returns the problems.

@@ -43,13 +43,21 @@
 //! - Demotion writes the victims' values to the ColdStore, syncs the WAL (and the cold vlog
 //!   first), and only then invalidates their hot records, so a demoted value is never only
 //!   in volatile state. Victims are demoted in batches of 1/32 of the HotStore, so the sync
-//!   is paid once per batch.
+//!   is paid once per batch. A *clean* victim — promoted by a read of an inline cold value
+//!   and not written since — is not written back: the LSM still holds that value as its
+//!   newest version, so invalidating the hot record is the whole demotion (the value keeps
+//!   the durability it had as a cold write; see [`hot`]).
 //! - Recovery: the MANIFEST gives the tables, the hot index is rebuilt from the hot
 //!   records (key + checksum + sequence number per record), the WALs newer than the last
 //!   flush are replayed except operations older than the key's hot record; hot records
 //!   older than a replayed operation are invalidated; the replayed operations are flushed
 //!   to a table before the first new write. Every acknowledged write is then readable from
 //!   exactly one place: the HotStore when the key is hot there, else the ColdStore.
+//! - A full PM device never fails a write here: the HotStore is a cache of hot keys
+//!   with the ColdStore behind it. A promotion that finds no PM for its slot is refused
+//!   (the key stays cold; `promotions_refused`); a hot key whose grown record finds no
+//!   slot is written to the ColdStore like a batch with hot keys (WAL synced) and its hot
+//!   record is then dropped (`hot_overflows`).
 //! - A crash during group maintenance leaves the new files listed with the old ones (the
 //!   group table is rewritten before the pointers change); old files are removed only
 //!   after the pointer batch is synced. Files no group lists are removed at open.
@@ -75,6 +83,7 @@
 //! - The paper allocates a MemTable per group; here one LSM serves every group.
 
 pub mod cold;
+pub mod heat;
 pub mod hot;
 pub mod layout;
 
@@ -105,7 +114,13 @@ struct Counters {
     hot_writes: AtomicU64,
     cold_writes: AtomicU64,
     promotions: AtomicU64,
+    /// Promotions a full PM device refused (the key stayed cold).
+    promotions_refused: AtomicU64,
+    /// Hot keys moved to the ColdStore because their grown record found no PM slot.
+    hot_overflows: AtomicU64,
     demotions: AtomicU64,
+    /// Demoted keys whose value the ColdStore held already (nothing written back).
+    clean_demotions: AtomicU64,
     demotion_batches: AtomicU64,
     vlog_values: AtomicU64,
     inline_values: AtomicU64,
@@ -227,18 +242,6 @@ impl Hoakv {
         let mut max_seq = hot.max_seq();
         let mut ops = Vec::new();
         let mut stale = HashSet::new();
-        if std::env::var("DBG_HOAKV").is_ok() {
-            let mut hs: Vec<_> = seqs.iter().map(|(k, v)| (crate::escape(k), *v)).collect();
-            hs.sort();
-            eprintln!("DBG open hot={hs:?}");
-            for b in &batches {
-                eprintln!(
-                    "DBG batch seq {} {:?}",
-                    b.seq,
-                    b.ops.iter().map(|o| (crate::escape(&o.0), o.1.as_ref().map(|v| v.len()))).collect::<Vec<_>>()
-                );
-            }
-        }
         for b in batches {
             max_seq = max_seq.max(b.seq);
             for (k, v) in b.ops {
@@ -370,9 +373,17 @@ impl Inner {
     }
 
     fn cold_get(&self, key: &[u8]) -> Result<Option<Vec<u8>>> {
+        Ok(self.cold_get_tagged(key)?.map(|(v, _)| v))
+    }
+
+    /// [`Inner::cold_get`], and whether the LSM holds the value inline.
+    fn cold_get_tagged(&self, key: &[u8]) -> Result<Option<(Vec<u8>, bool)>> {
         let _g = self.files_gate.read();
         match self.lsm.get(key)? {
-            Some(Some(raw)) => self.resolve_current(key, &raw),
+            Some(Some(raw)) => {
+                let inline = raw.first() == Some(&layout::TAG_INLINE);
+                Ok(self.resolve_current(key, &raw)?.map(|v| (v, inline)))
+            }
             _ => Ok(None),
         }
     }
@@ -436,8 +447,9 @@ impl Inner {
                 let _w = self.writer.lock();
                 if !self.hot.lock().contains(key)? {
                     // The value again, under the writer lock: a write may have come between.
-                    if let Some(cur) = self.cold_get(key)? {
-                        self.promote(key, Some(&cur), heat)?;
+                    if let Some((cur, inline)) = self.cold_get_tagged(key)? {
+                        // A full PM device leaves the key cold; the read has its value.
+                        self.promote(key, Some(&cur), heat, inline)?;
                     }
                 }
             }
@@ -456,11 +468,13 @@ impl Inner {
     }
 
     /// Make `key` hot with `value`; demotes the coldest keys first when there is no room.
-    /// Caller holds the writer lock.
-    fn promote(&self, key: &[u8], value: Option<&[u8]>, heat: u16) -> Result<()> {
+    /// Caller holds the writer lock. `clean`: `value` is the ColdStore's current value,
+    /// held inline (a promotion by a read). `false`: the PM device is full, the key stays
+    /// cold (nothing of it was written; the caller writes it to the ColdStore).
+    fn promote(&self, key: &[u8], value: Option<&[u8]>, heat: u16, clean: bool) -> Result<bool> {
         let need = {
             let hot = self.hot.lock();
-            let Some(need) = hot.slot_bytes(key.len(), value.map_or(0, <[u8]>::len)) else { return Ok(()) };
+            let Some(need) = hot.slot_bytes(key.len(), value.map_or(0, <[u8]>::len)) else { return Ok(false) };
             if hot.room() < need {
                 Some(need)
             } else {
@@ -471,31 +485,41 @@ impl Inner {
             self.demote(need.max(self.opts.hot_store_size / 32))?;
         }
         let seq = self.next_seq();
-        self.hot.lock().insert(key, value, seq, heat)?;
+        match self.hot.lock().insert(key, value, seq, heat, clean) {
+            Ok(()) => {}
+            Err(Error::PmFull(_)) => {
+                self.c.promotions_refused.fetch_add(1, Ordering::Relaxed);
+                return Ok(false);
+            }
+            Err(e) => return Err(e),
+        }
         self.cold.forget(key);
         self.c.promotions.fetch_add(1, Ordering::Relaxed);
-        Ok(())
+        Ok(true)
     }
 
     /// Demote the coldest hot keys until `bytes` of slots are free: their values go to the
-    /// ColdStore (synced), then their hot records are invalidated. Caller holds the writer
-    /// lock.
+    /// ColdStore (synced), then their hot records are invalidated. Clean victims (promoted
+    /// by a read, never written since) are already there. Caller holds the writer lock.
     fn demote(&self, bytes: u64) -> Result<()> {
         let victims = self.hot.lock().take_coldest(bytes)?;
         if victims.is_empty() {
             return Ok(());
         }
         let mut enc: Vec<(Vec<u8>, Option<Vec<u8>>)> = Vec::with_capacity(victims.len());
-        for v in &victims {
+        for v in victims.iter().filter(|v| !v.clean) {
             let val = match &v.value {
                 Some(val) => Some(self.encode_cold(&v.key, val)?),
                 None => None,
             };
             enc.push((v.key.clone(), val));
         }
-        let ops: Vec<(&[u8], Option<&[u8]>)> = enc.iter().map(|(k, v)| (k.as_slice(), v.as_deref())).collect();
-        let seq = self.next_seq();
-        self.lsm.write(seq, &ops, true)?;
+        if !enc.is_empty() {
+            let ops: Vec<(&[u8], Option<&[u8]>)> = enc.iter().map(|(k, v)| (k.as_slice(), v.as_deref())).collect();
+            let seq = self.next_seq();
+            self.lsm.write(seq, &ops, true)?;
+        }
+        self.c.clean_demotions.fetch_add((victims.len() - enc.len()) as u64, Ordering::Relaxed);
         if let Err(e) = self.hot.lock().remove(&victims) {
             self.poison.set(format!("demotion failed after its values reached the ColdStore: {e}"));
             return Err(e);
@@ -553,22 +577,30 @@ impl Inner {
                 let hot = self.hot.lock();
                 ops.iter().map(|o| hot.contains(o.key())).collect::<Result<_>>()?
             };
+            // A hot key whose new record needs a slot a full PM device cannot give: written
+            // to the ColdStore (synced) below, then its hot record dropped.
+            let mut overflow = false;
             if ops.len() == 1 {
                 let (key, value) = (ops[0].key(), value_of(&ops[0]));
                 if hot_keys[0] {
                     let seq = self.next_seq();
-                    self.hot.lock().update(key, value, seq)?;
-                    self.c.hot_writes.fetch_add(1, Ordering::Relaxed);
-                    self.user_bytes.fetch_add(user, Ordering::Relaxed);
-                    return Ok(true);
-                }
-                let heat = self.cold.bump(key);
-                if let Some(v) = value {
-                    if self.should_promote(key.len(), v.len(), heat) {
-                        self.promote(key, Some(v), heat)?;
-                        self.c.hot_writes.fetch_add(1, Ordering::Relaxed);
-                        self.user_bytes.fetch_add(user, Ordering::Relaxed);
-                        return Ok(true);
+                    match self.hot.lock().update(key, value, seq) {
+                        Ok(()) => {
+                            self.c.hot_writes.fetch_add(1, Ordering::Relaxed);
+                            self.user_bytes.fetch_add(user, Ordering::Relaxed);
+                            return Ok(true);
+                        }
+                        Err(Error::PmFull(_)) => overflow = true,
+                        Err(e) => return Err(e),
+                    }
+                } else {
+                    let heat = self.cold.bump(key);
+                    if let Some(v) = value {
+                        if self.should_promote(key.len(), v.len(), heat) && self.promote(key, Some(v), heat, false)? {
+                            self.c.hot_writes.fetch_add(1, Ordering::Relaxed);
+                            self.user_bytes.fetch_add(user, Ordering::Relaxed);
+                            return Ok(true);
+                        }
                     }
                 }
             } else {
@@ -596,11 +628,26 @@ impl Inner {
             if any_hot {
                 // One update per hot key, its last operation: two halves written with the
                 // batch's one sequence number would tie at recovery.
+                // A full PM device (no slot for a grown record): the key becomes cold, its
+                // logged operation is then its newest version (at recovery too: the WAL
+                // batch is newer than the hot record, which is invalidated anyway).
                 let mut hot = self.hot.lock();
                 let mut done: HashSet<&[u8]> = HashSet::new();
                 for (o, &h) in ops.iter().zip(&hot_keys).rev() {
                     if h && done.insert(o.key()) {
-                        if let Err(e) = hot.update(o.key(), value_of(o), seq) {
+                        let r = if overflow {
+                            Err(Error::PmFull("hot slot".into()))
+                        } else {
+                            hot.update(o.key(), value_of(o), seq)
+                        };
+                        let r = match r {
+                            Err(Error::PmFull(_)) => {
+                                self.c.hot_overflows.fetch_add(1, Ordering::Relaxed);
+                                hot.remove_key(o.key()).map(|_| ())
+                            }
+                            r => r,
+                        };
+                        if let Err(e) = r {
                             self.poison.set(format!("hot update of a logged batch failed: {e}"));
                             return Err(e);
                         }
@@ -864,7 +911,10 @@ impl Inner {
             ("hot_writes".into(), r(&c.hot_writes)),
             ("cold_writes".into(), r(&c.cold_writes)),
             ("promotions".into(), r(&c.promotions)),
+            ("promotions_refused".into(), r(&c.promotions_refused)),
+            ("hot_overflows".into(), r(&c.hot_overflows)),
             ("demotions".into(), r(&c.demotions)),
+            ("clean_demotions".into(), r(&c.clean_demotions)),
             ("demotion_batches".into(), r(&c.demotion_batches)),
             ("vlog_values".into(), r(&c.vlog_values)),
             ("inline_values".into(), r(&c.inline_values)),
