@@ -495,7 +495,7 @@ impl Lsm {
         self.poison.check()?;
         let mut w = self.writer.lock();
         self.make_room(&mut w)?;
-        let rec = crate::format::frame(&wal::encode(seq, ops.iter().copied()));
+        let rec = wal::encode_framed(seq, ops);
         let sync = sync || self.opts.sync_wal;
         if sync {
             self.prepare_durable()?;

@@ -35,9 +35,29 @@ pub fn number(name: &str) -> Option<u64> {
     name.strip_prefix("wal-")?.strip_suffix(".log")?.parse().ok()
 }
 
-/// Encode one batch as a record payload (not yet framed).
+/// Encode one batch as a framed record ([`crate::format::frame`] of its payload), in one
+/// buffer of the exact size.
+pub fn encode_framed(seq: u64, ops: &[(&[u8], Option<&[u8]>)]) -> Vec<u8> {
+    let size: usize = 12 + ops.iter().map(|(k, v)| 9 + k.len() + v.map_or(0, <[u8]>::len)).sum::<usize>();
+    let mut out = Vec::with_capacity(8 + size);
+    out.extend_from_slice(&[0; 8]);
+    encode_into(&mut out, seq, ops.iter().copied());
+    let len = (out.len() - 8) as u32;
+    let c = crate::format::crc::masked(out.get(8..).unwrap_or_default());
+    out[..4].copy_from_slice(&len.to_le_bytes());
+    out[4..8].copy_from_slice(&c.to_le_bytes());
+    out
+}
+
+/// Encode one batch as a record payload (not yet framed; tests).
+#[cfg(test)]
 pub fn encode<'a>(seq: u64, ops: impl ExactSizeIterator<Item = (&'a [u8], Option<&'a [u8]>)>) -> Vec<u8> {
     let mut out = Vec::with_capacity(64);
+    encode_into(&mut out, seq, ops);
+    out
+}
+
+fn encode_into<'a>(out: &mut Vec<u8>, seq: u64, ops: impl ExactSizeIterator<Item = (&'a [u8], Option<&'a [u8]>)>) {
     out.extend_from_slice(&seq.to_le_bytes());
     out.extend_from_slice(&(ops.len() as u32).to_le_bytes());
     for (k, v) in ops {
@@ -49,7 +69,6 @@ pub fn encode<'a>(seq: u64, ops: impl ExactSizeIterator<Item = (&'a [u8], Option
             out.extend_from_slice(v);
         }
     }
-    out
 }
 
 /// Decode a record payload.
@@ -120,5 +139,14 @@ mod tests {
         bad[12] = 5;
         assert!(decode(&bad).is_err(), "unknown kind");
         assert_eq!(number(&name(42)), Some(42));
+    }
+
+    #[test]
+    fn encode_framed_is_the_frame_of_the_payload() {
+        let big = vec![7u8; 3000];
+        let ops: [(&[u8], Option<&[u8]>); 3] = [(b"k1", Some(b"v1")), (b"", None), (b"k3", Some(&big))];
+        let framed = encode_framed(9, &ops);
+        assert_eq!(framed, frame(&encode(9, ops.iter().copied())));
+        assert_eq!(framed.capacity(), framed.len(), "one buffer of the exact size");
     }
 }

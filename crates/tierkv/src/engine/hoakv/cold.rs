@@ -24,6 +24,25 @@ use super::layout::{self, GroupRec, GroupsRec, Pointer};
 use crate::error::{Error, Result};
 use crate::fs::{CountingFs, Fs, FsFile};
 
+/// A group's cold index: key → heat, hashed with crc32c (hardware) instead of SipHash: the
+/// index is bumped on every cold read and write, and its keys are not attacker-chosen
+/// beyond what the store's own hashing (bloom filters, hot index) already accepts.
+pub type HeatMap = HashMap<Vec<u8>, u16, std::hash::BuildHasherDefault<KeyHasher>>;
+
+/// crc32c of the bytes written, spread over 64 bits (hash tables use the top bits too).
+#[derive(Debug, Default, Clone, Copy)]
+pub struct KeyHasher(u32);
+
+impl std::hash::Hasher for KeyHasher {
+    fn write(&mut self, bytes: &[u8]) {
+        self.0 = crc32c::crc32c_append(self.0, bytes);
+    }
+
+    fn finish(&self) -> u64 {
+        (u64::from(self.0) | (u64::from(self.0) << 32)).wrapping_mul(0x9e37_79b9_7f4a_7c15)
+    }
+}
+
 /// Name of the group table file.
 pub const GROUPS: &str = "GROUPS";
 
@@ -56,7 +75,7 @@ pub struct Group {
     pub files: Mutex<Vec<u64>>,
     appender: Mutex<Appender>,
     /// The cold index bucket: key → heat.
-    pub heat: Mutex<HashMap<Vec<u8>, u16>>,
+    pub heat: Mutex<HeatMap>,
 }
 
 /// The group table and the value-log files.
@@ -136,7 +155,7 @@ impl ColdVlog {
                 lo: g.lo,
                 files: Mutex::new(files),
                 appender: Mutex::new(appender),
-                heat: Mutex::new(HashMap::new()),
+                heat: Mutex::new(HeatMap::default()),
             }));
         }
         *cv.groups.write() = groups;
@@ -341,7 +360,7 @@ impl ColdVlog {
         };
         let mut files = vec![number, right, shared];
         files.extend_from_slice(old);
-        let moved: HashMap<Vec<u8>, u16> = {
+        let moved: HeatMap = {
             let mut h = g.heat.lock();
             let keys: Vec<Vec<u8>> = h.keys().filter(|k| k.as_slice() >= median.as_slice()).cloned().collect();
             keys.into_iter().filter_map(|k| h.remove(&k).map(|v| (k, v))).collect()
