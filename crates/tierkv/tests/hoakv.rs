@@ -156,11 +156,9 @@ fn crash_at_every_persist_point_of_a_promotion_with_demotion() {
     for (vlen, read) in [(40, false), (40, true), (100, false), (100, true)] {
         let (o, ops) = promotion_ops(vlen, read);
         let name = format!("promotion by {} of {vlen}-byte values", if read { "read" } else { "write" });
-        // The batch demotes dirty victims (written to the ColdStore, synced) and, where
-        // the cold values are inline, clean ones (nothing written back); a value in the
-        // cold vlog is never clean.
-        let moves: &[&str] = if vlen <= 64 { &["promotions", "clean_demotions"] } else { &["promotions", "demotions"] };
-        let (n, syncs) = crash_every_point(&name, &o, &ops, moves);
+        // The batch demotes dirty victims (written to the ColdStore, synced) and clean
+        // ones (nothing written back).
+        let (n, syncs) = crash_every_point(&name, &o, &ops, &["promotions", "clean_demotions"]);
         assert!(syncs > 0, "{name}: no dirty victim was written back");
         points += n;
     }

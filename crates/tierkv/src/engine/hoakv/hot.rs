@@ -35,11 +35,14 @@
 //! not persistent: recovered entries start at 1.
 //!
 //! # Clean entries
-//! An entry promoted by a read whose cold value is inline in the LSM is *clean* until it is
-//! written: the ColdStore still holds its value (nothing changes an LSM key's newest version
-//! but a write, and a write to a hot key clears the flag; group GC never touches inline
-//! values). Demoting a clean entry writes nothing back: its hot record is invalidated and
-//! the older LSM version is again the newest. Recovered entries are not clean.
+//! An entry promoted by a read is *clean* until it is written: the ColdStore still holds its
+//! value as the key's newest version (only a write changes that, and a write to a hot key
+//! clears the flag). Group maintenance treats a clean hot key's cold value as live and
+//! relocates it like a cold key's (a rewritten pointer that recovery finds newer than the
+//! hot record names the same value), so that value stays readable. Demoting a clean entry
+//! writes nothing back: its hot record is invalidated and the LSM version is again the
+//! newest. Recovered entries are not clean (recovery may have skipped their older WAL
+//! operation).
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::ops::Bound;
@@ -403,6 +406,12 @@ impl Hot {
             }
         }
         Ok(None)
+    }
+
+    /// True when `key` is hot and not clean: its hot record is newer than the ColdStore's
+    /// version, which group maintenance must then leave alone (see the module docs).
+    pub fn dirty(&self, key: &[u8]) -> Result<bool> {
+        Ok(self.find(key)?.is_some_and(|i| !self.entries[i as usize].clean))
     }
 
     /// True when `key` is hot (tombstones included); its record verifies.

@@ -43,10 +43,11 @@
 //! - Demotion writes the victims' values to the ColdStore, syncs the WAL (and the cold vlog
 //!   first), and only then invalidates their hot records, so a demoted value is never only
 //!   in volatile state. Victims are demoted in batches of 1/32 of the HotStore, so the sync
-//!   is paid once per batch. A *clean* victim — promoted by a read of an inline cold value
-//!   and not written since — is not written back: the LSM still holds that value as its
-//!   newest version, so invalidating the hot record is the whole demotion (the value keeps
-//!   the durability it had as a cold write; see [`hot`]).
+//!   is paid once per batch. A *clean* victim — promoted by a read and not written since —
+//!   is not written back: the LSM still holds that value as its newest version (group
+//!   maintenance keeps a clean hot key's cold value live), so invalidating the hot record
+//!   is the whole demotion (the value keeps the durability it had as a cold write; see
+//!   [`hot`]).
 //! - Recovery: the MANIFEST gives the tables, the hot index is rebuilt from the hot
 //!   records (key + checksum + sequence number per record), the WALs newer than the last
 //!   flush are replayed except operations older than the key's hot record; hot records
@@ -373,17 +374,9 @@ impl Inner {
     }
 
     fn cold_get(&self, key: &[u8]) -> Result<Option<Vec<u8>>> {
-        Ok(self.cold_get_tagged(key)?.map(|(v, _)| v))
-    }
-
-    /// [`Inner::cold_get`], and whether the LSM holds the value inline.
-    fn cold_get_tagged(&self, key: &[u8]) -> Result<Option<(Vec<u8>, bool)>> {
         let _g = self.files_gate.read();
         match self.lsm.get(key)? {
-            Some(Some(raw)) => {
-                let inline = raw.first() == Some(&layout::TAG_INLINE);
-                Ok(self.resolve_current(key, &raw)?.map(|v| (v, inline)))
-            }
+            Some(Some(raw)) => self.resolve_current(key, &raw),
             _ => Ok(None),
         }
     }
@@ -447,9 +440,10 @@ impl Inner {
                 let _w = self.writer.lock();
                 if !self.hot.lock().contains(key)? {
                     // The value again, under the writer lock: a write may have come between.
-                    if let Some((cur, inline)) = self.cold_get_tagged(key)? {
-                        // A full PM device leaves the key cold; the read has its value.
-                        self.promote(key, Some(&cur), heat, inline)?;
+                    if let Some(cur) = self.cold_get(key)? {
+                        // Clean: the ColdStore keeps this value. A full PM device leaves the
+                        // key cold; the read has its value.
+                        self.promote(key, Some(&cur), heat, true)?;
                     }
                 }
             }
@@ -468,8 +462,8 @@ impl Inner {
     }
 
     /// Make `key` hot with `value`; demotes the coldest keys first when there is no room.
-    /// Caller holds the writer lock. `clean`: `value` is the ColdStore's current value,
-    /// held inline (a promotion by a read). `false`: the PM device is full, the key stays
+    /// Caller holds the writer lock. `clean`: `value` is the ColdStore's current value (a
+    /// promotion by a read). `false`: the PM device is full, the key stays
     /// cold (nothing of it was written; the caller writes it to the ColdStore).
     fn promote(&self, key: &[u8], value: Option<&[u8]>, heat: u16, clean: bool) -> Result<bool> {
         let need = {
@@ -774,12 +768,13 @@ impl Inner {
         let hi = self.cold.range_end(g);
         let in_range = |k: &[u8]| k >= lo.as_slice() && hi.as_ref().is_none_or(|h| k < h.as_slice());
         let mut live: Vec<(Vec<u8>, Pointer)> = Vec::new();
-        // A hot key's cold version is shadowed (and rewritten at its demotion): not live.
+        // A dirty hot key's cold version is shadowed (and rewritten at its demotion): not
+        // live. A clean one's is its current value: live.
         for &f in &old {
             for (k, p) in self.cold.records(f)? {
                 if in_range(&k)
                     && self.lsm.get(&k)? == Some(Some(layout::encode_pointer(p)))
-                    && !self.hot.lock().contains(&k)?
+                    && !self.hot.lock().dirty(&k)?
                 {
                     live.push((k, p));
                 }
@@ -819,13 +814,14 @@ impl Inner {
             }
         };
         // Rewrite the pointers still current (a write may have replaced some meanwhile). Keys
-        // that became hot are left alone: the rewrite carries a new sequence number, which
-        // at recovery would override their newer hot record.
+        // hot with a newer value than the ColdStore's (dirty) are left alone: the rewrite
+        // carries a new sequence number, which at recovery would override their newer hot
+        // record. A clean hot key's value is the same either way.
         {
             let _w = self.writer.lock();
             let mut enc = Vec::new();
             for (k, oldp, np) in &moves {
-                if self.lsm.get(k)? == Some(Some(layout::encode_pointer(*oldp))) && !self.hot.lock().contains(k)? {
+                if self.lsm.get(k)? == Some(Some(layout::encode_pointer(*oldp))) && !self.hot.lock().dirty(k)? {
                     enc.push((k.clone(), layout::encode_pointer(*np)));
                 }
             }
@@ -1070,6 +1066,48 @@ mod tests {
         let h = open_with(&dev.simulate_crash(1, 0.5), &fs.crash(), crate::testing::hoakv_small(), false);
         assert_eq!(h.get(b"k000").unwrap(), Some(b"new".to_vec()));
         assert_eq!(h.get(b"k040").unwrap(), Some(vec![b'v'; 40]));
+    }
+
+    /// A clean hot key (promoted by a read) keeps its cold value: group maintenance relocates
+    /// it like a cold key's, and demotion writes nothing back but reads it from there.
+    #[test]
+    fn clean_hot_keys_survive_group_maintenance_and_demote_without_a_write() {
+        // 700-byte values (over Value_Size 64: in the cold vlog), 1,536-byte hot slots: a
+        // HotStore of exactly four, 16 KiB groups.
+        let o = HoakvOptions { hot_store_size: 4 * 1536, heat_window: 1 << 30, ..crate::testing::hoakv_small() };
+        let h = open_with(&SimDevice::new(), &FaultFs::new(), o, true);
+        let k = |i: u32| format!("k{i:02}").into_bytes();
+        let v = |i: u32, r: u8| vec![r.wrapping_add(i as u8); 700];
+        for i in 0..20 {
+            put(&h, &k(i), &v(i, 0));
+        }
+        for i in 0..4 {
+            assert_eq!(h.get(&k(i)).unwrap(), Some(v(i, 0)));
+            assert!(h.hot_heat(&k(i)).unwrap().is_some(), "k{i} promoted by its second access");
+        }
+        // Overwrites push the group past GroupSize: maintenance moves every live value,
+        // the clean hot keys' included, and removes the old files.
+        let before = stat(&h, "gc_values_moved");
+        for r in 1..4u8 {
+            for i in 10..20 {
+                put(&h, &k(i), &v(i, r));
+            }
+        }
+        assert!(stat(&h, "group_gcs") + stat(&h, "group_splits") >= 1);
+        assert!(stat(&h, "gc_values_moved") - before >= 14, "the four clean hot keys' values moved too");
+        // Hotter keys take the four slots; the clean victims are not written back.
+        let writes = stat(&h, "cold_writes");
+        for i in 4..8 {
+            h.get(&k(i)).unwrap();
+            h.get(&k(i)).unwrap();
+        }
+        assert_eq!(stat(&h, "clean_demotions"), 4);
+        assert_eq!(stat(&h, "cold_writes"), writes, "a clean demotion writes nothing");
+        for i in 0..4 {
+            assert!(h.hot_heat(&k(i)).unwrap().is_none(), "k{i} demoted");
+            assert_eq!(h.get(&k(i)).unwrap(), Some(v(i, 0)), "k{i} read back from the relocated cold value");
+        }
+        assert!(h.check().unwrap().is_empty());
     }
 
     /// Algorithm 2: cold values longer than Value_Size go to the cold vlog (the LSM keeps a
