@@ -31,8 +31,8 @@
 //! # Heat
 //! Each entry has a 16-bit heat, kept in the heat-sorted order ([`super::heat`]), hottest
 //! first; a heat increase is the paper's insertion step (done in O(1), see there).
-//! HeatLimit is the heat of the order's tail when the store is full, 0 otherwise. Heat is
-//! not persistent: recovered entries start at 1.
+//! HeatLimit is the heat of the order's tail once the store has filled, 0 before (see
+//! [`Hot::heat_limit`]). Heat is not persistent: recovered entries start at 1.
 //!
 //! # Clean entries
 //! An entry promoted by a read is *clean* until it is written: the ColdStore still holds its
@@ -73,8 +73,8 @@ struct Entry {
     next: u32,
     seq: u64,
     bucket: u32,
-    /// Promoted by a read and not written since: the ColdStore still holds this value
-    /// inline, so a demotion need not write it back.
+    /// Promoted by a read and not written since: the ColdStore still holds this value, so
+    /// a demotion need not write it back.
     clean: bool,
 }
 
@@ -136,7 +136,7 @@ pub struct Victim {
     pub value: Option<Vec<u8>>,
     /// Its heat when it was demoted.
     pub heat: u16,
-    /// The ColdStore holds this value already (inline): demotion writes nothing back.
+    /// The ColdStore holds this value already: demotion writes nothing back.
     pub clean: bool,
     idx: u32,
 }
@@ -513,7 +513,7 @@ impl Hot {
 
     /// Make `key` hot with `value` (or a tombstone), sequence number `seq` and `heat`. The
     /// caller made room (see [`Hot::heat_limit`], [`Hot::take_coldest`]).
-    /// `clean`: the value was just read from the ColdStore, where it is stored inline.
+    /// `clean`: the value was just read from the ColdStore, which keeps it.
     pub fn insert(&mut self, key: &[u8], value: Option<&[u8]>, seq: u64, heat: u16, clean: bool) -> Result<()> {
         let rec = layout::encode_hot(seq, key, value);
         let class = layout::class_for(rec.len());
