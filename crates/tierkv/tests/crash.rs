@@ -115,3 +115,58 @@ fn crash_at_every_file_sync_every_preset() {
         }
     }
 }
+
+/// Crash points at PM stores and flushes, not only at fences: a sample of every store,
+/// flush and fence of short random workloads (the strict model's events), each reopened
+/// from a random crash state with torn lines.
+#[test]
+fn crash_at_sampled_stores_and_flushes_every_preset() {
+    let soak = std::env::var("TIERKV_SOAK").is_ok();
+    for &preset in presets() {
+        let opts = move |d: &SimDevice, f: &FaultFs| sim_options(preset, d, f);
+        let (seeds, steps, want) = if soak { (40u64, 300, 10_000u64) } else { (8, 60, 400) };
+        let mut points = 0u64;
+        for seed in 0..seeds {
+            let w = workload(1000 + seed, steps, 40, false);
+            let total = crash_run(&opts, &w, None).events;
+            // About want/seeds points per workload, spread over all its events.
+            let stride = (total * seeds / want).max(1);
+            let mut n = 1 + seed % stride;
+            while n <= total {
+                let frac = [0.3, 1.0, 0.6][(n % 3) as usize];
+                crash_check(&opts, preset.name(), &w, CrashAt::Event(n), seed, frac);
+                points += 1;
+                n += stride;
+            }
+        }
+        eprintln!("{preset}: {points} store/flush/fence crash points verified");
+        assert!(points >= want * 9 / 10, "{preset}: only {points} event crash points");
+    }
+}
+
+/// Exhaustive mode: for short workloads, every crash state (every combination of store
+/// prefixes over the dirty lines, up to 10 dirty lines) at every fence.
+#[test]
+fn every_crash_state_at_every_fence_of_short_workloads_every_preset() {
+    for &preset in presets() {
+        let opts = move |d: &SimDevice, f: &FaultFs| sim_options(preset, d, f);
+        let (mut states, mut points, mut skipped) = (0u64, 0u64, 0u64);
+        for seed in 0..3u64 {
+            let w = workload(2000 + seed, 12, 20, false);
+            let total = crash_run(&opts, &w, None).fences;
+            for n in 1..=total {
+                let k = crash_check_all_states(&opts, preset.name(), &w, CrashAt::Fence(n), 10);
+                if k == 0 {
+                    skipped += 1;
+                } else {
+                    states += k;
+                    points += 1;
+                }
+            }
+        }
+        eprintln!(
+            "{preset}: {states} crash states at {points} fences enumerated ({skipped} fences had > 10 dirty lines)"
+        );
+        assert!(points > 0 && states > points, "{preset}: nothing enumerated");
+    }
+}

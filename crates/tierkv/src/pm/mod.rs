@@ -324,13 +324,18 @@ impl Region {
                 }
             };
             // SAFETY: the pool is at least POOL_HEADER_LEN bytes and no writer exists yet.
-            let header = unsafe { std::slice::from_raw_parts_mut(pool.base, POOL_HEADER_LEN as usize) };
-            if creating && header.iter().all(|&b| b == 0) {
-                header.copy_from_slice(&encode_pool_header(i as u32, pool.len, self.db_id));
+            let blank =
+                unsafe { std::slice::from_raw_parts(pool.base, POOL_HEADER_LEN as usize) }.iter().all(|&b| b == 0);
+            if creating && blank {
+                let h = encode_pool_header(i as u32, pool.len, self.db_id);
                 if let Backing::Sim(dev) = &self.backing {
+                    dev.store(i, 0, &h);
                     dev.flush(i, 0, POOL_HEADER_LEN);
                     dev.fence();
                 } else if let Some(m) = &pool._map {
+                    // SAFETY: the pool is at least POOL_HEADER_LEN bytes, no other reference
+                    // to it exists yet (the region is being opened).
+                    unsafe { std::ptr::copy_nonoverlapping(h.as_ptr(), pool.base, h.len()) };
                     // SAFETY: the whole live mapping.
                     unsafe { self.health.msync(m.ptr, m.len) }?;
                 }
@@ -415,8 +420,7 @@ impl Region {
                     Error::PmFull(format!("the PM device is full ({i} pools of {} bytes)", self.pool_size))
                 })?;
                 let header = encode_pool_header(idx as u32, self.pool_size, self.db_id);
-                // SAFETY: fresh allocation of pool_size >= 64 bytes; nobody else sees it yet.
-                unsafe { std::ptr::copy_nonoverlapping(header.as_ptr(), base, 64) };
+                dev.store(idx, 0, &header);
                 dev.flush(idx, 0, 64);
                 dev.fence();
                 Pool { base, len: self.pool_size, path: PathBuf::from(format!("<sim>/pool-{idx:06}")), _map: None }
@@ -500,8 +504,13 @@ impl Region {
         let p = self.resolve(addr, bytes.len() as u64).ok_or_else(|| {
             Error::InvalidArgument(format!("PM write of {} bytes at {addr:#x} outside region", bytes.len()))
         })?;
-        // SAFETY: range checked by `resolve`; exclusivity guaranteed by the caller.
-        unsafe { std::ptr::copy_nonoverlapping(bytes.as_ptr(), p, bytes.len()) };
+        match &self.backing {
+            Backing::Sim(dev) => {
+                dev.store((addr >> self.pool_shift) as usize, (addr & (self.pool_size - 1)) as usize, bytes);
+            }
+            // SAFETY: range checked by `resolve`; exclusivity guaranteed by the caller.
+            Backing::Dir(_) => unsafe { std::ptr::copy_nonoverlapping(bytes.as_ptr(), p, bytes.len()) },
+        }
         self.counters.add(0, bytes.len() as u64);
         Ok(())
     }
@@ -509,7 +518,12 @@ impl Region {
     /// Failure-atomic 8-byte store (not yet persistent). `addr` must be 8-byte aligned.
     pub fn store_u64_atomic(&self, addr: u64, v: u64) -> Result<()> {
         let p = self.atomic_ptr(addr)?;
-        p.store(v, Ordering::Release);
+        match &self.backing {
+            Backing::Sim(dev) => {
+                dev.store_u64((addr >> self.pool_shift) as usize, (addr & (self.pool_size - 1)) as usize, v);
+            }
+            Backing::Dir(_) => p.store(v, Ordering::Release),
+        }
         self.counters.add(0, 8);
         Ok(())
     }

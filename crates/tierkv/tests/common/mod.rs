@@ -267,6 +267,8 @@ pub fn zeros(n: usize) -> String {
 pub enum CrashAt {
     Fence(u64),
     Sync(u64),
+    /// Just before the `n`-th PM event (store, flush or fence) of the strict model.
+    Event(u64),
 }
 
 /// Options on a device and file system.
@@ -281,6 +283,7 @@ pub struct CrashRun {
     /// Fences and syncs executed after open (the whole run when no crash point was hit).
     pub fences: u64,
     pub syncs: u64,
+    pub events: u64,
 }
 
 /// Run the write steps of `steps` (and flushes) on a fresh store, crashing at `at`.
@@ -305,10 +308,11 @@ pub fn unlink(dev: &SimDevice, fs: &FaultFs) {
 pub fn crash_run(opts: OptsFn<'_>, steps: &[Step], at: Option<CrashAt>) -> CrashRun {
     let (dev, fs) = linked();
     let db = Db::open(dir(), opts(&dev, &fs)).unwrap();
-    let (f0, s0) = (dev.fences(), fs.sync_points());
+    let (f0, s0, e0) = (dev.fences(), fs.sync_points(), dev.events());
     match at {
         Some(CrashAt::Fence(n)) => dev.crash_before_fence(f0 + n),
         Some(CrashAt::Sync(n)) => fs.crash_before_sync(n),
+        Some(CrashAt::Event(n)) => dev.crash_before_event(e0 + n),
         None => {}
     }
     let mut inflight = None;
@@ -321,10 +325,10 @@ pub fn crash_run(opts: OptsFn<'_>, steps: &[Step], at: Option<CrashAt>) -> Crash
             break;
         }
     }
-    let (fences, syncs) = (dev.fences() - f0, fs.sync_points() - s0);
+    let (fences, syncs, events) = (dev.fences() - f0, fs.sync_points() - s0, dev.events() - e0);
     db.simulate_process_crash();
     unlink(&dev, &fs);
-    CrashRun { dev, fs, inflight, fences, syncs }
+    CrashRun { dev, fs, inflight, fences, syncs, events }
 }
 
 fn model_upto(steps: &[Step], n: usize) -> Model {
@@ -340,15 +344,45 @@ fn model_upto(steps: &[Step], n: usize) -> Model {
 pub fn crash_check(opts: OptsFn<'_>, name: &str, steps: &[Step], at: CrashAt, seed: u64, frac: f64) {
     let r = crash_run(opts, steps, Some(at));
     let Some(i) = r.inflight else { panic!("{name}: crash point {at:?} not reached") };
+    let n = match at {
+        CrashAt::Fence(n) | CrashAt::Sync(n) | CrashAt::Event(n) => n,
+    };
+    let dev = r.dev.simulate_crash(seed ^ n, frac);
     let ctx = format!("{name} seed {seed} {at:?} (step {i}: {:?}) evict {frac}", steps[i]);
+    verify_crash_state(opts, &ctx, steps, i, dev, &r.fs, seed.wrapping_add(n));
+}
+
+/// Crash at `at` and verify every crash state of the strict PM model (each dirty line
+/// holding some prefix of its stores) when there are at most `max_lines` dirty lines.
+/// Returns the states verified (0 when there were more dirty lines).
+pub fn crash_check_all_states(opts: OptsFn<'_>, name: &str, steps: &[Step], at: CrashAt, max_lines: usize) -> u64 {
+    let r = crash_run(opts, steps, Some(at));
+    let Some(i) = r.inflight else { panic!("{name}: crash point {at:?} not reached") };
+    let Some(states) = r.dev.crash_states(max_lines) else { return 0 };
+    let n = states.len() as u64;
+    for (k, dev) in states.into_iter().enumerate() {
+        let ctx = format!("{name} {at:?} (step {i}: {:?}) crash state {k} of {n}", steps[i]);
+        verify_crash_state(opts, &ctx, steps, i, dev, &r.fs, k as u64);
+    }
+    n
+}
+
+/// Reopen `dev` (a crash state during step `i`) with the crashed file system `fs`: the
+/// store holds the acknowledged writes plus all or none of step `i`, passes `check`, keeps
+/// working through more writes and another crash.
+pub fn verify_crash_state(
+    opts: OptsFn<'_>,
+    ctx: &str,
+    steps: &[Step],
+    i: usize,
+    dev: SimDevice,
+    fs: &FaultFs,
+    seed: u64,
+) {
     let before = model_upto(steps, i);
     let mut after = before.clone();
     model_apply(&mut after, &steps[i]);
-    let n = match at {
-        CrashAt::Fence(n) | CrashAt::Sync(n) => n,
-    };
-    let dev = r.dev.simulate_crash(seed ^ n, frac);
-    let fs = r.fs.crash();
+    let fs = fs.crash();
     let db = Db::open(dir(), opts(&dev, &fs)).unwrap_or_else(|e| panic!("{ctx}: reopen failed: {e}"));
     let got = dump(&db);
     let mut m = if got == after {
@@ -364,7 +398,7 @@ pub fn crash_check(opts: OptsFn<'_>, name: &str, steps: &[Step], at: CrashAt, se
         assert_eq!(db_apply(&db, s).unwrap(), want, "{ctx}: after reopen {s:?}");
     }
     db.simulate_process_crash();
-    let dev = dev.simulate_crash(seed.wrapping_add(n), 0.5);
+    let dev = dev.simulate_crash(seed, 0.5);
     let fs = fs.crash();
     let db = Db::open(dir(), opts(&dev, &fs)).unwrap();
     assert_matches(&db, &m, &format!("{ctx}: second crash"));

@@ -299,11 +299,19 @@ impl ColdVlog {
 
     /// Start maintaining `g`: it gets a new file to append to; returns the files it listed
     /// before, which the maintenance cleans. Appends in flight hold the appender lock, taken
-    /// here, so none is still writing to an old file afterwards.
+    /// here, so none is still writing to an old file afterwards. Records appended to the old
+    /// file and not yet synced are synced first: [`ColdVlog::sync`] only reaches the current
+    /// appenders, and WAL records pointing at those values may become durable later
+    /// (regression: `crash_background`, a crash after a group seal lost values whose
+    /// pointers were durable).
     pub fn seal(&self, g: &Group) -> Result<Vec<u64>> {
         let (fresh, number) = self.new_file()?;
         let old = {
             let mut a = g.appender.lock();
+            if a.dirty {
+                a.file.sync()?;
+                a.dirty = false;
+            }
             *a = fresh;
             let mut files = g.files.lock();
             let old = files.clone();
