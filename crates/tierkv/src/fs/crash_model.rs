@@ -218,7 +218,11 @@ mod tests {
             let cur = out.get(&PathBuf::from("/d/CURRENT")).copied();
             assert!(cur == Some(1) || cur == Some(2), "seed {seed}: CURRENT {cur:?}");
             assert!(!out.contains_key(&PathBuf::from("/d/tmp")));
-            outcomes.insert((cur, out.contains_key(&PathBuf::from("/d/MANIFEST-2")), out.contains_key(&PathBuf::from("/d/LOG"))));
+            outcomes.insert((
+                cur,
+                out.contains_key(&PathBuf::from("/d/MANIFEST-2")),
+                out.contains_key(&PathBuf::from("/d/LOG")),
+            ));
         }
         assert_eq!(outcomes.len(), 8, "each group is decided independently: {outcomes:?}");
         assert_eq!(crash_names(&durable, &current, CrashMode::Prefix, &mut rng(0)), durable);
