@@ -92,7 +92,7 @@ fn crash_points_under_the_page_model_every_preset() {
     let plan = if soak {
         Plan { seeds: 30, steps: 200, fs_seeds: 4, fence_every: 1 }
     } else {
-        Plan { seeds: 6, steps: 60, fs_seeds: 2, fence_every: 25 }
+        Plan { seeds: 12, steps: 80, fs_seeds: 3, fence_every: 10 }
     };
     for &preset in presets() {
         let t = std::time::Instant::now();
