@@ -7,7 +7,7 @@
 //! the model; the reopened store must hold the acknowledged writes plus all or none of the
 //! operation in flight, pass `check`, and survive another such crash.
 //!
-//! `TIERKV_SOAK=1` runs longer workloads, more seeds and every fence.
+//! `TIERKV_SOAK=1` runs longer workloads, more seeds and every fourth fence.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
 mod common;
@@ -90,7 +90,7 @@ fn sweep(preset: Preset, p: &Plan) -> (u64, u64) {
 fn crash_points_under_the_page_model_every_preset() {
     let soak = std::env::var("TIERKV_SOAK").is_ok();
     let plan = if soak {
-        Plan { seeds: 30, steps: 200, fs_seeds: 4, fence_every: 1 }
+        Plan { seeds: 30, steps: 200, fs_seeds: 3, fence_every: 4 }
     } else {
         Plan { seeds: 12, steps: 80, fs_seeds: 3, fence_every: 10 }
     };
