@@ -137,26 +137,33 @@ pub fn run(a: &BenchArgs) -> Result<Report, String> {
             let t = Instant::now();
             if e.reopen().is_ok() {
                 let seconds = t.elapsed().as_secs_f64();
-                let after_crash_seconds = match &a.crash_exe {
+                let crashed = match &a.crash_exe {
                     Some(exe) => {
                         drop(e);
-                        match crate::child::measure(exe, &spec, a.num, a.key_size, value_size) {
-                            Ok(s) => Some(s),
-                            Err(err) => {
-                                eprintln!("warning: {name}: recovery after a crash not measured: {err}");
-                                None
-                            }
-                        }
+                        crate::child::measure(exe, &spec, a.num, a.key_size, value_size)
                     }
-                    None => {
-                        for k in crate::child::child_keys(a.num, a.key_size) {
-                            e.put(&k, &vec![7u8; value_size])?;
+                    None => crate::child::measure_in_process(e.as_mut(), a.key_size, value_size),
+                };
+                let (after_crash_seconds, verified_keys) = match crashed {
+                    Ok(r) => (Some(r.seconds), Some(r.verified)),
+                    // An acknowledged write lost by a crash fails the run.
+                    Err(crate::child::CrashError::Lost(msg)) => {
+                        return Err(format!("recovery after a crash lost acknowledged writes: {msg}"))
+                    }
+                    Err(crate::child::CrashError::NotMeasured(err)) => {
+                        if a.crash_exe.is_some() {
+                            eprintln!("warning: {name}: recovery after a crash not measured: {err}");
                         }
-                        let t = Instant::now();
-                        e.crash_reopen().ok().map(|_| t.elapsed().as_secs_f64())
+                        (None, None)
                     }
                 };
-                recovery.push(Recovery { engine: name.clone(), value_size, seconds, after_crash_seconds });
+                recovery.push(Recovery {
+                    engine: name.clone(),
+                    value_size,
+                    seconds,
+                    after_crash_seconds,
+                    verified_keys,
+                });
             }
         }
     }

@@ -40,6 +40,9 @@ pub trait BenchEngine: Send + Sync {
     }
     /// Read; returns the value length if found (the value itself is copied out, then dropped).
     fn get(&self, key: &[u8]) -> Result<Option<usize>>;
+    /// Read; returns the value itself (the crash check compares it with what was
+    /// acknowledged).
+    fn get_value(&self, key: &[u8]) -> Result<Option<Vec<u8>>>;
     /// Read up to `n` entries from `start` in key order; returns how many were read.
     fn scan(&self, start: &[u8], n: usize) -> Result<usize>;
     /// Resource usage since open.
@@ -251,6 +254,9 @@ impl BenchEngine for Tierkv {
     fn get(&self, key: &[u8]) -> Result<Option<usize>> {
         Ok(self.db()?.get(key).map_err(|e| e.to_string())?.map(|v| v.len()))
     }
+    fn get_value(&self, key: &[u8]) -> Result<Option<Vec<u8>>> {
+        self.db()?.get(key).map_err(|e| e.to_string())
+    }
     fn scan(&self, start: &[u8], n: usize) -> Result<usize> {
         let mut count = 0;
         for item in self.db()?.scan(start..).map_err(|e| e.to_string())?.take(n) {
@@ -372,9 +378,11 @@ impl BenchEngine for Limit {
         Ok(())
     }
     fn get(&self, key: &[u8]) -> Result<Option<usize>> {
+        Ok(self.get_value(key)?.map(|v| v.len()))
+    }
+    fn get_value(&self, key: &[u8]) -> Result<Option<Vec<u8>>> {
         let Some((addr, len)) = self.index.read().get(key).copied() else { return Ok(None) };
-        let v = self.region.slice(addr, len as usize).ok_or("limit: value outside region")?.to_vec();
-        Ok(Some(v.len()))
+        Ok(Some(self.region.slice(addr, len as usize).ok_or("limit: value outside region")?.to_vec()))
     }
     fn scan(&self, _start: &[u8], _n: usize) -> Result<usize> {
         Err("limit has no ordered index".into())

@@ -4,7 +4,8 @@
 //! - [`workload`]: db_bench key streams and YCSB's request distributions;
 //! - [`engine`]: the engines behind one trait — every tierkv preset, the `limit` floor, and
 //!   (feature `peers`, used by the main job) LevelDB and RocksDB in `peers`;
-//! - [`child`]: recovery after a real crash (a child process killed with SIGKILL);
+//! - [`child`]: recovery after a real crash (a child process writing fresh keys, killed with
+//!   SIGKILL at a random moment; every write it acknowledged is verified after the reopen);
 //! - [`run`]: workloads, client threads, latency histograms; [`report`]: table and JSON;
 //!   [`plot`]: SVG/PNG charts;
 //!   [`cli`]: `tierkv bench`; [`server`]: `tierkv bench --server` (RESP servers, redis-benchmark,

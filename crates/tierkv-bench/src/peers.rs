@@ -172,6 +172,9 @@ impl BenchEngine for LevelDb {
         Ok(())
     }
     fn get(&self, key: &[u8]) -> Result<Option<usize>> {
+        Ok(self.get_value(key)?.map(|v| v.len()))
+    }
+    fn get_value(&self, key: &[u8]) -> Result<Option<Vec<u8>>> {
         let mut err: *mut c_char = ptr::null_mut();
         let mut len = 0usize;
         // SAFETY: as for put; the returned buffer is malloc'ed by LevelDB and freed here.
@@ -186,7 +189,7 @@ impl BenchEngine for LevelDb {
         let copy = unsafe { std::slice::from_raw_parts(v as *const u8, len) }.to_vec();
         // SAFETY: allocated by LevelDB.
         unsafe { ldb::leveldb_free(v as *mut std::ffi::c_void) };
-        Ok(Some(copy.len()))
+        Ok(Some(copy))
     }
     fn scan(&self, start: &[u8], n: usize) -> Result<usize> {
         // SAFETY: iterator created, used and destroyed here while `db` is open; key/value
@@ -290,8 +293,10 @@ impl BenchEngine for RocksDb {
         Ok(())
     }
     fn get(&self, key: &[u8]) -> Result<Option<usize>> {
-        let v = self.db()?.get(key).map_err(|e| format!("rocksdb: {e}"))?;
-        Ok(v.map(|v| v.len()))
+        Ok(self.get_value(key)?.map(|v| v.len()))
+    }
+    fn get_value(&self, key: &[u8]) -> Result<Option<Vec<u8>>> {
+        self.db()?.get(key).map_err(|e| format!("rocksdb: {e}"))
     }
     fn scan(&self, start: &[u8], n: usize) -> Result<usize> {
         let it = self.db()?.iterator(rocksdb::IteratorMode::From(start, rocksdb::Direction::Forward));

@@ -30,10 +30,13 @@ pub struct Recovery {
     pub value_size: usize,
     /// Seconds for close + open.
     pub seconds: f64,
-    /// Seconds to reopen after a crash: a child process wrote to the store and was killed
-    /// with SIGKILL (without the `tierkv` executable, e.g. in tests: a simulated crash, for
+    /// Seconds from `open` to the first served read after a crash: a child process wrote
+    /// fresh keys to the store and was killed with SIGKILL at a random moment (without the `tierkv` executable, e.g. in tests: a simulated crash, for
     /// the engines that can simulate one in-process).
     pub after_crash_seconds: Option<f64>,
+    /// Keys the crashed writer had acknowledged that were verified (present, with their
+    /// values) after the reopen; `None` when recovery after a crash was not measured.
+    pub verified_keys: Option<u64>,
 }
 
 fn fmt_ns(ns: f64) -> String {

@@ -304,6 +304,13 @@ impl BenchEngine for RespEngine {
     fn get(&self, key: &[u8]) -> Result<Option<usize>> {
         self.with(|c| RespEngine::hgetall_len(c, key))
     }
+    fn get_value(&self, key: &[u8]) -> Result<Option<Vec<u8>>> {
+        // HGETALL (the server has no HGET): field0's value.
+        self.with(|c| {
+            let v: Vec<Vec<u8>> = redis::cmd("HGETALL").arg(key).query(c)?;
+            Ok(v.chunks(2).find(|p| p.first().is_some_and(|f| f == b"field0")).and_then(|p| p.get(1).cloned()))
+        })
+    }
     fn scan(&self, start: &[u8], n: usize) -> Result<usize> {
         self.with(|c| {
             let keys: Vec<Vec<u8>> = redis::cmd("ZRANGEBYSCORE")

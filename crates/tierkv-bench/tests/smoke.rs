@@ -83,7 +83,10 @@ fn every_engine_every_workload_tiny() {
         match rec["engine"].as_str() {
             // tierkv presets reopen after a simulated crash (log replay); the peers cannot
             // be crashed in-process and report nothing rather than a made-up figure.
-            Some(e) if tierkv::Preset::ALL.iter().any(|p| p.name() == e) => assert!(crash.is_number(), "{e}: {crash}"),
+            Some(e) if tierkv::Preset::ALL.iter().any(|p| p.name() == e) => {
+                assert!(crash.is_number(), "{e}: {crash}");
+                assert!(rec["verified_keys"].as_u64().is_some_and(|n| n > 0), "{e}: {rec}");
+            }
             Some(e) => assert!(crash.is_null(), "{e}: {crash}"),
             None => panic!("recovery entry without engine"),
         }

@@ -224,8 +224,9 @@ enum Cmd {
         #[arg(long)]
         seed: u64,
     },
-    /// (Internal to `tierkv bench`.) Open a benchmarked store, write, report, and wait to be
-    /// killed: recovery after a real crash is timed by the parent.
+    /// (Internal to `tierkv bench`.) Open a benchmarked store, write fresh keys reporting
+    /// each acknowledged one on stdout, until killed: the parent times recovery after the
+    /// crash and verifies every acknowledged key.
     #[command(name = "bench-crash-child", hide = true)]
     BenchCrashChild {
         #[arg(long)]

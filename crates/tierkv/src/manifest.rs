@@ -13,8 +13,9 @@
 //! manifest grows past 4 MiB. So a torn tail is never appended to.
 //!
 //! Recovery reads every record; a record that runs past the end of the file, or whose
-//! checksum fails and that ends exactly at the end of the file, is a torn tail (the crash
-//! hit the append) and is dropped. Any other bad record is [`Error::Corruption`].
+//! checksum fails and that ends exactly at the end of the file or shows a zero-filled lost
+//! page, is a torn tail (the crash hit the append; [`crate::format::read_frames_at`]) and is
+//! dropped. Any other bad record is [`Error::Corruption`].
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};
@@ -305,7 +306,7 @@ pub fn parse(data: &[u8]) -> std::result::Result<(Version, bool), (u64, String)>
         return Err((0, "bad manifest magic".into()));
     }
     let mut v = Version::default();
-    let (records, torn) = crate::format::read_frames(data.get(8..).unwrap_or(&[]))
+    let (records, torn) = crate::format::read_frames_at(data.get(8..).unwrap_or(&[]), 8)
         .map_err(|(off, d)| (off + 8, format!("manifest {d}")))?;
     for (off, payload) in &records {
         let edits = decode_edits(payload).map_err(|d| (off + 8, d))?;

@@ -74,10 +74,47 @@ pub fn frame(payload: &[u8]) -> Vec<u8> {
 /// Framed records with their offsets, and whether a torn last record was dropped.
 pub type Frames<'a> = (Vec<(u64, &'a [u8])>, bool);
 
+/// The page size a file system loses unsynced data in (see [`crate::fs::crash_model`]).
+pub const FS_PAGE: u64 = 4096;
+
+/// True when `data` (a file's bytes from file offset `base` on) shows, from `off` on, what a
+/// crash leaves of a page that was never written back: some page-aligned range
+/// `[max(page, off), min(page + FS_PAGE, end))` starting before `rec_end` is all zeros.
+/// (Media damage does not zero a whole page; a crash that loses unsynced pages does.)
+pub fn has_lost_page(data: &[u8], base: u64, off: usize, rec_end: usize) -> bool {
+    let end = data.len();
+    let file_off = base + off as u64;
+    let mut page = file_off - file_off % FS_PAGE;
+    loop {
+        let lo = usize::try_from(page.max(file_off) - base).unwrap_or(usize::MAX);
+        if lo >= rec_end.min(end) {
+            return false;
+        }
+        let hi = usize::try_from(page + FS_PAGE - base).unwrap_or(usize::MAX).min(end);
+        if data.get(lo..hi).is_some_and(|b| b.iter().all(|&x| x == 0)) {
+            return true;
+        }
+        page += FS_PAGE;
+    }
+}
+
 /// The framed records of `data` (each with its offset), and whether a torn last record was
-/// dropped: one that runs past the end, or whose checksum fails and that ends exactly at the
-/// end (a crash interrupted the append). Any other bad record is `Err((offset, detail))`.
-pub fn read_frames(data: &[u8]) -> Result<Frames<'_>, (u64, String)> {
+/// dropped. `base` is the file offset of `data[0]` (page alignment).
+///
+/// Reading stops at the first record that is not intact. It and everything after it are a
+/// torn tail, the remains of appends a crash interrupted before their sync, when it:
+/// - runs past the end of the file (the file was cut inside it);
+/// - fails its checksum and ends exactly at the end of the file (a torn last page); or
+/// - fails its checksum (or its header is zeros) and a lost page shows from its start on
+///   ([`has_lost_page`]: a file system that writes back pages out of order and commits the
+///   file size first leaves zero-filled holes where unsynced pages were).
+///
+/// Any other bad record is `Err((offset, detail))`: damage where a crash leaves none. The
+/// rule cannot tell a torn tail from damage that looks exactly like one (a checksum-failing
+/// last record, or a length field damaged to point past the end); a store that must tell
+/// them apart records its commit points elsewhere (slmdb's flush log, the LSM's
+/// commit-in-flight word).
+pub fn read_frames_at(data: &[u8], base: u64) -> Result<Frames<'_>, (u64, String)> {
     let mut out = Vec::new();
     let mut off = 0usize;
     while off < data.len() {
@@ -86,7 +123,7 @@ pub fn read_frames(data: &[u8]) -> Result<Frames<'_>, (u64, String)> {
         let Some(payload) = c.bytes(len as usize) else { return Ok((out, true)) };
         let end = off + 8 + len as usize;
         if crc::masked(payload) != stored {
-            if end == data.len() {
+            if end == data.len() || has_lost_page(data, base, off, end) {
                 return Ok((out, true));
             }
             return Err((off as u64, "record checksum mismatch".into()));
@@ -95,6 +132,11 @@ pub fn read_frames(data: &[u8]) -> Result<Frames<'_>, (u64, String)> {
         off = end;
     }
     Ok((out, false))
+}
+
+/// [`read_frames_at`] for data that starts at file offset 0.
+pub fn read_frames(data: &[u8]) -> Result<Frames<'_>, (u64, String)> {
+    read_frames_at(data, 0)
 }
 
 #[cfg(test)]
@@ -109,5 +151,36 @@ mod tests {
         assert_eq!(c.u8(), Some(0));
         assert_eq!(c.u8(), None);
         assert_eq!(Cursor::new(&[0; 4]).bytes(usize::MAX), None, "overflowing length");
+    }
+
+    /// Regression (fs page model): a synced MANIFEST record followed by an unsynced one
+    /// whose page was lost (zeros up to the committed size) was reported as corruption, so
+    /// slmdb could not open after a crash during a flush.
+    #[test]
+    fn a_zero_filled_unsynced_tail_is_torn_not_corruption() {
+        let mut data = frame(b"synced");
+        let synced = data.len();
+        let second = frame(&[7u8; 5000]);
+        data.extend_from_slice(&second);
+        // The unsynced record's first page lost, its second kept: a hole inside it.
+        let mut holed = data.clone();
+        holed[synced..4096].fill(0);
+        let (recs, torn) = read_frames(&holed).map_err(|e| e.1).unwrap_or_default();
+        assert_eq!((recs.len(), torn), (1, true));
+        // Only zeros after the synced record, to a size shorter than the record.
+        let mut zeros = data[..synced].to_vec();
+        zeros.resize(synced + 100, 0);
+        let (recs, torn) = read_frames(&zeros).map_err(|e| e.1).unwrap_or_default();
+        assert_eq!((recs.len(), torn), (1, true));
+        // The same hole with a further record after it, at a base that moves the page
+        // boundary: still torn.
+        let mut more = holed.clone();
+        more.extend_from_slice(&frame(b"later"));
+        assert!(read_frames(&more).is_ok_and(|(r, t)| r.len() == 1 && t));
+        // A flipped byte with an intact record after it is damage, not a crash.
+        let mut flipped = data.clone();
+        flipped[synced + 20] ^= 1;
+        flipped.extend_from_slice(&frame(b"later"));
+        assert!(read_frames(&flipped).is_err());
     }
 }

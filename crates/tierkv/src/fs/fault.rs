@@ -7,8 +7,19 @@
 //! - directories themselves are durable when created (a simplification: tierkv creates its
 //!   directories once, before anything that needs them).
 //!
-//! [`FaultFs::crash`] returns the file system a crash would leave: the durable names, each
-//! file cut back to its synced length.
+//! [`FaultFs::crash_with`] returns the file system a crash would leave, in one of two
+//! models ([`CrashMode`], described in [`super::crash_model`]): `Prefix` keeps exactly the
+//! durable names, each file cut back to its synced length; `Pages` is a real file system's
+//! range of outcomes (unsynced pages kept or lost one by one, lost ones reading as zeros or
+//! cutting the file, unsynced directory changes kept or lost group by group, renames
+//! atomically). [`FaultFs::crash`] uses the instance's mode ([`FaultFs::set_crash_mode`],
+//! inherited by the crashed copy; default `Prefix`, or `Pages` when the environment variable
+//! `TIERKV_FS_CRASH=pages` is set, so whole suites can run under the stricter model) with a
+//! seed derived from the instance's seed and how many crashes and syncs it has seen.
+//!
+//! A crash point ([`FaultFs::crash_before_sync`], [`FaultFs::freeze`]) snapshots the
+//! volatile state (names and file lengths) at that instant: what the process writes after it
+//! never reached the file system, so no model may keep it.
 //!
 //! Fault injection: [`FaultFs::fail_after`] makes the n-th operation from now (every `Fs` and
 //! file call counts) fail with EIO or ENOSPC, once or from then on.
@@ -20,6 +31,7 @@ use std::sync::Arc;
 
 use parking_lot::Mutex;
 
+use super::crash_model::{self, CrashMode};
 use super::{Fs, FsFile, FsLock};
 
 /// Which error an injected fault returns.
@@ -46,7 +58,7 @@ struct MemFile {
     synced: usize,
 }
 
-#[derive(Debug, Default)]
+#[derive(Debug)]
 struct State {
     files: HashMap<u64, MemFile>,
     names: BTreeMap<PathBuf, u64>,
@@ -68,6 +80,24 @@ struct State {
     crash_at_sync: Option<u64>,
     /// Called when that crash point is reached (e.g. to freeze a PM device too).
     on_freeze: Option<FreezeHook>,
+    /// The volatile state at the crash point: names and file lengths (files are
+    /// append-only, so a length is a snapshot of the content).
+    frozen_view: Option<(BTreeMap<PathBuf, u64>, HashMap<u64, usize>)>,
+    /// The model [`FaultFs::crash`] uses, and its seed.
+    crash_mode: CrashMode,
+    crash_seed: u64,
+    /// Crashes taken of this instance (varies the seed of each).
+    crashes: u64,
+}
+
+/// The default crash model: `TIERKV_FS_CRASH` (`prefix` or `pages`, optionally `:seed`).
+fn env_crash_mode() -> (CrashMode, u64) {
+    static MODE: std::sync::OnceLock<(CrashMode, u64)> = std::sync::OnceLock::new();
+    *MODE.get_or_init(|| {
+        let v = std::env::var("TIERKV_FS_CRASH").unwrap_or_default();
+        let (m, seed) = v.split_once(':').unwrap_or((v.as_str(), "0"));
+        (CrashMode::parse(m).unwrap_or(CrashMode::Prefix), seed.trim().parse().unwrap_or(0))
+    })
 }
 
 /// A callback run when a crash point armed with [`FaultFs::crash_before_sync`] is reached.
@@ -79,7 +109,42 @@ impl std::fmt::Debug for FreezeHook {
     }
 }
 
+impl Default for State {
+    fn default() -> Self {
+        let (crash_mode, crash_seed) = env_crash_mode();
+        State {
+            files: HashMap::new(),
+            names: BTreeMap::new(),
+            durable_names: BTreeMap::new(),
+            dirs: BTreeSet::new(),
+            locks: BTreeSet::new(),
+            next_id: 0,
+            ops: 0,
+            fault: None,
+            frozen: false,
+            read_only: false,
+            panic_on: None,
+            sync_points: 0,
+            crash_at_sync: None,
+            on_freeze: None,
+            frozen_view: None,
+            crash_mode,
+            crash_seed,
+            crashes: 0,
+        }
+    }
+}
+
 impl State {
+    /// Stop making anything durable and remember the volatile state of this instant.
+    fn freeze(&mut self) {
+        if !self.frozen {
+            self.frozen = true;
+            let lens = self.files.iter().map(|(id, f)| (*id, f.data.len())).collect();
+            self.frozen_view = Some((self.names.clone(), lens));
+        }
+    }
+
     /// Count one operation; return the injected error if it is due.
     fn tick(&mut self) -> io::Result<()> {
         self.ops += 1;
@@ -109,7 +174,7 @@ impl State {
         if !self.frozen {
             self.sync_points += 1;
             if self.crash_at_sync == Some(self.sync_points) {
-                self.frozen = true;
+                self.freeze();
                 if let Some(f) = &self.on_freeze {
                     (f.0)();
                 }
@@ -193,36 +258,65 @@ impl FaultFs {
     /// Stop making anything durable (a crash point was reached elsewhere, e.g. in PM); the
     /// next [`FaultFs::crash`] returns the state as of now.
     pub fn freeze(&self) {
-        self.state.lock().frozen = true;
+        self.state.lock().freeze();
     }
 
-    /// The file system a crash would leave now: durable names only, each file cut back to
-    /// its synced bytes. The result shares nothing with `self`.
+    /// The model [`FaultFs::crash`] uses from now on, with the seed its crashes derive
+    /// theirs from. Crashed copies inherit both.
+    pub fn set_crash_mode(&self, mode: CrashMode, seed: u64) {
+        let mut s = self.state.lock();
+        s.crash_mode = mode;
+        s.crash_seed = seed;
+    }
+
+    /// The file system a crash would leave now, in this instance's model
+    /// ([`FaultFs::set_crash_mode`]; `Prefix` unless `TIERKV_FS_CRASH` says otherwise). The
+    /// result shares nothing with `self`.
     pub fn crash(&self) -> FaultFs {
+        let (mode, seed) = {
+            let mut s = self.state.lock();
+            s.crashes += 1;
+            let mix = s.crash_seed ^ s.crashes.wrapping_mul(0x9e37_79b9_7f4a_7c15) ^ s.sync_points.rotate_left(32);
+            (s.crash_mode, mix)
+        };
+        self.crash_with(seed, mode)
+    }
+
+    /// The file system a crash would leave now under `mode`, its random choices drawn from
+    /// `seed` (see [`super::crash_model`]). The result shares nothing with `self`.
+    pub fn crash_with(&self, seed: u64, mode: CrashMode) -> FaultFs {
         let s = self.state.lock();
+        let mut rng = crash_model::rng(seed);
+        let (cur_names, lens) = match &s.frozen_view {
+            Some((n, l)) => (n, Some(l)),
+            None => (&s.names, None),
+        };
+        let names = crash_model::crash_names(&s.durable_names, cur_names, mode, &mut rng);
         let mut files = HashMap::new();
-        for id in s.durable_names.values() {
+        for id in names.values() {
+            if files.contains_key(id) {
+                continue;
+            }
             if let Some(f) = s.files.get(id) {
-                let data = f.data[..f.synced.min(f.data.len())].to_vec();
+                // A file created after the crash point has no length in the snapshot: empty.
+                let len = lens.map_or(f.data.len(), |l| l.get(id).copied().unwrap_or(0));
+                let visible = f.data.get(..len).unwrap_or(&f.data);
+                let data = crash_model::crash_file(visible, f.synced, mode, &mut rng);
                 let synced = data.len();
                 files.insert(*id, MemFile { data, synced });
             }
         }
         let state = State {
             files,
-            names: s.durable_names.clone(),
-            durable_names: s.durable_names.clone(),
+            names: names.clone(),
+            durable_names: names,
             dirs: s.dirs.clone(),
-            locks: BTreeSet::new(),
             next_id: s.next_id,
-            ops: 0,
-            fault: None,
-            frozen: false,
             read_only: s.read_only,
-            panic_on: None,
-            sync_points: 0,
-            crash_at_sync: None,
-            on_freeze: None,
+            crash_mode: s.crash_mode,
+            crash_seed: s.crash_seed,
+            crashes: s.crashes,
+            ..State::default()
         };
         FaultFs { state: Arc::new(Mutex::new(state)) }
     }
@@ -440,6 +534,40 @@ mod tests {
         fs.rename(&d.join("tmp"), &d.join("CURRENT"))?;
         assert_eq!(fs.read_all(&d.join("CURRENT"))?, b"two");
         assert_eq!(fs.crash().read_all(&d.join("CURRENT"))?, b"one");
+        Ok(())
+    }
+
+    #[test]
+    fn page_model_loses_unsynced_names_and_nothing_written_after_the_crash_point() -> io::Result<()> {
+        let d = Path::new("/db");
+        let (mut vanished, mut kept) = (false, false);
+        for seed in 0..64 {
+            let fs = FaultFs::new();
+            fs.create_dir_all(d)?;
+            let mut a = fs.create(&d.join("a"))?;
+            a.append(&[1u8; 10_000])?;
+            a.sync()?;
+            fs.crash_before_sync(1);
+            a.append(&[2u8; 9000])?;
+            a.sync()?; // the crash point: frozen before this sync
+            a.append(&[3u8; 100])?; // after the crash: never on disk
+            drop(a);
+            fs.rename(&d.join("a"), &d.join("b"))?;
+            let after = fs.crash_with(seed, CrashMode::Pages);
+            // The rename came after the crash point: `a` is never renamed; its name was
+            // never synced either, so it is there or not.
+            assert!(!after.exists(&d.join("b")), "seed {seed}");
+            if !after.exists(&d.join("a")) {
+                vanished = true;
+                continue;
+            }
+            kept = true;
+            let data = after.read_all(&d.join("a"))?;
+            assert!(data.len() >= 10_000 && data.len() <= 19_000, "seed {seed}: {}", data.len());
+            assert!(data[..10_000].iter().all(|&b| b == 1), "seed {seed}: synced bytes lost");
+            assert!(data[10_000..].iter().all(|&b| b == 2 || b == 0), "seed {seed}: garbage or later data");
+        }
+        assert!(vanished && kept);
         Ok(())
     }
 

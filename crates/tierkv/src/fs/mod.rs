@@ -1,10 +1,12 @@
 //! The file seam: everything an engine writes to disk goes through [`Fs`].
 //!
 //! [`RealFs`] is the operating system; [`FaultFs`] is an in-memory file system for tests
-//! that forgets unsynced data at a simulated crash and fails chosen operations with EIO or
+//! that forgets unsynced data at a simulated crash (cleanly, or page by page like a real
+//! file system: [`crash_model`]) and fails chosen operations with EIO or
 //! ENOSPC (like LevelDB's fault-injection env). [`CountingFs`] wraps any `Fs` and counts
 //! bytes written and read, for write-amplification accounting.
 
+pub mod crash_model;
 mod fault;
 mod real;
 
@@ -14,6 +16,7 @@ use std::path::Path;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
+pub use crash_model::CrashMode;
 pub use fault::{FaultFs, FaultKind};
 pub use real::RealFs;
 

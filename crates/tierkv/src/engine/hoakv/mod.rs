@@ -237,6 +237,7 @@ impl Hoakv {
         }));
         let c2 = cold.clone();
         lsm.set_before_durable(Arc::new(move || c2.sync()));
+        let batches = drop_batches_past_lost_values(&cold, batches, opts.sync_wal, &ctx.dir)?;
         // Replay: operations older than the key's hot record are superseded by it; a hot
         // record older than a replayed operation is stale and invalidated.
         let seqs = hot.seqs();
@@ -989,6 +990,41 @@ impl Engine for Hoakv {
         self.inner.region.sync_all()?;
         Ok(())
     }
+}
+
+/// The WAL batches to replay: all of them, unless one points at a cold value-log record
+/// that is not there (past the end of its file, or failing its checksum). A WAL that is
+/// not synced per write (`sync_wal` false) can come back from a power loss with a page
+/// whose value-log page was lost (the value log is synced before the WAL, never after, so
+/// a pointer is durable only with its value): that batch and every later one are a torn
+/// tail, the writes a power loss took (found by the page model of `FaultFs`). With a synced
+/// WAL only the last batch can be in that state (its write was never acknowledged); a bad
+/// pointer in an earlier one is damage. Pointers into files that no longer exist are left
+/// to the reader (a value relocated by group GC).
+fn drop_batches_past_lost_values(
+    cold: &ColdVlog,
+    mut batches: Vec<crate::lsm::wal::Batch>,
+    sync_wal: bool,
+    dir: &std::path::Path,
+) -> Result<Vec<crate::lsm::wal::Batch>> {
+    let last = batches.len().saturating_sub(1);
+    let bad = batches.iter().position(|b| {
+        b.ops.iter().any(|(k, v)| match v.as_deref().map(layout::decode_cold) {
+            Some(Ok(ColdValue::Pointer(p))) => cold.has_file(p.file) && cold.read(k, p).is_err(),
+            _ => false,
+        })
+    });
+    if let Some(i) = bad {
+        if sync_wal && i != last {
+            return Err(Error::corruption(
+                dir,
+                0,
+                "a synced WAL batch points at a cold value-log record that is missing or damaged",
+            ));
+        }
+        batches.truncate(i);
+    }
+    Ok(batches)
 }
 
 #[cfg(test)]
