@@ -73,13 +73,13 @@ fn sweep(preset: Preset, p: &Plan) -> (u64, u64) {
         for at in points {
             for k in 0..p.fs_seeds {
                 let n = match at {
-                    CrashAt::Sync(n) | CrashAt::Fence(n) => n,
+                    CrashAt::Sync(n) | CrashAt::Fence(n) | CrashAt::Event(n) => n,
                 };
                 check_point(&opts, preset.name(), &w, at, seed << 32 ^ n << 8 ^ k);
             }
             match at {
                 CrashAt::Sync(_) => syncs += 1,
-                CrashAt::Fence(_) => fences += 1,
+                CrashAt::Fence(_) | CrashAt::Event(_) => fences += 1,
             }
         }
     }
