@@ -298,14 +298,6 @@ fn crash_during_background_work_every_preset() {
         (std::env::var("TIERKV_BG_STATES").ok().and_then(|v| v.parse().ok()).unwrap_or(400), 150)
     };
     for &preset in presets() {
-        if preset == Preset::Hoakv && std::env::var("TIERKV_BG_HOAKV").is_err() {
-            // Open bug (docs/design/crash-testing.md, "Open"): a crash while hoakv's LSM thread
-            // flushes or its GC thread maintains a group can leave a durable pointer to a
-            // cold value-log record that is not durable (about one crash state in 1,000).
-            // Run with TIERKV_BG_HOAKV=1 to reproduce.
-            eprintln!("hoakv: skipped (open bug: lost cold values after a crash during background LSM/GC work)");
-            continue;
-        }
         let mut states = 0u64;
         let mut in_background = BTreeMap::<String, u64>::new();
         let mut seed = 0u64;

@@ -180,18 +180,20 @@ impl ColdVlog {
     /// Write `GROUPS` from the current groups.
     fn write_table(&self) -> Result<()> {
         let _g = self.table_lock.lock();
-        let rec = GroupsRec {
-            next_gid: self.next_gid.load(Ordering::Relaxed),
-            next_file: self.next_file.load(Ordering::Relaxed),
-            groups: self
-                .groups
-                .read()
+        let rec = Self::groups_rec(&self.groups.read(), &self.next_gid, &self.next_file);
+        self.fs.write_atomic(&self.dir.join(GROUPS), &layout::encode_groups(&rec))?;
+        Ok(())
+    }
+
+    fn groups_rec(gs: &[Arc<Group>], next_gid: &AtomicU32, next_file: &AtomicU64) -> GroupsRec {
+        GroupsRec {
+            next_gid: next_gid.load(Ordering::Relaxed),
+            next_file: next_file.load(Ordering::Relaxed),
+            groups: gs
                 .iter()
                 .map(|g| GroupRec { gid: g.gid, lo: g.lo.clone(), files: g.files.lock().clone() })
                 .collect(),
-        };
-        self.fs.write_atomic(&self.dir.join(GROUPS), &layout::encode_groups(&rec))?;
-        Ok(())
+        }
     }
 
     /// The group whose range holds `key`.
@@ -307,18 +309,22 @@ impl ColdVlog {
     pub fn seal(&self, g: &Group) -> Result<Vec<u64>> {
         let (fresh, number) = self.new_file()?;
         let old = {
-            let mut a = g.appender.lock();
-            if a.dirty {
-                a.file.sync()?;
-                a.dirty = false;
-            }
-            *a = fresh;
             let mut files = g.files.lock();
             let old = files.clone();
             files.insert(0, number);
             old
         };
+        // The new file is listed durably before anything is appended to it: a file no group
+        // lists is removed at open, and a value appended to it could already have a durable
+        // pointer (regression: `crash_background`, "pointer into a value-log file that does
+        // not exist" after a crash during group maintenance).
         self.write_table()?;
+        let mut a = g.appender.lock();
+        if a.dirty {
+            a.file.sync()?;
+            a.dirty = false;
+        }
+        *a = fresh;
         Ok(old)
     }
 
@@ -356,6 +362,11 @@ impl ColdVlog {
     /// pointers are rewritten). The cold index bucket is divided by range. Writes `GROUPS`.
     pub fn split(&self, g: &Group, median: Vec<u8>, left: u64, right: u64, old: &[u64]) -> Result<Arc<Group>> {
         let (appender, number) = self.new_file()?;
+        // `GROUPS` listing the new group is made durable before writers can route to it
+        // (the groups lock is held until then; lock order: table, then groups, as in
+        // `write_table`): its appender's file would otherwise be removed at open while
+        // pointers into it could be durable already.
+        let _t = self.table_lock.lock();
         let mut gs = self.groups.write();
         let i = gs
             .iter()
@@ -381,8 +392,9 @@ impl ColdVlog {
             heat: Mutex::new(moved),
         });
         gs.insert(i + 1, ng.clone());
+        let rec = Self::groups_rec(&gs, &self.next_gid, &self.next_file);
+        self.fs.write_atomic(&self.dir.join(GROUPS), &layout::encode_groups(&rec))?;
         drop(gs);
-        self.write_table()?;
         Ok(ng)
     }
 
