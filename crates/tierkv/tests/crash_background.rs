@@ -23,7 +23,7 @@ use rand::{Rng, SeedableRng};
 use tierkv::fs::FaultFs;
 use tierkv::options::{HoakvOptions, HpdkOptions, LightkvOptions, PmekvOptions, SlmdbOptions};
 use tierkv::pm::sim::SimDevice;
-use tierkv::{Db, Options, Preset, WriteBatch};
+use tierkv::{Db, Options, Preset};
 
 const WRITERS: usize = 2;
 
@@ -45,15 +45,8 @@ fn bg_options(preset: Preset, dev: &SimDevice, fs: &FaultFs) -> Options {
     }
 }
 
-/// One writer's operation.
-#[derive(Debug, Clone)]
-enum Op {
-    Put(Vec<u8>, Vec<u8>),
-    Delete(Vec<u8>),
-    Batch(Vec<(Vec<u8>, Option<Vec<u8>>)>),
-}
-
-fn writer_ops(seed: u64, t: usize, n: usize) -> Vec<Op> {
+/// Writer `t`'s operations: puts, deletes and batches of its own keys (`w<t>-...`).
+fn writer_ops(seed: u64, t: usize, n: usize) -> Vec<Step> {
     let mut rng = SmallRng::seed_from_u64(seed * 31 + t as u64);
     let key = |rng: &mut SmallRng| format!("w{t}-k{:03}", rng.random_range(0..300)).into_bytes();
     let value = |rng: &mut SmallRng, i: usize| {
@@ -64,9 +57,9 @@ fn writer_ops(seed: u64, t: usize, n: usize) -> Vec<Op> {
     };
     (0..n)
         .map(|i| match rng.random_range(0..100) {
-            0..=64 => Op::Put(key(&mut rng), value(&mut rng, i)),
-            65..=79 => Op::Delete(key(&mut rng)),
-            _ => Op::Batch(
+            0..=64 => Step::Put(key(&mut rng), value(&mut rng, i)),
+            65..=79 => Step::Delete(key(&mut rng)),
+            _ => Step::Batch(
                 (0..rng.random_range(2..5))
                     .map(|_| (key(&mut rng), if rng.random_bool(0.7) { Some(value(&mut rng, i)) } else { None }))
                     .collect(),
@@ -75,47 +68,11 @@ fn writer_ops(seed: u64, t: usize, n: usize) -> Vec<Op> {
         .collect()
 }
 
-fn apply_model(m: &mut Model, op: &Op) {
-    match op {
-        Op::Put(k, v) => {
-            m.insert(k.clone(), v.clone());
-        }
-        Op::Delete(k) => {
-            m.remove(k);
-        }
-        Op::Batch(ops) => {
-            for (k, v) in ops {
-                match v {
-                    Some(v) => m.insert(k.clone(), v.clone()),
-                    None => m.remove(k),
-                };
-            }
-        }
-    }
-}
-
-fn apply_db(db: &Db, op: &Op) -> tierkv::Result<()> {
-    match op {
-        Op::Put(k, v) => db.put(k, v),
-        Op::Delete(k) => db.delete(k),
-        Op::Batch(ops) => {
-            let mut b = WriteBatch::new();
-            for (k, v) in ops {
-                match v {
-                    Some(v) => b.put(k, v),
-                    None => b.delete(k),
-                };
-            }
-            db.write(b)
-        }
-    }
-}
-
 /// What one writer knows after the crash: its state with every acknowledged operation, and
 /// the operation in flight (if any).
 struct Outcome {
     acked: Model,
-    inflight: Option<Op>,
+    inflight: Option<Step>,
 }
 
 #[derive(Debug, Clone, Copy)]
@@ -185,12 +142,12 @@ fn run(preset: Preset, seed: u64, ops_per_writer: usize, at: Option<Point>) -> R
                             if stop.load(Ordering::Relaxed) || crashed() {
                                 return Outcome { acked, inflight: None };
                             }
-                            let r = apply_db(db, &op);
+                            let r = db_apply(db, &op);
                             if crashed() || r.is_err() {
                                 stop.store(true, Ordering::Relaxed);
                                 return Outcome { acked, inflight: Some(op) };
                             }
-                            apply_model(&mut acked, &op);
+                            model_apply(&mut acked, &op);
                         }
                         Outcome { acked, inflight: None }
                     })
@@ -241,7 +198,7 @@ fn crash_check(preset: Preset, seed: u64, at: Point, frac: f64, ops: usize) -> O
         let mine = keys_of(&got, t);
         let mut after = o.acked.clone();
         if let Some(op) = &o.inflight {
-            apply_model(&mut after, op);
+            model_apply(&mut after, op);
         }
         if mine == o.acked {
             model.extend(o.acked.clone());
@@ -275,8 +232,8 @@ fn crash_check(preset: Preset, seed: u64, at: Point, frac: f64, ops: usize) -> O
     assert!(problems.is_empty(), "{ctx}: check found {problems:?}");
     // Keeps working: more writes, a clean close, a reopen.
     for op in writer_ops(seed ^ 0xabcd, 0, 20) {
-        apply_db(&db, &op).unwrap_or_else(|e| panic!("{ctx}: write after reopen: {e}"));
-        apply_model(&mut model, &op);
+        db_apply(&db, &op).unwrap_or_else(|e| panic!("{ctx}: write after reopen: {e}"));
+        model_apply(&mut model, &op);
     }
     db.close().unwrap();
     drop(db);

@@ -24,32 +24,8 @@ fn check_point(opts: OptsFn<'_>, name: &str, steps: &[Step], at: CrashAt, fs_see
     let r = crash_run(opts, steps, Some(at));
     let Some(i) = r.inflight else { panic!("{name}: crash point {at:?} not reached") };
     let ctx = format!("{name} {at:?} fs seed {fs_seed} (step {i}: {:?})", steps[i]);
-    let mut before = Model::new();
-    for s in &steps[..i] {
-        model_apply(&mut before, s);
-    }
-    let mut after = before.clone();
-    model_apply(&mut after, &steps[i]);
     let dev = r.dev.simulate_crash(fs_seed, 0.5);
-    let fs = r.fs.crash_with(fs_seed, CrashMode::Pages);
-    let db = Db::open(dir(), opts(&dev, &fs)).unwrap_or_else(|e| panic!("{ctx}: reopen failed: {e}"));
-    let mut m = if dump(&db) == after {
-        after
-    } else {
-        assert_matches(&db, &before, &format!("{ctx} (neither old nor new state)"));
-        before
-    };
-    let problems = db.check().unwrap();
-    assert!(problems.is_empty(), "{ctx}: check found {problems:?}");
-    for s in steps.iter().skip(i + 1).filter(|s| s.writes()).take(8) {
-        let want = model_apply(&mut m, s);
-        assert_eq!(db_apply(&db, s).unwrap(), want, "{ctx}: after reopen {s:?}");
-    }
-    db.simulate_process_crash();
-    let dev = dev.simulate_crash(fs_seed.wrapping_add(1), 0.5);
-    let fs = fs.crash_with(fs_seed.wrapping_add(1), CrashMode::Pages);
-    let db = Db::open(dir(), opts(&dev, &fs)).unwrap_or_else(|e| panic!("{ctx}: second reopen failed: {e}"));
-    assert_matches(&db, &m, &format!("{ctx}: second crash"));
+    verify_crash_state(opts, &ctx, steps, i, dev, &r.fs, &|f, s| f.crash_with(s, CrashMode::Pages), fs_seed);
 }
 
 struct Plan {

@@ -132,6 +132,18 @@ impl LineStore {
 /// The stores made to one line that the durable image does not hold yet, oldest first.
 type Log = Vec<LineStore>;
 
+/// Line `line` of a pool image.
+fn line_of(image: &mut [u8], line: usize) -> Option<&mut [u8]> {
+    image.get_mut(line * LINE_LEN..(line + 1) * LINE_LEN)
+}
+
+/// Apply the first `n` stores of `log` whole onto `dst` (a line).
+fn apply_prefix(log: &[LineStore], n: usize, dst: &mut [u8]) {
+    for st in log.iter().take(n) {
+        st.apply(dst, u8::MAX);
+    }
+}
+
 /// A line written back by `flush`, not yet made durable by its thread's fence.
 #[derive(Clone, Copy)]
 struct Flushed {
@@ -474,15 +486,15 @@ impl SimDevice {
             if !rng.random_bool(evict) {
                 continue;
             }
-            let Some(dst) = images.get_mut(pool).and_then(|im| im.get_mut(line * LINE_LEN..(line + 1) * LINE_LEN))
-            else {
+            let Some(dst) = images.get_mut(pool).and_then(|im| line_of(im, line)) else {
                 continue;
             };
+            // A prefix of at least one store; its last store may be torn.
             let p = rng.random_range(1..=log.len());
-            for (i, st) in log.iter().take(p).enumerate() {
-                let words =
-                    if i + 1 == p && st.tearable && rng.random_bool(tear) { rng.random::<u8>() } else { u8::MAX };
-                st.apply(dst, words);
+            apply_prefix(log, p - 1, dst);
+            if let Some(last) = log.get(p - 1) {
+                let words = if last.tearable && rng.random_bool(tear) { rng.random::<u8>() } else { u8::MAX };
+                last.apply(dst, words);
             }
         }
         Self::device_from(images, max_pools)
@@ -515,12 +527,8 @@ impl SimDevice {
             for ((pool, line), log) in &dirty {
                 let p = n % (log.len() + 1);
                 n /= log.len() + 1;
-                if let Some(dst) =
-                    images.get_mut(*pool).and_then(|im| im.get_mut(line * LINE_LEN..(line + 1) * LINE_LEN))
-                {
-                    for st in log.iter().take(p) {
-                        st.apply(dst, u8::MAX);
-                    }
+                if let Some(dst) = images.get_mut(*pool).and_then(|im| line_of(im, *line)) {
+                    apply_prefix(log, p, dst);
                 }
             }
             out.push(Self::device_from(images, max_pools));
@@ -629,12 +637,8 @@ impl SimDevice {
             if n == 0 {
                 continue;
             }
-            if let Some(dst) =
-                pools.get_mut(f.pool).and_then(|p| p.durable.get_mut(f.line * LINE_LEN..(f.line + 1) * LINE_LEN))
-            {
-                for st in log.iter().take(n) {
-                    st.apply(dst, u8::MAX);
-                }
+            if let Some(dst) = pools.get_mut(f.pool).and_then(|p| line_of(&mut p.durable, f.line)) {
+                apply_prefix(log, n, dst);
             }
             log.drain(..n);
             if log.is_empty() {

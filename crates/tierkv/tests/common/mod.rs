@@ -349,7 +349,15 @@ pub fn crash_check(opts: OptsFn<'_>, name: &str, steps: &[Step], at: CrashAt, se
     };
     let dev = r.dev.simulate_crash(seed ^ n, frac);
     let ctx = format!("{name} seed {seed} {at:?} (step {i}: {:?}) evict {frac}", steps[i]);
-    verify_crash_state(opts, &ctx, steps, i, dev, &r.fs, seed.wrapping_add(n));
+    verify_crash_state(opts, &ctx, steps, i, dev, &r.fs, &prefix_crash, seed.wrapping_add(n));
+}
+
+/// How a test crashes the file system: the durable state a crash leaves, for a seed.
+pub type FsCrash<'a> = &'a dyn Fn(&FaultFs, u64) -> FaultFs;
+
+/// The deterministic file crash: every file cut back to its synced prefix.
+pub fn prefix_crash(fs: &FaultFs, _seed: u64) -> FaultFs {
+    fs.crash()
 }
 
 /// Crash at `at` and verify every crash state of the strict PM model (each dirty line
@@ -362,14 +370,15 @@ pub fn crash_check_all_states(opts: OptsFn<'_>, name: &str, steps: &[Step], at: 
     let n = states.len() as u64;
     for (k, dev) in states.into_iter().enumerate() {
         let ctx = format!("{name} {at:?} (step {i}: {:?}) crash state {k} of {n}", steps[i]);
-        verify_crash_state(opts, &ctx, steps, i, dev, &r.fs, k as u64);
+        verify_crash_state(opts, &ctx, steps, i, dev, &r.fs, &prefix_crash, k as u64);
     }
     n
 }
 
-/// Reopen `dev` (a crash state during step `i`) with the crashed file system `fs`: the
-/// store holds the acknowledged writes plus all or none of step `i`, passes `check`, keeps
-/// working through more writes and another crash.
+/// Reopen `dev` (a crash state during step `i`) with what `crash_fs` leaves of the file
+/// system `fs`: the store holds the acknowledged writes plus all or none of step `i`, passes
+/// `check`, keeps working through more writes and another crash.
+#[allow(clippy::too_many_arguments)]
 pub fn verify_crash_state(
     opts: OptsFn<'_>,
     ctx: &str,
@@ -377,12 +386,13 @@ pub fn verify_crash_state(
     i: usize,
     dev: SimDevice,
     fs: &FaultFs,
+    crash_fs: FsCrash<'_>,
     seed: u64,
 ) {
     let before = model_upto(steps, i);
     let mut after = before.clone();
     model_apply(&mut after, &steps[i]);
-    let fs = fs.crash();
+    let fs = crash_fs(fs, seed);
     let db = Db::open(dir(), opts(&dev, &fs)).unwrap_or_else(|e| panic!("{ctx}: reopen failed: {e}"));
     let got = dump(&db);
     let mut m = if got == after {
@@ -399,7 +409,7 @@ pub fn verify_crash_state(
     }
     db.simulate_process_crash();
     let dev = dev.simulate_crash(seed, 0.5);
-    let fs = fs.crash();
-    let db = Db::open(dir(), opts(&dev, &fs)).unwrap();
+    let fs = crash_fs(&fs, seed.wrapping_add(1));
+    let db = Db::open(dir(), opts(&dev, &fs)).unwrap_or_else(|e| panic!("{ctx}: second reopen failed: {e}"));
     assert_matches(&db, &m, &format!("{ctx}: second crash"));
 }
