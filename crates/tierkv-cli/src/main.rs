@@ -35,6 +35,12 @@ struct Target {
     /// PM pool directory (default <dir>/pm).
     #[arg(long)]
     pm_path: Option<PathBuf>,
+    /// What opening does with damaged write-ahead-log records: `torn-tail` drops a torn
+    /// last append and fails on any other damage; `absolute` fails on any bad record;
+    /// `point-in-time` replays up to the first bad record; `skip` skips damaged records.
+    /// What was dropped is printed on stderr.
+    #[arg(long, default_value = "torn-tail")]
+    wal_recovery: tierkv::WalRecovery,
 }
 
 #[derive(clap::Args, Debug)]
@@ -266,11 +272,15 @@ fn open(t: &Target, create: bool) -> Result<Db, Error> {
         (None, Some(p)) => p,
         (None, None) => Preset::default(),
     };
-    let mut opts = Options::new().preset(preset).create_if_missing(create);
+    let mut opts = Options::new().preset(preset).create_if_missing(create).wal_recovery(t.wal_recovery);
     if let Some(p) = &t.pm_path {
         opts = opts.pm_path(p);
     }
-    Db::open(&t.dir, opts)
+    let db = Db::open(&t.dir, opts)?;
+    for d in db.recovery_report() {
+        eprintln!("recovery dropped {} bytes of {} at offset {} ({:?})", d.len, d.file.display(), d.offset, d.reason);
+    }
+    Ok(db)
 }
 
 fn run(cli: Cli) -> Result<Outcome, Error> {

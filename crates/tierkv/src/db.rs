@@ -26,6 +26,8 @@ pub struct Db {
     /// poisons every later one: what reached the medium is unknown.
     pm_health: Arc<crate::pm::PmHealth>,
     pm_failure_reported: AtomicBool,
+    /// Log ranges the open dropped.
+    recovery: Vec<crate::format::log::Dropped>,
     _lock: Box<dyn FsLock>,
 }
 
@@ -82,12 +84,15 @@ impl Db {
             db_id: record.db_id,
             fresh,
             pm_health: pm_health.clone(),
+            recovery: Default::default(),
         };
+        let recovery = ctx.recovery.clone();
         let engine = engine::open(opts.preset, ctx)?;
         if fresh {
             let ready = OptionsRecord { state: RecordState::Ready, ..record };
             fs.write_atomic(&path, &ready.encode())?;
         }
+        let recovery = std::mem::take(&mut *recovery.lock());
         Ok(Db {
             engine: RwLock::new(Some(engine)),
             opts,
@@ -95,8 +100,16 @@ impl Db {
             fs,
             pm_health,
             pm_failure_reported: AtomicBool::new(false),
+            recovery,
             _lock: lock,
         })
+    }
+
+    /// The log ranges this open dropped instead of replaying: torn tails, and under
+    /// [`crate::WalRecovery::PointInTime`] or [`crate::WalRecovery::SkipDamaged`] the damaged
+    /// records and what followed them. Empty after a clean shutdown.
+    pub fn recovery_report(&self) -> &[crate::format::log::Dropped] {
+        &self.recovery
     }
 
     /// The preset recorded in `dir`, or `None` if no store exists there (real file system).

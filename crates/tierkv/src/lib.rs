@@ -49,6 +49,7 @@ pub use error::{Error, Result};
 pub use iter::{DbIterator, Scan};
 pub use options::{
     HoakvOptions, HpdkOptions, LightkvOptions, LightkvPlacement, Options, PmekvOptions, Preset, SlmdbOptions,
+    WalRecovery,
 };
 pub use stats::Stats;
 

@@ -10,6 +10,7 @@ use std::str::FromStr;
 use std::sync::Arc;
 
 use crate::error::Error;
+pub use crate::format::log::WalRecovery;
 use crate::fs::Fs;
 use crate::pm::sim::SimDevice;
 
@@ -403,6 +404,11 @@ pub struct Options {
     pub max_key_size: usize,
     /// Largest accepted value, at most [`MAX_VALUE_SIZE`] (the default, 64 MiB).
     pub max_value_size: usize,
+    /// What opening does with damaged write-ahead-log records (`hpdk`'s and `hoakv`'s WAL
+    /// files). Default [`WalRecovery::TolerateTornTail`]: a torn tail is dropped, any other
+    /// damage is [`crate::Error::Corruption`]. [`crate::Db::recovery_report`] lists what
+    /// was dropped.
+    pub wal_recovery: WalRecovery,
     /// Options of the `pmekv` preset.
     pub pmekv: PmekvOptions,
     /// Options of the `slmdb` preset.
@@ -436,6 +442,7 @@ impl fmt::Debug for Options {
             .field("pm_pool_size", &self.pm_pool_size)
             .field("max_key_size", &self.max_key_size)
             .field("max_value_size", &self.max_value_size)
+            .field("wal_recovery", &self.wal_recovery)
             .field("pmekv", &self.pmekv)
             .field("slmdb", &self.slmdb)
             .field("hpdk", &self.hpdk)
@@ -461,6 +468,7 @@ impl Default for Options {
             pm_pool_size: 256 << 20,
             max_key_size: MAX_KEY_SIZE,
             max_value_size: MAX_VALUE_SIZE,
+            wal_recovery: WalRecovery::default(),
             pmekv: PmekvOptions::default(),
             slmdb: SlmdbOptions::default(),
             hpdk: HpdkOptions::default(),
@@ -496,6 +504,11 @@ impl Options {
     /// Set [`Options::pm_path`].
     pub fn pm_path(mut self, p: impl Into<PathBuf>) -> Self {
         self.pm_path = Some(p.into());
+        self
+    }
+    /// Set [`Options::wal_recovery`].
+    pub fn wal_recovery(mut self, mode: WalRecovery) -> Self {
+        self.wal_recovery = mode;
         self
     }
     /// Set [`Options::pm_sync`].

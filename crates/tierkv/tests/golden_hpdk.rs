@@ -45,8 +45,8 @@ fn hpdk_layouts_have_stable_bytes() {
     let d = Dump { covered: 1, tables: vec![1], pools: vec![], entries: vec![(b"k".to_vec(), 5, 1)] };
     assert_eq!(decode_dump(&encode_dump(&d)), Ok(d));
     assert_eq!(decode_merge_log(&encode_merge_log(&[2, 3], 11)), Ok((vec![2, 3], 11)));
-    let w = decode_wal(&encode_wal(&[(b"k1", Some(9)), (b"k2", None)])).unwrap();
-    assert_eq!(w, vec![vec![(b"k1".to_vec(), Some(9)), (b"k2".to_vec(), None)]]);
+    let rec = encode_wal(&[(b"k1", Some(9)), (b"k2", None)]);
+    assert_eq!(decode_wal_payload(&rec[8..]), Some(vec![(b"k1".to_vec(), Some(9)), (b"k2".to_vec(), None)]));
     // A flipped byte is caught by every checksum.
     let mut b = encode_dump(&Dump::default());
     b[10] ^= 1;

@@ -48,6 +48,8 @@ pub struct EngineCtx {
     pub fresh: bool,
     /// Where the PM region records a failed msync ([`Db`](crate::Db) checks it).
     pub pm_health: Arc<crate::pm::PmHealth>,
+    /// Where open reports the log ranges it dropped ([`crate::Db::recovery_report`]).
+    pub recovery: crate::format::log::RecoveryLog,
 }
 
 /// Operations every preset provides. Keys and values are already checked against limits.
@@ -141,3 +143,4 @@ pub fn open(preset: Preset, ctx: EngineCtx) -> Result<Arc<dyn Engine>> {
         Preset::Hoakv => Ok(Arc::new(hoakv::Hoakv::open(ctx)?)),
     }
 }
+

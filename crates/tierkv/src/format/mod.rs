@@ -6,6 +6,7 @@
 //! or PM" without denying `clippy::indexing_slicing` crate-wide.)
 
 pub mod crc;
+pub mod log;
 
 /// A little-endian reader over a byte slice that never panics.
 #[derive(Debug, Clone)]
@@ -77,61 +78,13 @@ pub type Frames<'a> = (Vec<(u64, &'a [u8])>, bool);
 /// The page size a file system loses unsynced data in (see [`crate::fs::crash_model`]).
 pub const FS_PAGE: u64 = 4096;
 
-/// True when `data` (a file's bytes from file offset `base` on) shows, from `off` on, what a
-/// crash leaves of a page that was never written back: some page-aligned range
-/// `[max(page, off), min(page + FS_PAGE, end))` starting before `rec_end` is all zeros.
-/// (Media damage does not zero a whole page; a crash that loses unsynced pages does.)
-pub fn has_lost_page(data: &[u8], base: u64, off: usize, rec_end: usize) -> bool {
-    let end = data.len();
-    let file_off = base + off as u64;
-    let mut page = file_off - file_off % FS_PAGE;
-    loop {
-        let lo = usize::try_from(page.max(file_off) - base).unwrap_or(usize::MAX);
-        if lo >= rec_end.min(end) {
-            return false;
-        }
-        let hi = usize::try_from(page + FS_PAGE - base).unwrap_or(usize::MAX).min(end);
-        if data.get(lo..hi).is_some_and(|b| b.iter().all(|&x| x == 0)) {
-            return true;
-        }
-        page += FS_PAGE;
-    }
-}
-
 /// The framed records of `data` (each with its offset), and whether a torn last record was
-/// dropped. `base` is the file offset of `data[0]` (page alignment).
-///
-/// Reading stops at the first record that is not intact. It and everything after it are a
-/// torn tail, the remains of appends a crash interrupted before their sync, when it:
-/// - runs past the end of the file (the file was cut inside it);
-/// - fails its checksum and ends exactly at the end of the file (a torn last page); or
-/// - fails its checksum (or its header is zeros) and a lost page shows from its start on
-///   ([`has_lost_page`]: a file system that writes back pages out of order and commits the
-///   file size first leaves zero-filled holes where unsynced pages were).
-///
-/// Any other bad record is `Err((offset, detail))`: damage where a crash leaves none. The
-/// rule cannot tell a torn tail from damage that looks exactly like one (a checksum-failing
-/// last record, or a length field damaged to point past the end); a store that must tell
-/// them apart records its commit points elsewhere (slmdb's flush log, the LSM's
-/// commit-in-flight word).
+/// dropped: [`log::read_log`] under [`log::WalRecovery::TolerateTornTail`] (the MANIFEST's
+/// rule). `base` is the file offset of `data[0]` (page alignment). Any bad record that is
+/// not a torn tail is `Err((offset, detail))`.
 pub fn read_frames_at(data: &[u8], base: u64) -> Result<Frames<'_>, (u64, String)> {
-    let mut out = Vec::new();
-    let mut off = 0usize;
-    while off < data.len() {
-        let mut c = Cursor::new(data.get(off..).unwrap_or(&[]));
-        let (Some(len), Some(stored)) = (c.u32(), c.u32()) else { return Ok((out, true)) };
-        let Some(payload) = c.bytes(len as usize) else { return Ok((out, true)) };
-        let end = off + 8 + len as usize;
-        if crc::masked(payload) != stored {
-            if end == data.len() || has_lost_page(data, base, off, end) {
-                return Ok((out, true));
-            }
-            return Err((off as u64, "record checksum mismatch".into()));
-        }
-        out.push((off as u64, payload));
-        off = end;
-    }
-    Ok((out, false))
+    let r = log::read_log(data, base, log::WalRecovery::TolerateTornTail)?;
+    Ok((r.records, r.torn))
 }
 
 /// [`read_frames_at`] for data that starts at file offset 0.

@@ -80,6 +80,10 @@ pub struct LsmOptions {
     pub sync_wal: bool,
     /// Flush and compact on a background thread (false: in the writing thread).
     pub background: bool,
+    /// What open does with damaged WAL records.
+    pub wal_recovery: crate::format::log::WalRecovery,
+    /// Where open reports the WAL ranges it dropped.
+    pub recovery_log: crate::format::log::RecoveryLog,
 }
 
 impl Default for LsmOptions {
@@ -97,6 +101,8 @@ impl Default for LsmOptions {
             block_cache_size: 8 << 20,
             sync_wal: false,
             background: true,
+            wal_recovery: Default::default(),
+            recovery_log: Default::default(),
         }
     }
 }
@@ -252,10 +258,6 @@ fn table_number(name: &str) -> Option<u64> {
     name.strip_suffix(".sst")?.parse().ok()
 }
 
-fn io_err(path: &Path) -> impl Fn(std::io::Error) -> Error + '_ {
-    move |e| Error::Io(std::io::Error::new(e.kind(), format!("{}: {e}", path.display())))
-}
-
 fn in_end(k: &[u8], end: Bound<&[u8]>) -> bool {
     match end {
         Bound::Included(e) => k <= e,
@@ -345,18 +347,23 @@ impl Lsm {
             }
         }
         wals.sort_unstable();
+        // Only the newest WAL was being appended to; the older ones were synced whole
+        // before the next one started.
         let mut batches = Vec::new();
-        for &g in &wals {
-            let path = dir.join(wal::name(g));
-            let data = fs.read_all(&path).map_err(io_err(&path))?;
-            let (b, torn) = wal::parse(&data).map_err(|(off, d)| Error::corruption(&path, off, d))?;
-            // Only the newest WAL was being appended to; the older ones were synced whole
-            // before the next one started.
-            if torn && Some(&g) != wals.last() {
-                return Err(Error::corruption(&path, 0, "a WAL that was complete has a damaged last record"));
-            }
-            fs.open(&path)?.sync()?;
-            batches.extend(b);
+        let paths: Vec<_> = wals.iter().map(|&g| dir.join(wal::name(g))).collect();
+        crate::format::log::replay_logs(
+            &fs,
+            &paths,
+            opts.wal_recovery,
+            true,
+            &opts.recovery_log,
+            |p, off, payload| {
+                batches.push(wal::decode(payload).map_err(|d| Error::corruption(p, off, d))?);
+                Ok(())
+            },
+        )?;
+        for path in &paths {
+            fs.open(path)?.sync()?;
         }
         let gen = wals.last().copied().unwrap_or(version.counter).max(version.counter) + 1;
         let wal_path = dir.join(wal::name(gen));

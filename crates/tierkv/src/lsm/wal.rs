@@ -8,8 +8,8 @@
 //! ```
 //! `kind` is 0 for a put and 1 for a delete (whose `vlen` is 0). `seq` is the caller's
 //! sequence number of the batch (HoaKV compares it with its hot records at recovery).
-//! A record that runs past the end of the file, or whose checksum fails and that ends
-//! exactly at the end, is a torn tail and is dropped; any other bad record is corruption.
+//! Which bad record is a torn tail and what open does with damage is
+//! [`crate::format::log`]'s rule and the store's [`crate::WalRecovery`] mode.
 
 use crate::format::Cursor;
 
@@ -100,7 +100,8 @@ pub fn decode(p: &[u8]) -> Result<Batch, String> {
     Ok(Batch { seq, ops })
 }
 
-/// Every complete batch of a WAL file's bytes, and whether a torn tail was dropped.
+/// Every complete batch of a WAL file's bytes, and whether a torn tail was dropped (tests).
+#[cfg(test)]
 pub fn parse(data: &[u8]) -> Result<(Vec<Batch>, bool), (u64, String)> {
     let (frames, torn) = crate::format::read_frames(data)?;
     let mut out = Vec::with_capacity(frames.len());

@@ -196,7 +196,8 @@ pub enum Maintenance {
     },
 }
 
-fn lsm_options(o: &HoakvOptions) -> LsmOptions {
+fn lsm_options(ctx: &EngineCtx) -> LsmOptions {
+    let o = &ctx.opts.hoakv;
     LsmOptions {
         memtable_size: o.memtable_size,
         level1_size: o.level1_size,
@@ -206,6 +207,8 @@ fn lsm_options(o: &HoakvOptions) -> LsmOptions {
         block_cache_size: o.block_cache_size,
         sync_wal: o.sync_wal,
         background: o.background,
+        wal_recovery: ctx.opts.wal_recovery,
+        recovery_log: ctx.recovery.clone(),
         ..LsmOptions::default()
     }
 }
@@ -227,7 +230,7 @@ impl Hoakv {
         let poison = Arc::new(Poison::default());
         let inflight = region.load_u64_atomic(layout::INFLIGHT_ADDR)? != 0;
         let (lsm, batches) =
-            Lsm::open(ctx.fs.clone(), &ctx.dir, lsm_options(&opts), ctx.fresh, poison.clone(), &|| inflight)?;
+            Lsm::open(ctx.fs.clone(), &ctx.dir, lsm_options(&ctx), ctx.fresh, poison.clone(), &|| inflight)?;
         let lsm = Arc::new(lsm);
         let r2 = region.clone();
         lsm.set_commit_hook(Arc::new(move |on| {
@@ -1041,7 +1044,16 @@ mod tests {
         if fresh {
             cfs.create_dir_all(&dir).unwrap();
         }
-        Hoakv::open(EngineCtx { dir, opts, fs: cfs, db_id: 7, fresh, pm_health: Arc::default() }).unwrap()
+        Hoakv::open(EngineCtx {
+            dir,
+            opts,
+            fs: cfs,
+            db_id: 7,
+            fresh,
+            pm_health: Arc::default(),
+            recovery: Arc::default(),
+        })
+        .unwrap()
     }
 
     fn put(h: &Hoakv, k: &[u8], v: &[u8]) {

@@ -698,19 +698,31 @@ pub(crate) fn open_inner(ctx: &EngineCtx) -> Result<(Inner, Option<Vec<u64>>)> {
     let mut wals: Vec<u64> = fs.list(dir)?.iter().filter_map(|n| wal_number(n)).collect();
     wals.sort_unstable();
     let recovered = Mem::new(version.counter.max(wals.last().copied().unwrap_or(0)));
+    let mut live = Vec::new();
     for g in &wals {
         let p = dir.join(wal_name(*g));
         if *g <= version.counter {
             fs.remove(&p)?;
-            continue;
+        } else {
+            live.push(p);
         }
-        let recs = layout::decode_wal(&fs.read_all(&p)?).map_err(|(off, d)| Error::corruption(&p, off, d))?;
-        for ops in recs {
+    }
+    // With `sync_wal` every record was synced, so only the newest WAL can have a torn tail.
+    crate::format::log::replay_logs(
+        fs,
+        &live,
+        ctx.opts.wal_recovery,
+        opts.sync_wal,
+        &ctx.recovery,
+        |p, off, payload| {
+            let ops =
+                layout::decode_wal_payload(payload).ok_or_else(|| Error::corruption(p, off, "malformed WAL record"))?;
             for (k, a) in ops {
                 recovered.insert(&k, a.unwrap_or(TOMB));
             }
-        }
-    }
+            Ok(())
+        },
+    )?;
     for (no, n) in recovered.refs.lock().iter() {
         st.counts.entry(*no).or_default().mem_refs += n;
     }

@@ -209,14 +209,9 @@ pub fn encode_wal(ops: &[(&[u8], Option<u64>)]) -> Vec<u8> {
     crate::format::frame(&p)
 }
 
-/// Decode a WAL file into its records' operations. A torn last record ends the log; any
-/// other bad record is an error `(offset, detail)` ([`crate::format::read_frames`]).
-pub fn decode_wal(data: &[u8]) -> Result<Vec<Vec<WalOp>>, (u64, String)> {
-    let (records, _torn) = crate::format::read_frames(data).map_err(|(off, d)| (off, format!("WAL {d}")))?;
-    records.into_iter().map(|(off, p)| decode_wal_payload(p).ok_or((off, "malformed WAL record".to_string()))).collect()
-}
-
-fn decode_wal_payload(p: &[u8]) -> Option<Vec<WalOp>> {
+/// Decode one WAL record's payload (checksum already verified; torn-tail and damage
+/// handling is [`crate::format::log`]'s).
+pub fn decode_wal_payload(p: &[u8]) -> Option<Vec<WalOp>> {
     let mut c = Cursor::new(p);
     let n = c.u32()? as usize;
     let mut ops = Vec::with_capacity(n.min(p.len()));
