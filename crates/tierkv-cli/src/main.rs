@@ -187,6 +187,14 @@ enum Cmd {
         #[command(flatten)]
         t: Target,
     },
+    /// Salvage a damaged store: keep every record that verifies, rebuild the store from
+    /// them, and keep the damaged one as `<dir>.damaged-<time>`. Prints each dropped record
+    /// (`dropped key K: FILE at offset O: WHY`, or `dropped record: ...` when its key is
+    /// unreadable) and a summary; exit 3 if the rebuilt store does not pass `check`.
+    Repair {
+        #[command(flatten)]
+        t: Target,
+    },
     /// kill -9 soak: a stress process (writer and reader threads, verifiable values) is
     /// SIGKILLed at random moments; after each kill the store is reopened, every key checked
     /// against the acknowledged writes, and `check` run. Exit 1 on the first failure.
@@ -481,6 +489,38 @@ fn run(cli: Cli) -> Result<Outcome, Error> {
             db.close()?;
             let json = serde_json::to_string_pretty(&s).map_err(|e| Error::InvalidArgument(e.to_string()))?;
             writeln!(out, "{json}")?;
+        }
+        Cmd::Repair { t } => {
+            let preset = t.preset.as_deref().map(str::parse::<Preset>).transpose()?;
+            let mut opts = Options::new().preset(preset.unwrap_or_default());
+            if let Some(p) = &t.pm_path {
+                opts = opts.pm_path(p);
+            }
+            let r = tierkv::repair::repair(&t.dir, &opts, preset.is_some())?;
+            for l in &r.lost {
+                match &l.key {
+                    Some(k) => write!(out, "dropped key {}", tierkv::escape(k))?,
+                    None => write!(out, "dropped record")?,
+                }
+                writeln!(out, ": {} at offset {}: {}", l.file.display(), l.offset, l.detail)?;
+            }
+            let kept: Vec<String> = r.damaged_copy.iter().map(|p| p.display().to_string()).collect();
+            writeln!(
+                out,
+                "repaired {} ({}): {} keys kept from {} intact records, {} damaged records dropped; the damaged store is kept at {}",
+                t.dir.display(),
+                r.preset,
+                r.keys,
+                r.records,
+                r.lost.len(),
+                kept.join(" and ")
+            )?;
+            for p in &r.problems {
+                writeln!(out, "problem: {p}")?;
+            }
+            if !r.problems.is_empty() {
+                return Ok(Outcome::Problems);
+            }
         }
         Cmd::Check { t } => {
             let db = match open(&t, false) {

@@ -39,6 +39,7 @@ pub mod manifest;
 pub mod options;
 pub mod options_file;
 pub mod pm;
+pub mod repair;
 pub mod sstable;
 pub mod stats;
 pub mod testing;

@@ -144,3 +144,13 @@ pub fn open(preset: Preset, ctx: EngineCtx) -> Result<Arc<dyn Engine>> {
     }
 }
 
+/// Salvage every intact record of a `preset` store (read-only; see [`crate::repair`]).
+pub(crate) fn salvage(preset: Preset, ctx: &EngineCtx, sink: &mut dyn crate::repair::SalvageSink) -> Result<()> {
+    match preset {
+        Preset::Pmekv => pmekv::salvage::salvage(ctx, sink),
+        Preset::Slmdb => slmdb::salvage::salvage(ctx, sink),
+        Preset::Hpdk => hpdk::salvage::salvage(ctx, sink),
+        Preset::Lightkv => lightkv::salvage::salvage(ctx, sink),
+        Preset::Hoakv => hoakv::salvage::salvage(ctx, sink),
+    }
+}

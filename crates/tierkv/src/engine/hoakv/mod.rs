@@ -87,6 +87,7 @@ pub mod cold;
 pub mod heat;
 pub mod hot;
 pub mod layout;
+pub(crate) mod salvage;
 
 use std::collections::{BTreeSet, HashMap, HashSet};
 use std::ops::Bound;

@@ -62,6 +62,7 @@
 pub mod jobs;
 pub mod layout;
 pub mod vlog;
+pub(crate) mod salvage;
 
 use std::collections::{BTreeMap, HashMap};
 use std::ops::Bound;

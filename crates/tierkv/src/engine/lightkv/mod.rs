@@ -31,6 +31,7 @@
 
 pub mod leaf;
 pub mod pwb;
+pub(crate) mod salvage;
 pub mod store;
 
 use std::ops::Bound;

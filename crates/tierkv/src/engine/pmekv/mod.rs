@@ -72,6 +72,7 @@
 
 pub mod layout;
 pub mod log;
+pub(crate) mod salvage;
 mod recovery;
 
 use std::collections::{BTreeMap, HashMap, HashSet};

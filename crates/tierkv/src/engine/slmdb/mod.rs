@@ -71,6 +71,7 @@ pub mod complog;
 mod jobs;
 pub mod layout;
 pub mod memtable;
+pub(crate) mod salvage;
 
 use std::collections::{BTreeMap, HashMap};
 use std::ops::Bound;
