@@ -35,7 +35,7 @@ use std::sync::Arc;
 
 use crate::engine::EngineCtx;
 use crate::error::{Error, Result};
-use crate::fs::{CountingFs, Fs, RealFs};
+use crate::fs::{CountingFs, Fs, FsLock, RealFs};
 use crate::options::Options;
 use crate::options_file::{OptionsRecord, OPTIONS_FILE};
 use crate::{Db, Preset, WriteBatch};
@@ -119,8 +119,8 @@ pub struct RepairReport {
 
 /// Read the preset and store id of `dir` (`opts.fs` or the real file system). A store
 /// whose `OPTIONS` record is damaged can still be salvaged when the caller names the
-/// preset (`opts.preset`); its id is then taken as unknown (0) and PM pools are opened
-/// without the identity check.
+/// preset (`opts.preset`); its id is then read from the first PM pool's header (bytes
+/// 24..32, docs/format/pm-pool.md) when that file exists, so the pools still open.
 fn identity(fs: &dyn Fs, dir: &Path, opts: &Options, preset_given: bool) -> Result<(Preset, u64)> {
     let path = dir.join(OPTIONS_FILE);
     if !fs.exists(&path) {
@@ -134,7 +134,14 @@ fn identity(fs: &dyn Fs, dir: &Path, opts: &Options, preset_given: bool) -> Resu
             }
             Ok((rec.preset, rec.db_id))
         }
-        Err(_) if preset_given => Ok((opts.preset, 0)),
+        Err(_) if preset_given => {
+            let pool = opts.pm_path.clone().unwrap_or_else(|| dir.join("pm")).join("pool-000000");
+            let id = std::fs::read(&pool)
+                .ok()
+                .and_then(|b| b.get(24..32).and_then(|s| s.try_into().ok()).map(u64::from_le_bytes))
+                .unwrap_or(0);
+            Ok((opts.preset, id))
+        }
         Err((off, d)) => Err(Error::Corruption {
             file: path,
             offset: off,
@@ -147,10 +154,15 @@ fn identity(fs: &dyn Fs, dir: &Path, opts: &Options, preset_given: bool) -> Resu
 /// open). `preset_given`: `opts.preset` names the preset even if `OPTIONS` is readable
 /// (it must then agree).
 pub fn salvage(dir: &Path, opts: &Options, preset_given: bool) -> Result<Salvaged> {
+    salvage_locked(dir, opts, preset_given).map(|(s, _, _)| s)
+}
+
+/// [`salvage`], returning the store's preset and the store lock, still held.
+fn salvage_locked(dir: &Path, opts: &Options, preset_given: bool) -> Result<(Salvaged, Preset, Box<dyn FsLock>)> {
     let base: Arc<dyn Fs> = opts.fs.clone().unwrap_or_else(|| Arc::new(RealFs));
     let fs = CountingFs::new(base);
     let (preset, db_id) = identity(&fs, dir, opts, preset_given)?;
-    let _lock = fs.lock(&dir.join("LOCK")).map_err(|e| match e.kind() {
+    let lock = fs.lock(&dir.join("LOCK")).map_err(|e| match e.kind() {
         std::io::ErrorKind::WouldBlock => Error::Locked(dir.to_path_buf()),
         _ => Error::Io(e),
     })?;
@@ -165,7 +177,7 @@ pub fn salvage(dir: &Path, opts: &Options, preset_given: bool) -> Result<Salvage
     };
     let mut out = Salvaged::default();
     crate::engine::salvage(preset, &ctx, &mut out)?;
-    Ok(out)
+    Ok((out, preset, lock))
 }
 
 /// Write `s`'s live keys into a new store at `dir` (which must not hold one) with `opts`,
@@ -206,8 +218,9 @@ pub fn repair(dir: &Path, opts: &Options, preset_given: bool) -> Result<RepairRe
                 .into(),
         ));
     }
-    let s = salvage(dir, opts, preset_given)?;
-    let preset = Db::stored_preset(dir).ok().flatten().unwrap_or(opts.preset);
+    // The store stays locked until the rebuilt one is in its place: nobody writes to the
+    // damaged store after its records were read (the lock follows the directory's rename).
+    let (s, preset, lock) = salvage_locked(dir, opts, preset_given)?;
     let opts = Options { preset, ..opts.clone() };
     let pm_outside = opts.pm_path.clone().filter(|p| !p.starts_with(dir));
     let tmp = with_suffix(dir, ".repair-tmp");
@@ -239,6 +252,7 @@ pub fn repair(dir: &Path, opts: &Options, preset_given: bool) -> Result<RepairRe
     if let Some(parent) = dir.parent().filter(|p| !p.as_os_str().is_empty()) {
         RealFs.sync_dir(parent)?;
     }
+    drop(lock);
     let db = Db::open(dir, Options { create_if_missing: false, ..opts.clone() })?;
     let problems = db.check()?;
     db.close()?;
