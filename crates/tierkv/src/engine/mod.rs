@@ -143,4 +143,3 @@ pub fn open(preset: Preset, ctx: EngineCtx) -> Result<Arc<dyn Engine>> {
         Preset::Hoakv => Ok(Arc::new(hoakv::Hoakv::open(ctx)?)),
     }
 }
-
