@@ -187,3 +187,44 @@ fn a_flipped_manifest_record_is_corruption_unless_last() {
         }
     }
 }
+
+/// Regression (fs page model, `fs_crash` soak: hpdk, crash at the first WAL sync, second
+/// reopen): recovery dropped the torn tail of the newest WAL, started a newer one and left
+/// the torn file in place; the next open found an older WAL with a damaged last record,
+/// which with `sync_wal` cannot happen, and refused to open. Recovery now rewrites a log it
+/// dropped anything from to exactly what it replayed.
+#[test]
+fn a_torn_tail_dropped_once_does_not_fail_the_next_open() {
+    for &preset in [Preset::Hpdk, Preset::Hoakv].iter().filter(|p| presets().contains(p)) {
+        for keep in [0, 3] {
+            let ctx = format!("{preset}, {keep} intact records before the torn one");
+            let (dev, fs) = (SimDevice::new(), FaultFs::new());
+            let db = Db::open(dir(), options(preset, &dev, &fs, WalRecovery::default())).unwrap();
+            for i in 0..=keep {
+                db.put(key(i), value(i)).unwrap();
+            }
+            db.simulate_process_crash();
+            let wal = fs
+                .list(&dir())
+                .unwrap()
+                .into_iter()
+                .filter(|n| n.starts_with("wal-"))
+                .map(|n| dir().join(n))
+                .find(|p| fs.read_all(p).is_ok_and(|d| !d.is_empty()))
+                .unwrap();
+            let data = fs.read_all(&wal).unwrap();
+            let offs = record_offsets(&data, 0);
+            fs.truncate(&wal, offs[keep] + 10).unwrap();
+            for round in 0..2 {
+                let db = Db::open(dir(), options(preset, &dev, &fs, WalRecovery::default()))
+                    .unwrap_or_else(|e| panic!("{ctx}: open {round}: {e}"));
+                assert_eq!(present(&db), (0..keep).collect::<Vec<_>>(), "{ctx}");
+                if round == 0 {
+                    assert_eq!(db.recovery_report().len(), 1, "{ctx}");
+                    assert_eq!(db.recovery_report()[0].reason, DropReason::TornTail, "{ctx}");
+                }
+                db.simulate_process_crash();
+            }
+        }
+    }
+}

@@ -237,6 +237,13 @@ pub type RecoveryLog = std::sync::Arc<parking_lot::Mutex<Vec<Dropped>>>;
 /// in any but the newest is damage, not a crash ([`WalRecovery::PointInTime`] cuts there,
 /// [`WalRecovery::SkipDamaged`] drops it and goes on). After a point-in-time cut, later
 /// files are dropped whole ([`DropReason::AfterCut`]).
+///
+/// A file that had anything dropped is rewritten (write-temp, fsync, rename, fsync-dir) to
+/// exactly the records replayed from it, before `each` sees them: the log on disk then
+/// says what recovery decided. Otherwise a torn tail that recovery dropped would sit in a
+/// log that is no longer the newest once the store writes a new one, and a second crash
+/// before that log is flushed would find damage where there is none; and a later open
+/// under another mode would replay records a point-in-time recovery had cut.
 pub fn replay_logs(
     fs: &dyn crate::fs::Fs,
     paths: &[std::path::PathBuf],
@@ -245,22 +252,22 @@ pub fn replay_logs(
     report: &RecoveryLog,
     mut each: impl FnMut(&std::path::Path, u64, &[u8]) -> crate::Result<()>,
 ) -> crate::Result<()> {
+    let io = |path: &std::path::Path, what: &str| {
+        let p = path.display().to_string();
+        let what = what.to_string();
+        move |e: std::io::Error| crate::Error::Io(std::io::Error::new(e.kind(), format!("{what}{p}: {e}")))
+    };
+    let datas = paths.iter().map(|p| fs.read_all(p).map_err(io(p, ""))).collect::<crate::Result<Vec<_>>>()?;
+    // Pass 1: decide, failing before anything is changed.
+    let mut reads = Vec::with_capacity(paths.len());
     let mut cut = false;
-    for (i, path) in paths.iter().enumerate() {
-        let data = fs
-            .read_all(path)
-            .map_err(|e| crate::Error::Io(std::io::Error::new(e.kind(), format!("{}: {e}", path.display()))))?;
-        let drop = |offset: u64, len: u64, reason| {
-            report.lock().push(Dropped { file: path.clone(), offset, len, reason });
-        };
+    for (i, (path, data)) in paths.iter().zip(&datas).enumerate() {
         if cut {
-            if !data.is_empty() {
-                drop(0, data.len() as u64, DropReason::AfterCut);
-            }
+            reads.push(None);
             continue;
         }
         let last = i + 1 == paths.len();
-        let r = read_log(&data, 0, mode).map_err(|(o, d)| crate::Error::corruption(path, o, format!("WAL {d}")))?;
+        let r = read_log(data, 0, mode).map_err(|(o, d)| crate::Error::corruption(path, o, format!("WAL {d}")))?;
         if let (true, false, WalRecovery::TolerateTornTail, Some(&(o, _, DropReason::TornTail))) =
             (whole_older, last, mode, r.dropped.last())
         {
@@ -270,6 +277,30 @@ pub fn replay_logs(
                 "a WAL that was synced whole before the next one started has a damaged last record",
             ));
         }
+        cut = r.cut;
+        reads.push(Some(r));
+    }
+    // Pass 2: rewrite what had anything dropped, replay, report.
+    for (i, ((path, data), r)) in paths.iter().zip(&datas).zip(reads).enumerate() {
+        let last = i + 1 == paths.len();
+        let drop = |offset: u64, len: u64, reason| {
+            report.lock().push(Dropped { file: path.clone(), offset, len, reason });
+        };
+        let Some(r) = r else {
+            if !data.is_empty() {
+                fs.write_atomic(path, &[]).map_err(io(path, "rewriting "))?;
+                drop(0, data.len() as u64, DropReason::AfterCut);
+            }
+            continue;
+        };
+        if !r.dropped.is_empty() {
+            let mut kept = Vec::with_capacity(data.len());
+            for &(o, p) in &r.records {
+                let o = o as usize;
+                kept.extend_from_slice(data.get(o..o + 8 + p.len()).unwrap_or_default());
+            }
+            fs.write_atomic(path, &kept).map_err(io(path, "rewriting "))?;
+        }
         for &(o, p) in &r.records {
             each(path, o, p)?;
         }
@@ -278,7 +309,6 @@ pub fn replay_logs(
                 if whole_older && !last && reason == DropReason::TornTail { DropReason::Damaged } else { reason };
             drop(o, len, reason);
         }
-        cut = r.cut;
     }
     Ok(())
 }
@@ -385,6 +415,17 @@ mod tests {
         assert!(ok);
         assert_eq!(n, 1, "only the record before the damage");
         assert_eq!(dropped, vec![(false, offs[1] as u64, DropReason::Damaged), (true, 0, DropReason::AfterCut)]);
+        // The logs were rewritten to what was replayed: a later open in the default mode
+        // replays the same point in time and finds nothing to drop.
+        let report = RecoveryLog::default();
+        let mut again = 0;
+        replay_logs(&fs, &paths, WalRecovery::TolerateTornTail, true, &report, |_, _, _| {
+            again += 1;
+            Ok(())
+        })
+        .map_err(|e| e.to_string())
+        .unwrap_or_default();
+        assert_eq!((again, report.lock().len()), (1, 0));
         let (ok, n, dropped) = run(&damaged, WalRecovery::SkipDamaged, true);
         assert!(ok && n == 6, "every other record of both logs");
         assert_eq!(dropped, vec![(false, offs[1] as u64, DropReason::Damaged)]);
