@@ -89,15 +89,11 @@ struct VTable {
 
 impl VTable {
     fn half_addr(&self, slot: u32, half: u8) -> u64 {
-        self.addr
-            + layout::VT_HEADER
-            + layout::selectors_len(u64::from(self.nslots))
-            + u64::from(slot) * 2 * u64::from(self.class)
-            + u64::from(half) * u64::from(self.class)
+        self.addr + layout::half_offset(self.nslots, self.class, slot, half)
     }
 
     fn sel_addr(&self, slot: u32) -> u64 {
-        self.addr + layout::VT_HEADER + u64::from(slot) * 8
+        self.addr + layout::selector_offset(slot)
     }
 }
 
@@ -185,7 +181,7 @@ impl Hot {
         e: usize,
         buckets: usize,
     ) -> Result<Hot> {
-        let want_slots = (capacity / vtable_size + 1).saturating_mul(2).saturating_add(32).min(65_535) as u32;
+        let want_slots = layout::dir_slots_for(capacity, vtable_size);
         if create {
             let sb = layout::encode_superblock(vtable_size, want_slots);
             let zero = vec![0u8; want_slots as usize * 8];

@@ -76,6 +76,26 @@ pub fn selectors_len(n: u64) -> u64 {
     crate::format::align_up(n * 8, 64)
 }
 
+/// Offset in its vTable of the selector of `slot`.
+pub fn selector_offset(slot: u32) -> u64 {
+    VT_HEADER + u64::from(slot) * 8
+}
+
+/// Offset in its vTable of `half` of `slot`, for a vTable of `nslots` slots of class
+/// `class`: the header, the selectors, then two halves per slot.
+pub fn half_offset(nslots: u32, class: u32, slot: u32, half: u8) -> u64 {
+    VT_HEADER
+        + selectors_len(u64::from(nslots))
+        + u64::from(slot) * 2 * u64::from(class)
+        + u64::from(half) * u64::from(class)
+}
+
+/// The vTable directory length a new store gets for a HotStore of `capacity` bytes in
+/// vTables of `vtable_size` bytes (room for twice the vTables the capacity needs, plus 32).
+pub fn dir_slots_for(capacity: u64, vtable_size: u64) -> u32 {
+    (capacity / vtable_size.max(1) + 1).saturating_mul(2).saturating_add(32).min(65_535) as u32
+}
+
 /// First heap byte in pool 0 for a directory of `slots` entries.
 pub fn heap_start(slots: u32) -> u64 {
     crate::format::align_up(DIR_ADDR + u64::from(slots) * 8, 64)
