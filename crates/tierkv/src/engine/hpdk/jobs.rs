@@ -25,11 +25,13 @@ use crate::sstable::{Kind, Table, TableBuilder};
 /// Tree updates applied per write-lock hold.
 const CHUNK: usize = 256;
 
-fn dump_number(name: &str) -> Option<u64> {
+/// The `covered` number of a B+-tree recovery file's name.
+pub(crate) fn dump_number(name: &str) -> Option<u64> {
     name.strip_prefix("BTREE-")?.parse().ok()
 }
 
-fn wal_number(name: &str) -> Option<u64> {
+/// The generation of a WAL file's name.
+pub(crate) fn wal_number(name: &str) -> Option<u64> {
     name.strip_prefix("wal-")?.strip_suffix(".log")?.parse().ok()
 }
 

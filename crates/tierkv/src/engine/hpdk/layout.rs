@@ -150,6 +150,24 @@ pub fn decode_slot(b: &[u8], index: u16) -> Slot {
     }
 }
 
+/// The fields of slot `index` of the value-pool directory (`tables` false) or the table
+/// directory, read as that directory's kind *without* checking the kind byte, the index
+/// field or the checksum (salvage of a damaged slot: whatever it describes must then verify
+/// by its own checksums). `None` for a slot of all zeros (never written, or freed).
+pub(crate) fn decode_slot_unverified(b: &[u8], index: u16, tables: bool) -> Option<Slot> {
+    let b = b.get(..32)?;
+    if b.iter().all(|x| *x == 0) {
+        return None;
+    }
+    let mut c = Cursor::new(&b[4..28]);
+    let (w4, a8, w16) = (c.u32()?, c.u64()?, c.u32()?);
+    Some(if tables {
+        Slot::Table(TSlot { slot: index, addr: a8, size: w16, number: c.u64()? })
+    } else {
+        Slot::Pool(VSlot { no: index, gen: w4, addr: a8, cap: w16 })
+    })
+}
+
 /// The checksum of a value record of pool generation `gen`.
 pub fn record_crc(gen: u32, value: &[u8]) -> u32 {
     crc::masked_parts(&[&gen.to_le_bytes(), &(value.len() as u32).to_le_bytes(), value])

@@ -61,8 +61,8 @@
 
 pub mod jobs;
 pub mod layout;
-pub mod vlog;
 pub(crate) mod salvage;
+pub mod vlog;
 
 use std::collections::{BTreeMap, HashMap};
 use std::ops::Bound;
