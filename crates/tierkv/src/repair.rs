@@ -130,7 +130,10 @@ fn identity(fs: &dyn Fs, dir: &Path, opts: &Options, preset_given: bool) -> Resu
     match OptionsRecord::decode(&raw) {
         Ok(rec) => {
             if preset_given && rec.preset != opts.preset {
-                return Err(Error::PresetMismatch { stored: rec.preset.to_string(), requested: opts.preset.to_string() });
+                return Err(Error::PresetMismatch {
+                    stored: rec.preset.to_string(),
+                    requested: opts.preset.to_string(),
+                });
             }
             Ok((rec.preset, rec.db_id))
         }
@@ -345,7 +348,12 @@ pub fn salvage_sstable(
     }
     if let Some(b) = bad_from {
         // The index and filter blocks after the data blocks land here too.
-        lost(sink, b, None, format!("footer or index damaged; {} trailing bytes hold no verifying data block", end - b));
+        lost(
+            sink,
+            b,
+            None,
+            format!("footer or index damaged; {} trailing bytes hold no verifying data block", end - b),
+        );
     }
 }
 
@@ -368,7 +376,12 @@ mod tests {
     fn run(data: &[u8]) -> (Vec<String>, Salvaged) {
         let mut s = Salvaged::default();
         let mut keys = Vec::new();
-        salvage_sstable(data, Path::new("t.sst"), |e, _| keys.push(String::from_utf8_lossy(e.key).into_owned()), &mut s);
+        salvage_sstable(
+            data,
+            Path::new("t.sst"),
+            |e, _| keys.push(String::from_utf8_lossy(e.key).into_owned()),
+            &mut s,
+        );
         (keys, s)
     }
 

@@ -2,7 +2,7 @@
 //! live-item-rate dynamic merge (Algorithm 1), the B+-tree recovery file, and open.
 
 use std::collections::{BTreeMap, HashMap};
-use std::sync::atomic::Ordering;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
 use parking_lot::{Condvar, Mutex, RwLock};
@@ -375,15 +375,19 @@ impl Inner {
             }
         }
         self.fs.write_atomic(&self.dir.join(dump_name(covered)), &layout::encode_dump(&d))?;
+        self.dump.store(covered, Ordering::Release);
         self.counters.dumps.fetch_add(1, Ordering::Relaxed);
         Ok(())
     }
 
     /// Remove recovery files older than the newest.
     fn remove_old_dumps(&self) -> Result<()> {
-        let mut ns: Vec<u64> = self.fs.list(&self.dir)?.iter().filter_map(|n| dump_number(n)).collect();
-        ns.sort_unstable();
-        ns.pop();
+        // Not "all but the highest-numbered": a merge a crash cut before its commit leaves a
+        // recovery file numbered above the committed version; keeping it and removing the
+        // matching one made the next open fail ("no usable B+-tree recovery file").
+        let keep = self.dump.load(Ordering::Acquire);
+        let ns: Vec<u64> =
+            self.fs.list(&self.dir)?.iter().filter_map(|n| dump_number(n)).filter(|n| *n != keep).collect();
         for n in ns {
             self.fs.remove(&self.dir.join(dump_name(n)))?;
         }
@@ -594,6 +598,7 @@ pub(crate) fn open_inner(ctx: &EngineCtx) -> Result<(Inner, Option<Vec<u64>>)> {
     }
     // The B+-tree: recovery file + replay of newer tables.
     let mut tree: BPlusTree<u64> = BPlusTree::new(TREE_NODE);
+    let mut dump_kept = 0u64;
     let mut dump_pools: HashMap<u16, (u32, u32, u32)> = HashMap::new();
     if opts.use_btree {
         let mut names: Vec<u64> = fs.list(dir)?.iter().filter_map(|n| dump_number(n)).collect();
@@ -644,6 +649,7 @@ pub(crate) fn open_inner(ctx: &EngineCtx) -> Result<(Inner, Option<Vec<u64>>)> {
         tree = BPlusTree::from_leaves(TREE_NODE, leaves).ok_or_else(|| {
             Error::corruption(dir.join(dump_name(d.covered)), 0, "recovery file entries are not in key order")
         })?;
+        dump_kept = d.covered;
         for (no, gen, u, t) in d.pools {
             dump_pools.insert(no, (gen, u, t));
         }
@@ -763,6 +769,7 @@ pub(crate) fn open_inner(ctx: &EngineCtx) -> Result<(Inner, Option<Vec<u64>>)> {
         poisoned: crate::engine::Poison::default(),
         user_bytes: Default::default(),
         counters: Counters::default(),
+        dump: AtomicU64::new(dump_kept),
         opts,
     };
     Ok((inner, restart))

@@ -204,6 +204,9 @@ pub(crate) struct Inner {
     pub(crate) poisoned: crate::engine::Poison,
     pub(crate) user_bytes: AtomicU64,
     pub(crate) counters: Counters,
+    /// Number of the recovery file that matches the committed version (the last one
+    /// written, or the one open chose): the only one `remove_old_dumps` keeps.
+    pub(crate) dump: AtomicU64,
 }
 
 /// Pack a tree value: value address and table slot.
