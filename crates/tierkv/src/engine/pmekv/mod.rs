@@ -72,8 +72,8 @@
 
 pub mod layout;
 pub mod log;
-pub(crate) mod salvage;
 mod recovery;
+pub(crate) mod salvage;
 
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::ops::Bound;
