@@ -75,21 +75,29 @@ impl Ring {
 
     /// Every valid entry in the ring, with its flag and address, in ring order.
     pub fn scan(&self, region: &Region) -> Vec<(LogEntry, u8, u64)> {
-        let mut out = Vec::new();
-        let mut off = 0u64;
-        while off < self.len {
-            let addr = self.start + off;
-            let rest = region.slice(addr, (self.len - off) as usize).unwrap_or(&[]);
-            match LogEntry::decode(rest, self.kind) {
-                Some((e, flag)) => {
-                    off += LogEntry::size(e.key.len());
-                    out.push((e, flag, addr));
-                }
-                None => off += LINE,
-            }
-        }
-        out
+        let ring = region.slice(self.start, self.len as usize).unwrap_or(&[]);
+        scan_bytes(self.kind, self.start, ring)
     }
+}
+
+/// Every valid entry of kind `kind` in `ring` (the bytes of a whole ring that starts at PM
+/// address `start`), with its flag and address, in ring order: the scan recovery and
+/// salvage share. Lines that hold no valid entry are stepped over 64 bytes at a time.
+pub(crate) fn scan_bytes(kind: LogKind, start: u64, ring: &[u8]) -> Vec<(LogEntry, u8, u64)> {
+    let mut out = Vec::new();
+    let mut off = 0usize;
+    while off < ring.len() {
+        let rest = ring.get(off..).unwrap_or(&[]);
+        match LogEntry::decode(rest, kind) {
+            Some((e, flag)) => {
+                let addr = start + off as u64;
+                off += LogEntry::size(e.key.len()) as usize;
+                out.push((e, flag, addr));
+            }
+            None => off += LINE as usize,
+        }
+    }
+    out
 }
 
 #[cfg(test)]
