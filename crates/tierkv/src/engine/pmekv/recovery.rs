@@ -205,6 +205,14 @@ fn recover(region: Region, sb: Superblock, capacity: usize, background: bool) ->
     let mut batches: BTreeMap<u64, Vec<LogEntry>> = BTreeMap::new();
     for (e, flag, _) in kv_entries {
         max_seq = max_seq.max(e.seq);
+        // Any entry above the checkpoint, live or not, is covered by a checkpoint at the end
+        // of recovery. An entry torn without its flag word (never acknowledged) used to be
+        // skipped without one: its sequence number was reused-past but the entry stayed, and
+        // after later writes and a second crash the logs held it below newer operations —
+        // "log entry with sequence N is missing or damaged" (found by the salvage walk).
+        if e.seq > ckpt.seq {
+            saw_live = true;
+        }
         if flag != 0 && e.seq > ckpt.seq && e.batch_index < e.batch_len {
             saw_live = true;
             batches.entry(e.seq - e.batch_index as u64).or_default().push(e);
