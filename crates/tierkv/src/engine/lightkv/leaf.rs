@@ -20,8 +20,8 @@ use crate::index::rhtree::{Bucket, Leaf, PartitionDesc, SLOTS};
 
 /// Leaf header size.
 pub const LEAF_HEADER: usize = 64;
-const LEAF_MAGIC: &[u8; 8] = b"TKVLKLEF";
-const CHAIN_MAGIC: &[u8; 8] = b"TKVLKCHN";
+pub(crate) const LEAF_MAGIC: &[u8; 8] = b"TKVLKLEF";
+pub(crate) const CHAIN_MAGIC: &[u8; 8] = b"TKVLKCHN";
 const VERSION: u32 = 1;
 
 /// What a persistent leaf says about its table.

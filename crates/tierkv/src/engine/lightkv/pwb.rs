@@ -36,7 +36,7 @@ pub const HEADER_LEN: usize = 64;
 pub const RECORD_HEADER: usize = 4 + 4 + 8 + 4;
 /// Entry header size (crc, kind, klen, vlen).
 pub const ENTRY_HEADER: usize = 4 + 1 + 2 + 4;
-const MAGIC: &[u8; 8] = b"TKVLKSEG";
+pub(crate) const MAGIC: &[u8; 8] = b"TKVLKSEG";
 const VERSION: u32 = 1;
 
 /// A record's kind. Never renumber.

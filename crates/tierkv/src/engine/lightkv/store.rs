@@ -110,11 +110,11 @@ pub const MAX_PENDING_FLUSHES: usize = 8;
 /// DRAM entries (keys with their offsets) the scan cache holds, over all partitions.
 const SCAN_CACHE_ENTRIES: usize = 4 << 20;
 
-fn sst_off(table: u64, block: usize, entry: usize) -> u64 {
+pub(crate) fn sst_off(table: u64, block: usize, entry: usize) -> u64 {
     SST_FLAG | (table & 0x7fff_ffff) << 32 | (block as u64 & 0xf_ffff) << 12 | (entry as u64 & 0xfff)
 }
 
-fn split_sst(off: u64) -> (u64, usize, usize) {
+pub(crate) fn split_sst(off: u64) -> (u64, usize, usize) {
     ((off >> 32) & 0x7fff_ffff, ((off >> 12) & 0xf_ffff) as usize, (off & 0xfff) as usize)
 }
 
@@ -1918,7 +1918,7 @@ impl PwbStore {
 /// [`rhtree::build_leaf`]). A PM leaf is never changed, so it needs no extra area: a probe
 /// then reads at most two buckets, hit or miss (a leaf copied as it was in DRAM, where a
 /// full leaf spills into its extra area, would make every miss read the whole area).
-fn pm_leaf_of(offs: &[(Vec<u8>, u64)], depth: usize) -> Leaf {
+pub(crate) fn pm_leaf_of(offs: &[(Vec<u8>, u64)], depth: usize) -> Leaf {
     // Cuckoo placement fills two-choice, four-slot buckets to about 90 %: start at 85 % load
     // and grow by an eighth until every key fits.
     let mut normal = (offs.len() * 100).div_ceil(rhtree::SLOTS * 85).max(1);
