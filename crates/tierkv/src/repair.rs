@@ -120,7 +120,9 @@ pub struct RepairReport {
 /// Read the preset and store id of `dir` (`opts.fs` or the real file system). A store
 /// whose `OPTIONS` record is damaged can still be salvaged when the caller names the
 /// preset (`opts.preset`); its id is then read from the first PM pool's header (bytes
-/// 24..32, docs/format/pm-pool.md) when that file exists, so the pools still open.
+/// 24..32, docs/format/pm-pool.md) when that file exists, so the pools still open. When it
+/// cannot be read the id is 0, the region refuses the pools, and each preset's walk reads
+/// the pool bytes directly, checking each pool header itself.
 fn identity(fs: &dyn Fs, dir: &Path, opts: &Options, preset_given: bool) -> Result<(Preset, u64)> {
     let path = dir.join(OPTIONS_FILE);
     if !fs.exists(&path) {
@@ -332,13 +334,30 @@ pub fn salvage_sstable(
     let end = data.len().saturating_sub(FOOTER_LEN);
     let mut s = 0usize;
     let mut bad_from: Option<usize> = None;
+    let mut prev_last: Option<Vec<u8>> = None;
+    // A found block counts only if its keys ascend and follow the previous block's: an
+    // index or filter block whose bytes happen to parse as entries with a matching
+    // checksum is not data.
+    let ascending = |p: &[u8], prev: &Option<Vec<u8>>| {
+        let mut last = prev.clone();
+        block_entries(p).all(|e| {
+            e.is_ok_and(|e| {
+                let ok = last.as_deref().is_none_or(|l| l < e.key);
+                last = Some(e.key.to_vec());
+                ok
+            })
+        })
+    };
     while s < end {
-        if let Some(e) = block_at(s) {
+        if let Some(e) = block_at(s).filter(|&e| verified(s, e).is_some_and(|p| ascending(p, &prev_last))) {
             if let Some(b) = bad_from.take() {
                 lost(sink, b, None, format!("{} damaged bytes (no verifying block)", s - b));
             }
             if let Some(p) = verified(s, e) {
-                block_entries(p).flatten().for_each(|en| each(en, s as u64));
+                block_entries(p).flatten().for_each(|en| {
+                    prev_last = Some(en.key.to_vec());
+                    each(en, s as u64)
+                });
             }
             s = e;
         } else {
