@@ -454,3 +454,21 @@ fn a_stale_recovery_file_from_a_cut_merge_is_not_the_one_kept() {
     }
     assert!(!fs.exists(&dir().join(dump_name(n + 5))), "the stale file is removed at close");
 }
+
+/// Review finding: a session without the B+-tree (`use_btree` false) removed every recovery
+/// file at close (it kept "the one it wrote", and it wrote none), so the next open with the
+/// tree refused the store.
+#[test]
+fn a_session_without_the_tree_keeps_the_recovery_file() {
+    let (dev, fs) = (SimDevice::new(), FaultFs::new());
+    let db = Db::open(dir(), opts(&dev, &fs, manual())).unwrap();
+    let m = four_tables(&db);
+    db.close().unwrap();
+    drop(db);
+    let db = Db::open(dir(), opts(&dev, &fs, HpdkOptions { use_btree: false, ..manual() })).unwrap();
+    assert_matches(&db, &m, "without the tree");
+    db.close().unwrap();
+    drop(db);
+    let db = Db::open(dir(), opts(&dev, &fs, manual())).unwrap_or_else(|e| panic!("with the tree again: {e}"));
+    assert_matches(&db, &m, "with the tree again");
+}

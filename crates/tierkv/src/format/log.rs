@@ -7,7 +7,8 @@
 //! as zeros (page model, [`crate::fs::crash_model`]). So a bad record at offset `o` is a
 //! **torn tail** when
 //! - fewer than 8 bytes remain (the cut hit its header); or
-//! - a zero-filled page shows between `o` and the record's end ([`has_lost_page`]: media
+//! - a zero-filled page shows between `o` and the record's end, or the next intact record
+//!   if one comes first ([`has_lost_page`]: media
 //!   damage does not zero an aligned page; a lost write-back does — and every page after a
 //!   lost one is unsynced too, so what follows may be dropped); or
 //! - it runs past the end of the file, or fails its checksum and ends exactly at the end,
@@ -24,8 +25,12 @@
 //! a crash — a checksum-failing *last* record, a length field damaged in the last record, a
 //! record whose payload holds a whole aligned page of zeros and is damaged elsewhere, and a
 //! damaged length in the second-to-last record of a log whose last record is also torn. A
-//! torn tail whose cut payload happens to hold two chained valid frames (a value that is
-//! itself a tierkv log) is reported as damage, never dropped silently.
+//! torn tail whose cut payload happens to hold two chained valid frames, or one valid frame
+//! ending exactly where the cut fell (a value that is itself a tierkv log), is reported as
+//! damage, never dropped silently.
+//!
+//! Which log counts as the newest ([`replay_logs`]'s `whole_older` rule) is the last one
+//! that holds any bytes: a new log is created before the previous one's last sync.
 
 use super::{crc, Cursor, FS_PAGE};
 
@@ -165,9 +170,23 @@ pub fn has_lost_page(data: &[u8], base: u64, off: usize, rec_end: usize) -> bool
 /// verifies (see the module docs).
 pub fn intact_record_after(data: &[u8], from: usize) -> Option<usize> {
     let last = data.len().checked_sub(8)?;
-    (from..=last).find(|&p| match frame_at(data, p) {
-        Some((_, end)) => end == data.len() || frame_at(data, end).is_some(),
-        None => false,
+    // The length of the frame at `p` and where it ends, when it fits in the file.
+    let end_at = |p: usize| -> Option<usize> {
+        let len = u32::from_le_bytes(data.get(p..p + 4)?.try_into().ok()?) as usize;
+        p.checked_add(8)?.checked_add(len).filter(|e| *e <= data.len())
+    };
+    (from..=last).find(|&p| {
+        // Cheap header checks first (the frame ends at the end of the file, or the next
+        // frame's header fits), so a long torn tail of random bytes is scanned in linear
+        // time, not with a checksum per position.
+        let Some(end) = end_at(p) else { return false };
+        if end != data.len() && end_at(end).is_none() {
+            return false;
+        }
+        match frame_at(data, p) {
+            Some((_, end)) => end == data.len() || frame_at(data, end).is_some(),
+            None => false,
+        }
     })
 }
 
@@ -178,10 +197,13 @@ fn is_torn_tail(data: &[u8], base: u64, off: usize) -> bool {
         return true; // fewer than 8 bytes: the cut hit the header
     };
     let rec_end = off.saturating_add(8).saturating_add(len as usize);
-    if has_lost_page(data, base, off, rec_end) {
+    // Zeros count as a lost page only before the next intact record: a damaged length can
+    // claim to run over later records, and zeros inside those say nothing about this one.
+    let next = intact_record_after(data, off + 1);
+    if has_lost_page(data, base, off, next.map_or(rec_end, |n| n.min(rec_end))) {
         return true;
     }
-    rec_end >= data.len() && intact_record_after(data, off + 1).is_none()
+    rec_end >= data.len() && next.is_none()
 }
 
 /// Read a framed log: `data` is a file's bytes from file offset `base` on (`base` matters
@@ -261,12 +283,15 @@ pub fn replay_logs(
     // Pass 1: decide, failing before anything is changed.
     let mut reads = Vec::with_capacity(paths.len());
     let mut cut = false;
+    // A log is the newest that was written to when every later one is empty: a new log is
+    // created before the previous one's last sync, and a crash can keep the creation.
+    let newest = datas.iter().rposition(|d| !d.is_empty()).unwrap_or(0);
     for (i, (path, data)) in paths.iter().zip(&datas).enumerate() {
         if cut {
             reads.push(None);
             continue;
         }
-        let last = i + 1 == paths.len();
+        let last = i >= newest;
         let r = read_log(data, 0, mode).map_err(|(o, d)| crate::Error::corruption(path, o, format!("WAL {d}")))?;
         if let (true, false, WalRecovery::TolerateTornTail, Some(&(o, _, DropReason::TornTail))) =
             (whole_older, last, mode, r.dropped.last())
@@ -280,9 +305,16 @@ pub fn replay_logs(
         cut = r.cut;
         reads.push(Some(r));
     }
-    // Pass 2: rewrite what had anything dropped, replay, report.
-    for (i, ((path, data), r)) in paths.iter().zip(&datas).zip(reads).enumerate() {
-        let last = i + 1 == paths.len();
+    // Pass 2: replay every record (a record that fails to decode aborts the open before
+    // anything is changed), then rewrite what had anything dropped, newest log first, so a
+    // crash in between never leaves a cut log followed by an intact later one.
+    for (path, r) in paths.iter().zip(&reads) {
+        for &(o, p) in r.iter().flat_map(|r| &r.records) {
+            each(path, o, p)?;
+        }
+    }
+    for (i, ((path, data), r)) in paths.iter().zip(&datas).zip(&reads).enumerate().rev() {
+        let last = i >= newest;
         let drop = |offset: u64, len: u64, reason| {
             report.lock().push(Dropped { file: path.clone(), offset, len, reason });
         };
@@ -301,15 +333,13 @@ pub fn replay_logs(
             }
             fs.write_atomic(path, &kept).map_err(io(path, "rewriting "))?;
         }
-        for &(o, p) in &r.records {
-            each(path, o, p)?;
-        }
         for &(o, len, reason) in &r.dropped {
             let reason =
                 if whole_older && !last && reason == DropReason::TornTail { DropReason::Damaged } else { reason };
             drop(o, len, reason);
         }
     }
+    report.lock().sort_by(|a, b| (&a.file, a.offset).cmp(&(&b.file, b.offset)));
     Ok(())
 }
 
@@ -442,5 +472,43 @@ mod tests {
         assert_eq!(dropped, vec![(false, offs[3] as u64, DropReason::Damaged)]);
         let (ok, n, _) = run(cut, WalRecovery::PointInTime, true);
         assert!(ok && n == 3);
+    }
+
+    /// Review finding: zeros inside *later* records made a damaged length field look like a
+    /// lost page, and the rest of the log was dropped as a torn tail.
+    #[test]
+    fn zeros_in_later_records_do_not_excuse_a_damaged_length() {
+        let mut data = frame(b"first record");
+        let second = data.len();
+        data.extend_from_slice(&frame(b"second record"));
+        data.extend_from_slice(&frame(&vec![0u8; 3 * 4096]));
+        data.extend_from_slice(&frame(b"last record"));
+        data[second + 3] ^= 0x40; // the length now runs past the end
+        let e = read_log(&data, 0, WalRecovery::TolerateTornTail).err();
+        assert_eq!(e.map(|e| e.0), Some(second as u64));
+    }
+
+    /// Review finding: a new log is created before the previous one's last sync; a crash can
+    /// keep the (empty) new log and lose the old one's tail, which is then still the newest
+    /// log written to.
+    #[test]
+    fn a_torn_log_followed_only_by_empty_logs_is_the_newest() {
+        use crate::fs::{FaultFs, Fs};
+        let fs = FaultFs::new();
+        let dir = std::path::Path::new("/logs");
+        fs.create_dir_all(dir).unwrap_or_default();
+        let (data, _) = log(3);
+        let paths = [dir.join("a.log"), dir.join("b.log")];
+        fs.write_atomic(&paths[0], &data[..data.len() - 2]).unwrap_or_default();
+        fs.write_atomic(&paths[1], &[]).unwrap_or_default();
+        let report = RecoveryLog::default();
+        let mut n = 0;
+        let r = replay_logs(&fs, &paths, WalRecovery::TolerateTornTail, true, &report, |_, _, _| {
+            n += 1;
+            Ok(())
+        });
+        assert!(r.is_ok(), "{r:?}");
+        assert_eq!(n, 2);
+        assert_eq!(report.lock().first().map(|d| d.reason), Some(DropReason::TornTail));
     }
 }

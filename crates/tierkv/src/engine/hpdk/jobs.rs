@@ -382,6 +382,11 @@ impl Inner {
 
     /// Remove recovery files older than the newest.
     fn remove_old_dumps(&self) -> Result<()> {
+        if !self.opts.use_btree {
+            // No recovery file was written or chosen by this session (`self.dump` is not
+            // one); the store's own stays for the next open with the tree.
+            return Ok(());
+        }
         // Not "all but the highest-numbered": a merge a crash cut before its commit leaves a
         // recovery file numbered above the committed version; keeping it and removing the
         // matching one made the next open fail ("no usable B+-tree recovery file").
@@ -715,22 +720,16 @@ pub(crate) fn open_inner(ctx: &EngineCtx) -> Result<(Inner, Option<Vec<u64>>)> {
             live.push(p);
         }
     }
-    // With `sync_wal` every record was synced, so only the newest WAL can have a torn tail.
-    crate::format::log::replay_logs(
-        fs,
-        &live,
-        ctx.opts.wal_recovery,
-        opts.sync_wal,
-        &ctx.recovery,
-        |p, off, payload| {
-            let ops =
-                layout::decode_wal_payload(payload).ok_or_else(|| Error::corruption(p, off, "malformed WAL record"))?;
-            for (k, a) in ops {
-                recovered.insert(&k, a.unwrap_or(TOMB));
-            }
-            Ok(())
-        },
-    )?;
+    // Not `whole_older`: rotation does not sync the old WAL, and the session that wrote
+    // it may have run without `sync_wal`, so any WAL may end in a torn tail.
+    crate::format::log::replay_logs(fs, &live, ctx.opts.wal_recovery, false, &ctx.recovery, |p, off, payload| {
+        let ops =
+            layout::decode_wal_payload(payload).ok_or_else(|| Error::corruption(p, off, "malformed WAL record"))?;
+        for (k, a) in ops {
+            recovered.insert(&k, a.unwrap_or(TOMB));
+        }
+        Ok(())
+    })?;
     for (no, n) in recovered.refs.lock().iter() {
         st.counts.entry(*no).or_default().mem_refs += n;
     }
