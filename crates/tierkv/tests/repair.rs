@@ -132,7 +132,8 @@ fn damaged_bytes_in_every_structure_are_salvaged_every_preset() {
             }
         }
         eprintln!(
-            "{preset}: {cases} damaged stores repaired; {with_loss} lost keys ({keys_differ} key versions in all), \
+            "{preset}: {cases} damaged stores repaired; {with_loss} of them differ from the acknowledged state \
+             ({keys_differ} keys differ in all, each covered by a reported loss), \
              the rest repaired to exactly the acknowledged state; {} keys",
             m.len()
         );

@@ -190,8 +190,9 @@ pub fn intact_record_after(data: &[u8], from: usize) -> Option<usize> {
     })
 }
 
-/// Classify the bad record at `off`: true for a torn tail (module docs).
-fn is_torn_tail(data: &[u8], base: u64, off: usize) -> bool {
+/// Classify the bad record at `off`: true for a torn tail (module docs). `next` is
+/// [`intact_record_after`]`(data, off + 1)`, computed once by the caller.
+fn is_torn_tail(data: &[u8], base: u64, off: usize, next: Option<usize>) -> bool {
     let mut c = Cursor::new(data.get(off..).unwrap_or(&[]));
     let (Some(len), Some(_)) = (c.u32(), c.u32()) else {
         return true; // fewer than 8 bytes: the cut hit the header
@@ -199,7 +200,6 @@ fn is_torn_tail(data: &[u8], base: u64, off: usize) -> bool {
     let rec_end = off.saturating_add(8).saturating_add(len as usize);
     // Zeros count as a lost page only before the next intact record: a damaged length can
     // claim to run over later records, and zeros inside those say nothing about this one.
-    let next = intact_record_after(data, off + 1);
     if has_lost_page(data, base, off, next.map_or(rec_end, |n| n.min(rec_end))) {
         return true;
     }
@@ -218,7 +218,8 @@ pub fn read_log(data: &[u8], base: u64, mode: WalRecovery) -> Result<LogRead<'_>
             off = end;
             continue;
         }
-        let torn = is_torn_tail(data, base, off);
+        let next = intact_record_after(data, off + 1);
+        let torn = is_torn_tail(data, base, off, next);
         let rest = (data.len() - off) as u64;
         let o = off as u64;
         match (mode, torn) {
@@ -240,7 +241,7 @@ pub fn read_log(data: &[u8], base: u64, mode: WalRecovery) -> Result<LogRead<'_>
                 break;
             }
             (WalRecovery::SkipDamaged, false) => {
-                let next = intact_record_after(data, off + 1).unwrap_or(data.len());
+                let next = next.unwrap_or(data.len());
                 out.dropped.push((o, (next - off) as u64, DropReason::Damaged));
                 off = next;
             }

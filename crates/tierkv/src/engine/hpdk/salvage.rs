@@ -26,8 +26,8 @@
 //! - **WALs** `wal-N.log`: one framed record per write call, key → address or delete; read
 //!   with [`read_log`] in [`WalRecovery::SkipDamaged`] mode: a damaged record is [`Lost`]
 //!   without a key (its detail names the keys its bytes seem to hold), later records are
-//!   kept. A torn tail is dropped unreported, as open drops it (in a WAL older than the
-//!   newest with `sync_wal`, it is damage and reported).
+//!   kept. A torn tail is dropped unreported, as open drops it (in any WAL: rotation does
+//!   not sync the old one, see `jobs::open_inner`).
 //! - **MANIFEST** (the one `CURRENT` names; if `CURRENT` is unreadable, the newest
 //!   `MANIFEST-N` holding a record): the committed tables with their live-item counts, and
 //!   the newest flushed WAL generation (older WALs are not replayed). Read record by record;
@@ -613,10 +613,7 @@ impl Walk {
         let mut gens: Vec<u64> = ctx.fs.list(&ctx.dir)?.iter().filter_map(|n| wal_number(n)).collect();
         gens.retain(|g| *g > counter);
         gens.sort_unstable();
-        // With `sync_wal` every WAL but the newest was synced whole: a torn tail in one is
-        // damage. Otherwise a crash may leave any of them torn (open drops it too).
-        let whole_older = ctx.opts.hpdk.sync_wal;
-        for (i, g) in gens.iter().enumerate() {
+        for g in &gens {
             let path = ctx.dir.join(wal_name(*g));
             let data = ctx.fs.read_all(&path)?;
             let r = match read_log(&data, 0, WalRecovery::SkipDamaged) {
@@ -641,10 +638,9 @@ impl Walk {
                     }),
                 }
             }
-            let last = i + 1 == gens.len();
             for &(off, len, reason) in &r.dropped {
-                if reason == DropReason::TornTail && (last || !whole_older) {
-                    continue; // what a crash leaves of unacknowledged (or unsynced) writes
+                if reason == DropReason::TornTail {
+                    continue; // what a crash leaves of unacknowledged (or unsynced) writes, as open decides
                 }
                 let hint = usize::try_from(off).ok().map(|o| key_hints(&data, o, len)).unwrap_or_default();
                 sink.lost(Lost {
