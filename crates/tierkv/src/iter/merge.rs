@@ -1,0 +1,285 @@
+//! [`MergingIterator`]: the union of several sources, newest first.
+//!
+//! As LevelDB's `MergingIterator` (table/merger.cc): children are searched linearly for the
+//! smallest (forward) or largest (reverse) key — stores have a handful of sources, and a
+//! linear pass over them beats a heap's bookkeeping at that size (Pebble switches to a heap
+//! for many children; a preset with many sources, an LSM's level 0, merges them in a
+//! child `MergingIterator` first).
+//!
+//! Unlike LevelDB's internal keys, a key can sit in several children (a memtable and an
+//! SSTable): the child with the lowest index wins ties, and every other child at that key
+//! is stepped past it when the merge moves on.
+//!
+//! Invariants: moving forward, every valid child is at its first entry `>=` the current
+//! key; moving backward, at its last entry `<=` it. A change of direction re-seeks every
+//! child but the current one, as LevelDB does.
+
+use super::{BoxedIter, InternalIterator};
+use crate::error::Result;
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Dir {
+    Forward,
+    Reverse,
+}
+
+/// Merges children; `children[0]` is the newest source.
+pub struct MergingIterator {
+    children: Vec<BoxedIter>,
+    current: Option<usize>,
+    dir: Dir,
+    /// The current key, copied only when the direction changes.
+    scratch: Vec<u8>,
+}
+
+impl std::fmt::Debug for MergingIterator {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("MergingIterator").field("children", &self.children.len()).finish()
+    }
+}
+
+impl MergingIterator {
+    /// Merge `children`, newest first. Unpositioned until a seek.
+    pub fn new(children: Vec<BoxedIter>) -> MergingIterator {
+        MergingIterator { children, current: None, dir: Dir::Forward, scratch: Vec::new() }
+    }
+
+    fn find_smallest(&mut self) {
+        let mut best: Option<usize> = None;
+        for (i, c) in self.children.iter().enumerate() {
+            if c.valid() && best.is_none_or(|b| c.key() < self.children[b].key()) {
+                best = Some(i);
+            }
+        }
+        self.current = best;
+    }
+
+    fn find_largest(&mut self) {
+        let mut best: Option<usize> = None;
+        for (i, c) in self.children.iter().enumerate() {
+            if c.valid() && best.is_none_or(|b| c.key() > self.children[b].key()) {
+                best = Some(i);
+            }
+        }
+        self.current = best;
+    }
+
+    /// Run `f` on every child; on an error the merge becomes invalid.
+    fn each(&mut self, mut f: impl FnMut(&mut BoxedIter) -> Result<()>) -> Result<()> {
+        for c in &mut self.children {
+            if let Err(e) = f(c) {
+                self.current = None;
+                return Err(e);
+            }
+        }
+        Ok(())
+    }
+
+    fn fail<T>(&mut self, e: crate::Error) -> Result<T> {
+        self.current = None;
+        Err(e)
+    }
+
+    /// Step every child other than `cur` that sits at `cur`'s key, forward or back.
+    fn step_ties(&mut self, cur: usize, forward: bool) -> Result<()> {
+        for i in 0..self.children.len() {
+            if i == cur {
+                continue;
+            }
+            let tie = self.children[i].valid() && self.children[i].key() == self.children[cur].key();
+            if tie {
+                let r = if forward { self.children[i].next() } else { self.children[i].prev() };
+                if let Err(e) = r {
+                    return self.fail(e);
+                }
+            }
+        }
+        Ok(())
+    }
+}
+
+impl InternalIterator for MergingIterator {
+    fn valid(&self) -> bool {
+        self.current.is_some()
+    }
+
+    fn seek(&mut self, key: &[u8]) -> Result<()> {
+        self.each(|c| c.seek(key))?;
+        self.dir = Dir::Forward;
+        self.find_smallest();
+        Ok(())
+    }
+
+    fn seek_to_first(&mut self) -> Result<()> {
+        self.each(|c| c.seek_to_first())?;
+        self.dir = Dir::Forward;
+        self.find_smallest();
+        Ok(())
+    }
+
+    fn seek_to_last(&mut self) -> Result<()> {
+        self.each(|c| c.seek_to_last())?;
+        self.dir = Dir::Reverse;
+        self.find_largest();
+        Ok(())
+    }
+
+    fn seek_for_prev(&mut self, key: &[u8]) -> Result<()> {
+        self.each(|c| c.seek_for_prev(key))?;
+        self.dir = Dir::Reverse;
+        self.find_largest();
+        Ok(())
+    }
+
+    fn next(&mut self) -> Result<()> {
+        let Some(cur) = self.current else { return Ok(()) };
+        if self.dir == Dir::Reverse {
+            // Every other child is at or before the current key: move each to its first
+            // entry >= it (ties are stepped below).
+            self.scratch.clear();
+            self.scratch.extend_from_slice(self.children[cur].key());
+            for i in 0..self.children.len() {
+                if i != cur {
+                    if let Err(e) = self.children[i].seek(&self.scratch) {
+                        return self.fail(e);
+                    }
+                }
+            }
+            self.dir = Dir::Forward;
+        }
+        self.step_ties(cur, true)?;
+        if let Err(e) = self.children[cur].next() {
+            return self.fail(e);
+        }
+        self.find_smallest();
+        Ok(())
+    }
+
+    fn prev(&mut self) -> Result<()> {
+        let Some(cur) = self.current else { return Ok(()) };
+        if self.dir == Dir::Forward {
+            self.scratch.clear();
+            self.scratch.extend_from_slice(self.children[cur].key());
+            for i in 0..self.children.len() {
+                if i != cur {
+                    if let Err(e) = self.children[i].seek_for_prev(&self.scratch) {
+                        return self.fail(e);
+                    }
+                }
+            }
+            self.dir = Dir::Reverse;
+        }
+        self.step_ties(cur, false)?;
+        if let Err(e) = self.children[cur].prev() {
+            return self.fail(e);
+        }
+        self.find_largest();
+        Ok(())
+    }
+
+    fn key(&self) -> &[u8] {
+        self.current.map_or(&[], |c| self.children[c].key())
+    }
+
+    fn value(&self) -> Option<&[u8]> {
+        self.current.and_then(|c| self.children[c].value())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::collections::BTreeMap;
+
+    use proptest::prelude::*;
+
+    use super::*;
+    use crate::iter::VecIter;
+
+    type Src = BTreeMap<Vec<u8>, Option<Vec<u8>>>;
+
+    fn model(srcs: &[Src]) -> Vec<(Vec<u8>, Option<Vec<u8>>)> {
+        let mut m: Src = BTreeMap::new();
+        for s in srcs.iter().rev() {
+            for (k, v) in s {
+                m.insert(k.clone(), v.clone());
+            }
+        }
+        m.into_iter().collect()
+    }
+
+    fn merged(srcs: &[Src]) -> MergingIterator {
+        MergingIterator::new(
+            srcs.iter().map(|s| Box::new(VecIter::from_vec(s.clone().into_iter().collect())) as BoxedIter).collect(),
+        )
+    }
+
+    fn src() -> impl Strategy<Value = Src> {
+        proptest::collection::btree_map(
+            proptest::collection::vec(0u8..6, 0..3),
+            proptest::option::weighted(0.8, proptest::collection::vec(any::<u8>(), 0..3)),
+            0..12,
+        )
+    }
+
+    #[derive(Debug, Clone)]
+    enum Step {
+        Next,
+        Prev,
+        Seek(Vec<u8>),
+        SeekForPrev(Vec<u8>),
+        First,
+        Last,
+    }
+
+    fn step() -> impl Strategy<Value = Step> {
+        prop_oneof![
+            4 => Just(Step::Next),
+            4 => Just(Step::Prev),
+            1 => proptest::collection::vec(0u8..6, 0..3).prop_map(Step::Seek),
+            1 => proptest::collection::vec(0u8..6, 0..3).prop_map(Step::SeekForPrev),
+            1 => Just(Step::First),
+            1 => Just(Step::Last),
+        ]
+    }
+
+    proptest! {
+        /// Any interleaving of moves over 0..4 sources matches a position in the model.
+        #[test]
+        fn merge_matches_model(srcs in proptest::collection::vec(src(), 0..4), steps in proptest::collection::vec(step(), 1..40)) {
+            let want = model(&srcs);
+            let mut it = merged(&srcs);
+            let mut pos: Option<usize> = None;
+            for s in steps {
+                match s {
+                    Step::Next => { if pos.is_some() { it.next().unwrap(); pos = pos.map(|p| p + 1).filter(|&p| p < want.len()); } }
+                    Step::Prev => { if pos.is_some() { it.prev().unwrap(); pos = pos.and_then(|p| p.checked_sub(1)); } }
+                    Step::Seek(k) => { it.seek(&k).unwrap(); let p = want.partition_point(|e| e.0 < k); pos = (p < want.len()).then_some(p); }
+                    Step::SeekForPrev(k) => { it.seek_for_prev(&k).unwrap(); pos = want.partition_point(|e| e.0 <= k).checked_sub(1); }
+                    Step::First => { it.seek_to_first().unwrap(); pos = (!want.is_empty()).then_some(0); }
+                    Step::Last => { it.seek_to_last().unwrap(); pos = want.len().checked_sub(1); }
+                }
+                prop_assert_eq!(it.valid(), pos.is_some());
+                if let Some(p) = pos {
+                    prop_assert_eq!(it.key(), want[p].0.as_slice());
+                    prop_assert_eq!(it.value(), want[p].1.as_deref());
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn newest_source_wins_ties_in_both_directions() {
+        let a: Src = [(b"k".to_vec(), None), (b"m".to_vec(), Some(b"new".to_vec()))].into_iter().collect();
+        let b: Src =
+            [(b"k".to_vec(), Some(b"old".to_vec())), (b"m".to_vec(), Some(b"old".to_vec()))].into_iter().collect();
+        let mut it = merged(&[a, b]);
+        it.seek_to_first().unwrap();
+        assert_eq!((it.key(), it.value()), (&b"k"[..], None));
+        it.next().unwrap();
+        assert_eq!((it.key(), it.value()), (&b"m"[..], Some(&b"new"[..])));
+        it.prev().unwrap();
+        assert_eq!((it.key(), it.value()), (&b"k"[..], None));
+        it.prev().unwrap();
+        assert!(!it.valid());
+    }
+}
