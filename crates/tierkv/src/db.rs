@@ -1,24 +1,32 @@
 //! [`Db`]: the public handle, common to every preset.
 
-use std::ops::{Bound, RangeBounds};
+use std::ops::RangeBounds;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
-
-use parking_lot::RwLock;
 
 use crate::batch::{BatchOp, WriteBatch};
 use crate::engine::{self, Cond, Engine, EngineCtx};
 use crate::error::{Error, Result};
 use crate::fs::{CountingFs, Fs, FsLock, RealFs};
-use crate::iter::{DbIterator, Scan};
+use crate::iter::{BoxedIter, ChunkIter, DbIterator, IterOptions, Scan};
 use crate::options::Options;
 use crate::options_file::{OptionsRecord, RecordState, OPTIONS_FILE};
+use crate::snapshot::{Overlay, SnapshotRef};
 use crate::stats::Stats;
 
 /// An open store. `Send + Sync`: share it between threads (e.g. in an `Arc`).
+///
+/// The hot path takes no lock of its own: `get` is a key-length check, one load of the
+/// `closed` flag (a line no one writes until close) and the preset's lookup; a write adds
+/// the PM-health flag and the snapshot gate's read side on the thread's own stripe
+/// ([`crate::snapshot`]).
 pub struct Db {
-    engine: RwLock<Option<Arc<dyn Engine>>>,
+    engine: Arc<dyn Engine>,
+    /// Set by `close` (and by a simulated crash): every later call is refused.
+    closed: AtomicBool,
+    /// Snapshots and the undo records that keep them consistent.
+    overlay: Arc<Overlay>,
     opts: Options,
     dir: PathBuf,
     fs: CountingFs,
@@ -94,7 +102,9 @@ impl Db {
         }
         let recovery = std::mem::take(&mut *recovery.lock());
         Ok(Db {
-            engine: RwLock::new(Some(engine)),
+            engine,
+            closed: AtomicBool::new(false),
+            overlay: Arc::default(),
             opts,
             dir,
             fs,
@@ -123,8 +133,11 @@ impl Db {
         Ok(Some(rec.preset))
     }
 
-    fn engine(&self) -> Result<Arc<dyn Engine>> {
-        self.engine.read().clone().ok_or(Error::Closed)
+    fn engine(&self) -> Result<&dyn Engine> {
+        if self.closed.load(Ordering::Acquire) {
+            return Err(Error::Closed);
+        }
+        Ok(self.engine.as_ref())
     }
 
     /// `Err` once PM write-back failed: an I/O error the first time, `Poisoned` after.
@@ -141,14 +154,27 @@ impl Db {
     /// before and after it.
     fn guarded<T>(&self, f: impl FnOnce(&dyn Engine) -> Result<T>) -> Result<T> {
         self.check_pm_health()?;
-        let r = f(self.engine()?.as_ref());
+        let r = f(self.engine()?);
         self.check_pm_health()?;
         r
     }
 
     /// Hand a write to the engine; it is acknowledged only if PM write-back stayed healthy.
+    /// While snapshots live, the keys' current values are recorded first.
     fn engine_write(&self, ops: &[BatchOp], cond: Cond) -> Result<bool> {
-        self.guarded(|e| e.write(ops, cond))
+        self.guarded(|e| {
+            let gate = self.overlay.begin_write();
+            if let Some(seq) = gate.must_record() {
+                let mut olds: Vec<(Vec<u8>, Option<Vec<u8>>)> = Vec::with_capacity(ops.len());
+                for op in ops {
+                    if !olds.iter().any(|(k, _)| k.as_slice() == op.key()) {
+                        olds.push((op.key().to_vec(), e.get(op.key())?));
+                    }
+                }
+                self.overlay.record(seq, olds);
+            }
+            e.write(ops, cond)
+        })
     }
 
     fn check_key(&self, key: &[u8]) -> Result<()> {
@@ -228,16 +254,45 @@ impl Db {
         self.engine_write(&batch.ops, Cond::None).map(|_| ())
     }
 
-    /// Entries with keys in `range`, in key order.
+    /// Entries with keys in `range`, in key order, as of the call (a consistent snapshot).
     pub fn scan<'a, R: RangeBounds<&'a [u8]>>(&self, range: R) -> Result<Scan> {
-        let start = range.start_bound().map(|k| k.to_vec());
-        let end = range.end_bound().map(|k| k.to_vec());
-        Ok(Scan::new(self.engine()?, start, end))
+        let opts = IterOptions {
+            lower: range.start_bound().map(|k| k.to_vec()),
+            upper: range.end_bound().map(|k| k.to_vec()),
+            prefix: None,
+        };
+        Ok(Scan::new(self.iter_with(&opts)?))
     }
 
-    /// An iterator over the whole store, positioned at the first key; `seek` moves it.
+    /// An iterator over a consistent snapshot of the whole store, before the first key;
+    /// `seek` moves it (see [`DbIterator`]).
     pub fn iter(&self) -> Result<DbIterator> {
-        Ok(DbIterator::new(self.engine()?))
+        self.iter_with(&IterOptions::default())
+    }
+
+    /// An iterator limited to `opts`' bounds and prefix.
+    pub fn iter_with(&self, opts: &IterOptions) -> Result<DbIterator> {
+        let snap = self.overlay.snapshot();
+        Ok(DbIterator::new(self.engine_iter()?, snap, opts))
+    }
+
+    /// The preset's merged cursor. Made after the snapshot was registered, so every write
+    /// it might see has recorded its undo first.
+    fn engine_iter(&self) -> Result<BoxedIter> {
+        let e = self.engine()?;
+        Ok(match e.iter()? {
+            Some(it) => it,
+            None => Box::new(ChunkIter::new(self.engine.clone())),
+        })
+    }
+
+    /// A consistent point-in-time view for reads: [`Snapshot::get`] and
+    /// [`Snapshot::iter`] see the store as it was at this call. Writers keep running; while
+    /// a snapshot lives each write records the old values of its keys (see
+    /// [`crate::snapshot`]), so drop snapshots when done.
+    pub fn snapshot(&self) -> Result<Snapshot> {
+        self.engine()?;
+        Ok(Snapshot { snap: self.overlay.snapshot(), engine: self.engine.clone() })
     }
 
     /// Force the preset's pending background work (write-back, memtable flush) now.
@@ -278,13 +333,14 @@ impl Db {
         self.opts.preset
     }
 
-    /// Clean shutdown. Later calls on this handle return [`Error::Closed`].
+    /// Clean shutdown. Later calls on this handle return [`Error::Closed`]. Calls already
+    /// running finish on the closed engine (as they may fail, their writes are not
+    /// promised); iterators and snapshots read on what they pinned.
     pub fn close(&self) -> Result<()> {
-        let engine = self.engine.write().take();
-        match engine {
-            Some(e) => e.close(),
-            None => Ok(()),
+        if self.closed.swap(true, Ordering::AcqRel) {
+            return Ok(());
         }
+        self.engine.close()
     }
 }
 
@@ -294,8 +350,8 @@ impl Db {
     /// tests (pair it with [`crate::pm::sim::SimDevice::simulate_crash`] and
     /// [`crate::fs::FaultFs::crash`]).
     pub fn simulate_process_crash(self) {
-        let engine = self.engine.write().take();
-        drop(engine);
+        self.closed.store(true, Ordering::Release);
+        drop(self);
     }
 }
 
@@ -305,7 +361,42 @@ impl Drop for Db {
     }
 }
 
-/// Turn a range's start bound into an owned bound.
-pub(crate) fn owned(b: Bound<&Vec<u8>>) -> Bound<&[u8]> {
-    b.map(|v| v.as_slice())
+/// A consistent point-in-time view of a store ([`Db::snapshot`]).
+pub struct Snapshot {
+    snap: SnapshotRef,
+    engine: Arc<dyn Engine>,
+}
+
+impl std::fmt::Debug for Snapshot {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Snapshot").finish()
+    }
+}
+
+impl Snapshot {
+    /// The value `key` had when the snapshot was taken.
+    pub fn get(&self, key: impl AsRef<[u8]>) -> Result<Option<Vec<u8>>> {
+        let key = key.as_ref();
+        // The preset first, then the undo map: a write that changed the value read has
+        // recorded before applying.
+        let now = self.engine.get(key)?;
+        Ok(match self.snap.lookup(key) {
+            Some(old) => old,
+            None => now,
+        })
+    }
+
+    /// An iterator over the snapshot (see [`DbIterator`]).
+    pub fn iter(&self) -> Result<DbIterator> {
+        self.iter_with(&IterOptions::default())
+    }
+
+    /// An iterator over the snapshot limited to `opts`.
+    pub fn iter_with(&self, opts: &IterOptions) -> Result<DbIterator> {
+        let e = match self.engine.iter()? {
+            Some(it) => it,
+            None => Box::new(ChunkIter::new(self.engine.clone())),
+        };
+        Ok(DbIterator::new(e, self.snap.another(), opts))
+    }
 }

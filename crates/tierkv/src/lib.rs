@@ -40,14 +40,16 @@ pub mod options;
 pub mod options_file;
 pub mod pm;
 pub mod repair;
+pub(crate) mod snapshot;
 pub mod sstable;
 pub mod stats;
 pub mod testing;
 
 pub use batch::{BatchOp, WriteBatch};
 pub use db::Db;
+pub use db::Snapshot;
 pub use error::{Error, Result};
-pub use iter::{DbIterator, Scan};
+pub use iter::{DbIterator, IterOptions, Scan};
 pub use options::{
     HoakvOptions, HpdkOptions, LightkvOptions, LightkvPlacement, Options, PmekvOptions, Preset, SlmdbOptions,
     WalRecovery,

@@ -1,108 +1,566 @@
-//! Range scans and iterators.
+//! The public iterators: [`DbIterator`] and [`Scan`].
 //!
-//! Both read the engine in chunks — 16 entries first, doubling up to [`CHUNK`] — so a short
-//! scan reads little more than it returns and a long one amortises the locking. Each chunk is
-//! a consistent copy
-//! taken under the engine's read lock, and the next chunk starts strictly after the last
-//! key returned. So every key that exists for the whole scan is returned exactly once
-//! with its newest value at the time its chunk was read; a key deleted before the scan
-//! started is never returned; the scan never holds a lock while the caller runs.
+//! A `DbIterator` is a snapshot ([`crate::snapshot`]) plus the preset's merged cursor
+//! ([`crate::engine::Engine::iter`]). Each step moves the preset's cursor, then asks the
+//! snapshot's undo map for the nearest key written since the snapshot was taken (skipped
+//! entirely while the map is empty, the common case: one atomic load); the nearer of the
+//! two is the next entry, and an undo entry's version is the snapshot's. Tombstones and
+//! keys absent at the snapshot are skipped; bounds end the walk.
+//!
+//! Isolation: the iterator sees the store as it was when it was created — a consistent
+//! snapshot. Writes made afterwards, by any thread, are not seen; a batch is seen whole or
+//! not at all.
+//!
+//! The cursor model is a *gap* between entries, as `java.util.ListIterator`:
+//! [`DbIterator::seek`] puts the gap before the first key `>= key`,
+//! [`DbIterator::seek_for_prev`] after the last key `<= key`, and [`DbIterator::next`] /
+//! [`DbIterator::prev`] return the entry after / before the gap and move past it. So
+//! `next` then `prev` return the same entry. Seeks are lazy: their errors surface from the
+//! following `next`/`prev`.
 
-use std::collections::VecDeque;
 use std::ops::Bound;
 use std::sync::Arc;
 
-use crate::db::owned;
+use super::{BoxedIter, InternalIterator};
 use crate::engine::Engine;
 use crate::error::Result;
+use crate::snapshot::SnapshotRef;
 
-/// Largest number of entries fetched per engine call.
-pub const CHUNK: usize = 256;
-const FIRST_CHUNK: usize = 16;
-
-type Entry = (Vec<u8>, Vec<u8>);
-
-/// The iterator returned by [`crate::Db::scan`].
-pub struct Scan {
-    engine: Arc<dyn Engine>,
-    next_start: Option<Bound<Vec<u8>>>,
-    end: Bound<Vec<u8>>,
-    buf: VecDeque<Entry>,
-    chunk: usize,
+/// Bounds and prefix of an iterator ([`crate::Db::iter_with`]).
+#[derive(Debug, Clone)]
+pub struct IterOptions {
+    /// Smallest key returned.
+    pub lower: Bound<Vec<u8>>,
+    /// Largest key returned.
+    pub upper: Bound<Vec<u8>>,
+    /// Only keys starting with this (combined with the bounds).
+    pub prefix: Option<Vec<u8>>,
 }
 
-impl std::fmt::Debug for Scan {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Scan").field("buffered", &self.buf.len()).finish()
+impl Default for IterOptions {
+    fn default() -> IterOptions {
+        IterOptions { lower: Bound::Unbounded, upper: Bound::Unbounded, prefix: None }
     }
 }
 
-impl Scan {
-    pub(crate) fn new(engine: Arc<dyn Engine>, start: Bound<Vec<u8>>, end: Bound<Vec<u8>>) -> Scan {
-        Scan { engine, next_start: Some(start), end, buf: VecDeque::new(), chunk: FIRST_CHUNK }
+impl IterOptions {
+    /// Keys in `[lower, upper)`.
+    pub fn range(lower: &[u8], upper: &[u8]) -> IterOptions {
+        IterOptions { lower: Bound::Included(lower.to_vec()), upper: Bound::Excluded(upper.to_vec()), prefix: None }
     }
 
-    fn refill(&mut self) -> Result<()> {
-        let Some(start) = self.next_start.take() else {
-            return Ok(());
-        };
-        let want = self.chunk;
-        let chunk = self.engine.scan_chunk(owned(start.as_ref()), owned(self.end.as_ref()), want)?;
-        if chunk.len() == want {
-            self.next_start = chunk.last().map(|(k, _)| Bound::Excluded(k.clone()));
-        }
-        self.chunk = (want * 2).min(CHUNK);
-        self.buf.extend(chunk);
-        Ok(())
+    /// Keys starting with `prefix`.
+    pub fn prefix(prefix: &[u8]) -> IterOptions {
+        IterOptions { prefix: Some(prefix.to_vec()), ..IterOptions::default() }
     }
-}
 
-impl Iterator for Scan {
-    type Item = Result<Entry>;
-    fn next(&mut self) -> Option<Self::Item> {
-        if self.buf.is_empty() {
-            if let Err(e) = self.refill() {
-                self.next_start = None;
-                return Some(Err(e));
+    /// The effective bounds: the given ones intersected with the prefix's range.
+    fn bounds(&self) -> (Bound<Vec<u8>>, Bound<Vec<u8>>) {
+        let (mut lo, mut hi) = (self.lower.clone(), self.upper.clone());
+        if let Some(p) = &self.prefix {
+            let plo = Bound::Included(p.clone());
+            if lower_is_tighter(&plo, &lo) {
+                lo = plo;
+            }
+            if let Some(succ) = successor(p) {
+                let phi = Bound::Excluded(succ);
+                if upper_is_tighter(&phi, &hi) {
+                    hi = phi;
+                }
             }
         }
-        self.buf.pop_front().map(Ok)
+        (lo, hi)
     }
 }
 
-/// A seekable iterator over the whole store ([`crate::Db::iter`]).
+/// The smallest key greater than every key with prefix `p`; `None` if there is none
+/// (`p` is empty or all `0xff`).
+fn successor(p: &[u8]) -> Option<Vec<u8>> {
+    let mut s = p.to_vec();
+    while let Some(last) = s.pop() {
+        if last < 0xff {
+            s.push(last + 1);
+            return Some(s);
+        }
+    }
+    None
+}
+
+fn lower_is_tighter(a: &Bound<Vec<u8>>, b: &Bound<Vec<u8>>) -> bool {
+    match (a, b) {
+        (_, Bound::Unbounded) => true,
+        (Bound::Unbounded, _) => false,
+        (Bound::Included(x) | Bound::Excluded(x), Bound::Included(y) | Bound::Excluded(y)) if x != y => x > y,
+        (Bound::Excluded(_), _) => true,
+        _ => false,
+    }
+}
+
+fn upper_is_tighter(a: &Bound<Vec<u8>>, b: &Bound<Vec<u8>>) -> bool {
+    match (a, b) {
+        (_, Bound::Unbounded) => true,
+        (Bound::Unbounded, _) => false,
+        (Bound::Included(x) | Bound::Excluded(x), Bound::Included(y) | Bound::Excluded(y)) if x != y => x < y,
+        (Bound::Excluded(_), _) => true,
+        _ => false,
+    }
+}
+
+fn above_lower(k: &[u8], lo: &Bound<Vec<u8>>) -> bool {
+    match lo {
+        Bound::Unbounded => true,
+        Bound::Included(l) => k >= l.as_slice(),
+        Bound::Excluded(l) => k > l.as_slice(),
+    }
+}
+
+fn below_upper(k: &[u8], hi: &Bound<Vec<u8>>) -> bool {
+    match hi {
+        Bound::Unbounded => true,
+        Bound::Included(h) => k <= h.as_slice(),
+        Bound::Excluded(h) => k < h.as_slice(),
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Dir {
+    Forward,
+    Reverse,
+}
+
+/// Where the current entry lives.
+#[derive(Debug)]
+enum Cur {
+    None,
+    /// The preset cursor's entry.
+    Engine,
+    /// A version from the undo map.
+    Undo(Vec<u8>, Vec<u8>),
+}
+
+/// A positioned iterator over the snapshot: the preset's cursor resolved against the undo
+/// map, tombstones and out-of-bounds keys skipped.
+struct Resolved {
+    e: BoxedIter,
+    snap: SnapshotRef,
+    dir: Dir,
+    cur: Cur,
+    lo: Bound<Vec<u8>>,
+    hi: Bound<Vec<u8>>,
+    /// The current key, copied when stepping (reused buffer).
+    scratch: Vec<u8>,
+}
+
+impl Resolved {
+    fn valid(&self) -> bool {
+        !matches!(self.cur, Cur::None)
+    }
+
+    fn key(&self) -> &[u8] {
+        match &self.cur {
+            Cur::None => &[],
+            Cur::Engine => self.e.key(),
+            Cur::Undo(k, _) => k,
+        }
+    }
+
+    fn value(&self) -> &[u8] {
+        match &self.cur {
+            Cur::None => &[],
+            Cur::Engine => self.e.value().unwrap_or(&[]),
+            Cur::Undo(_, v) => v,
+        }
+    }
+
+    fn fail<T>(&mut self, e: crate::Error) -> Result<T> {
+        self.cur = Cur::None;
+        Err(e)
+    }
+
+    fn seek(&mut self, key: &[u8]) -> Result<()> {
+        let target = match &self.lo {
+            Bound::Included(l) | Bound::Excluded(l) if key < l.as_slice() => l.clone(),
+            _ => key.to_vec(),
+        };
+        if let Err(e) = self.e.seek(&target) {
+            return self.fail(e);
+        }
+        self.dir = Dir::Forward;
+        self.resolve(Bound::Included(&target), true)
+    }
+
+    fn seek_for_prev(&mut self, key: &[u8]) -> Result<()> {
+        let target = match &self.hi {
+            Bound::Included(h) | Bound::Excluded(h) if key > h.as_slice() => h.clone(),
+            _ => key.to_vec(),
+        };
+        if let Err(e) = self.e.seek_for_prev(&target) {
+            return self.fail(e);
+        }
+        self.dir = Dir::Reverse;
+        self.resolve(Bound::Included(&target), false)
+    }
+
+    fn seek_to_first(&mut self) -> Result<()> {
+        match self.lo.clone() {
+            Bound::Included(l) | Bound::Excluded(l) => self.seek(&l),
+            Bound::Unbounded => {
+                if let Err(e) = self.e.seek_to_first() {
+                    return self.fail(e);
+                }
+                self.dir = Dir::Forward;
+                self.resolve(Bound::Unbounded, true)
+            }
+        }
+    }
+
+    fn seek_to_last(&mut self) -> Result<()> {
+        match self.hi.clone() {
+            Bound::Included(h) | Bound::Excluded(h) => self.seek_for_prev(&h),
+            Bound::Unbounded => {
+                if let Err(e) = self.e.seek_to_last() {
+                    return self.fail(e);
+                }
+                self.dir = Dir::Reverse;
+                self.resolve(Bound::Unbounded, false)
+            }
+        }
+    }
+
+    /// Step past the current entry, forward or back.
+    fn step(&mut self, forward: bool) -> Result<()> {
+        if !self.valid() {
+            return Ok(());
+        }
+        let mut k = std::mem::take(&mut self.scratch);
+        k.clear();
+        k.extend_from_slice(self.key());
+        let want = if forward { Dir::Forward } else { Dir::Reverse };
+        let r = (|| {
+            if self.dir != want {
+                // The preset cursor sits on the other side of the gap: re-seek it.
+                if forward {
+                    self.e.seek(&k)?;
+                } else {
+                    self.e.seek_for_prev(&k)?;
+                }
+                self.dir = want;
+            }
+            if self.e.valid() && self.e.key() == k.as_slice() {
+                if forward {
+                    self.e.next()?;
+                } else {
+                    self.e.prev()?;
+                }
+            }
+            Ok(())
+        })();
+        if let Err(e) = r {
+            self.scratch = k;
+            return self.fail(e);
+        }
+        let r = self.resolve(Bound::Excluded(&k), forward);
+        self.scratch = k;
+        r
+    }
+
+    /// Settle on the first visible entry from `from` in the walk's direction: the nearer of
+    /// the preset cursor's entry and the undo map's next key (the undo map's version wins a
+    /// tie). The preset cursor must already be positioned at or past `from`.
+    fn resolve(&mut self, from: Bound<&[u8]>, forward: bool) -> Result<()> {
+        // Past the first skipped entry, the walk continues after the key skipped.
+        let mut skipped: Option<Vec<u8>> = None;
+        loop {
+            let from = match &skipped {
+                Some(k) => Bound::Excluded(k.as_slice()),
+                None => from,
+            };
+            let undo = self.snap.neighbour(from, forward);
+            let ek = self.e.valid().then(|| self.e.key());
+            let undo_first = match (&undo, ek) {
+                (None, None) => {
+                    self.cur = Cur::None;
+                    return Ok(());
+                }
+                (Some(_), None) => true,
+                (None, Some(_)) => false,
+                (Some((uk, _)), Some(ek)) => {
+                    if forward {
+                        uk.as_slice() <= ek
+                    } else {
+                        uk.as_slice() >= ek
+                    }
+                }
+            };
+            let key: &[u8] = match (&undo, ek) {
+                (Some((uk, _)), _) if undo_first => uk,
+                (_, Some(ek)) => ek,
+                _ => &[],
+            };
+            let in_bounds_ahead = if forward { below_upper(key, &self.hi) } else { above_lower(key, &self.lo) };
+            if !in_bounds_ahead {
+                self.cur = Cur::None;
+                return Ok(());
+            }
+            let in_bounds_behind = if forward { above_lower(key, &self.lo) } else { below_upper(key, &self.hi) };
+            if undo_first {
+                let Some((uk, uv)) = undo else { continue };
+                match uv {
+                    Some(v) if in_bounds_behind => {
+                        self.cur = Cur::Undo(uk, v);
+                        return Ok(());
+                    }
+                    _ => {
+                        // Absent at the snapshot: step the preset cursor too if it is here.
+                        if self.e.valid() && self.e.key() == uk.as_slice() {
+                            let r = if forward { self.e.next() } else { self.e.prev() };
+                            if let Err(e) = r {
+                                return self.fail(e);
+                            }
+                        }
+                        skipped = Some(uk);
+                    }
+                }
+            } else {
+                if in_bounds_behind && self.e.value().is_some() {
+                    self.cur = Cur::Engine;
+                    return Ok(());
+                }
+                let mut buf = skipped.take().unwrap_or_default();
+                buf.clear();
+                buf.extend_from_slice(key);
+                skipped = Some(buf);
+                let r = if forward { self.e.next() } else { self.e.prev() };
+                if let Err(e) = r {
+                    return self.fail(e);
+                }
+            }
+        }
+    }
+}
+
+/// Where the gap is.
+#[derive(Debug)]
+enum Gap {
+    /// A seek not yet done.
+    Seek(Vec<u8>),
+    SeekForPrev(Vec<u8>),
+    First,
+    Last,
+    /// Before the resolved iterator's current entry.
+    Before,
+    /// After it.
+    After,
+    /// Past the last entry / before the first.
+    End,
+    Start,
+}
+
+/// A seekable, bidirectional iterator over a consistent snapshot of the store
+/// ([`crate::Db::iter`]). Starts before the first key. See the module docs for the
+/// cursor model.
 pub struct DbIterator {
-    scan: Scan,
+    r: Resolved,
+    gap: Gap,
 }
 
 impl std::fmt::Debug for DbIterator {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("DbIterator").finish()
+        f.debug_struct("DbIterator").field("gap", &self.gap).finish()
     }
 }
 
 impl DbIterator {
-    pub(crate) fn new(engine: Arc<dyn Engine>) -> DbIterator {
-        DbIterator { scan: Scan::new(engine, Bound::Unbounded, Bound::Unbounded) }
+    pub(crate) fn new(e: BoxedIter, snap: SnapshotRef, opts: &IterOptions) -> DbIterator {
+        let (lo, hi) = opts.bounds();
+        let r = Resolved { e, snap, dir: Dir::Forward, cur: Cur::None, lo, hi, scratch: Vec::new() };
+        DbIterator { r, gap: Gap::First }
     }
 
-    /// Position before the first key `>= key`.
+    /// Put the gap before the first key `>= key`.
     pub fn seek(&mut self, key: &[u8]) {
-        self.scan.buf.clear();
-        self.scan.chunk = FIRST_CHUNK;
-        self.scan.next_start = Some(Bound::Included(key.to_vec()));
+        self.gap = Gap::Seek(key.to_vec());
     }
 
-    /// Position before the first key.
+    /// Put the gap after the last key `<= key`.
+    pub fn seek_for_prev(&mut self, key: &[u8]) {
+        self.gap = Gap::SeekForPrev(key.to_vec());
+    }
+
+    /// Put the gap before the first key.
     pub fn seek_to_first(&mut self) {
-        self.scan.buf.clear();
-        self.scan.chunk = FIRST_CHUNK;
-        self.scan.next_start = Some(Bound::Unbounded);
+        self.gap = Gap::First;
     }
 
-    /// The next entry, or `None` at the end.
+    /// Put the gap after the last key.
+    pub fn seek_to_last(&mut self) {
+        self.gap = Gap::Last;
+    }
+
+    /// The next entry, borrowed until the iterator moves; `None` at the end.
+    pub fn next_ref(&mut self) -> Result<Option<(&[u8], &[u8])>> {
+        let r = match std::mem::replace(&mut self.gap, Gap::End) {
+            Gap::Seek(k) => self.r.seek(&k),
+            Gap::SeekForPrev(k) => self.r.seek(&k).and_then(|()| {
+                if self.r.valid() && self.r.key() == k.as_slice() {
+                    self.r.step(true)
+                } else {
+                    Ok(())
+                }
+            }),
+            Gap::First | Gap::Start => self.r.seek_to_first(),
+            Gap::Last | Gap::End => {
+                self.gap = Gap::End;
+                return Ok(None);
+            }
+            Gap::Before => Ok(()),
+            Gap::After => self.r.step(true),
+        };
+        r?;
+        Ok(if self.r.valid() {
+            self.gap = Gap::After;
+            Some((self.r.key(), self.r.value()))
+        } else {
+            self.gap = Gap::End;
+            None
+        })
+    }
+
+    /// The previous entry, borrowed until the iterator moves; `None` at the start.
+    pub fn prev_ref(&mut self) -> Result<Option<(&[u8], &[u8])>> {
+        let r = match std::mem::replace(&mut self.gap, Gap::Start) {
+            Gap::SeekForPrev(k) => self.r.seek_for_prev(&k),
+            Gap::Seek(k) => self.r.seek_for_prev(&k).and_then(|()| {
+                if self.r.valid() && self.r.key() == k.as_slice() {
+                    self.r.step(false)
+                } else {
+                    Ok(())
+                }
+            }),
+            Gap::Last | Gap::End => self.r.seek_to_last(),
+            Gap::First | Gap::Start => {
+                self.gap = Gap::Start;
+                return Ok(None);
+            }
+            Gap::After => Ok(()),
+            Gap::Before => self.r.step(false),
+        };
+        r?;
+        Ok(if self.r.valid() {
+            self.gap = Gap::Before;
+            Some((self.r.key(), self.r.value()))
+        } else {
+            self.gap = Gap::Start;
+            None
+        })
+    }
+
+    /// The next entry (copied), or `None` at the end.
     #[allow(clippy::should_implement_trait)]
-    pub fn next(&mut self) -> Result<Option<Entry>> {
-        self.scan.next().transpose()
+    pub fn next(&mut self) -> Result<Option<(Vec<u8>, Vec<u8>)>> {
+        Ok(self.next_ref()?.map(|(k, v)| (k.to_vec(), v.to_vec())))
+    }
+
+    /// The previous entry (copied), or `None` at the start.
+    pub fn prev(&mut self) -> Result<Option<(Vec<u8>, Vec<u8>)>> {
+        Ok(self.prev_ref()?.map(|(k, v)| (k.to_vec(), v.to_vec())))
+    }
+}
+
+/// The iterator returned by [`crate::Db::scan`]: a forward [`DbIterator`] over a range.
+/// After an error it returns `None`.
+pub struct Scan {
+    it: DbIterator,
+    failed: bool,
+}
+
+impl std::fmt::Debug for Scan {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Scan").field("it", &self.it).finish()
+    }
+}
+
+impl Scan {
+    pub(crate) fn new(it: DbIterator) -> Scan {
+        Scan { it, failed: false }
+    }
+}
+
+impl Iterator for Scan {
+    type Item = Result<(Vec<u8>, Vec<u8>)>;
+    fn next(&mut self) -> Option<Self::Item> {
+        if self.failed {
+            return None;
+        }
+        match self.it.next() {
+            Ok(e) => e.map(Ok),
+            Err(e) => {
+                self.failed = true;
+                Some(Err(e))
+            }
+        }
+    }
+}
+
+/// A forward-only cursor over [`Engine::scan_chunk`], for presets that do not have their
+/// own [`Engine::iter`] yet: reads 64 entries per call, re-seeking after the last.
+pub(crate) struct ChunkIter {
+    engine: Arc<dyn Engine>,
+    buf: Vec<(Vec<u8>, Vec<u8>)>,
+    pos: usize,
+    more: bool,
+}
+
+const CHUNK: usize = 64;
+
+impl ChunkIter {
+    pub(crate) fn new(engine: Arc<dyn Engine>) -> ChunkIter {
+        ChunkIter { engine, buf: Vec::new(), pos: 0, more: false }
+    }
+
+    fn fill(&mut self, from: Bound<&[u8]>) -> Result<()> {
+        self.buf = self.engine.scan_chunk(from, Bound::Unbounded, CHUNK)?;
+        self.pos = 0;
+        self.more = self.buf.len() == CHUNK;
+        Ok(())
+    }
+
+    fn reverse_unsupported() -> crate::Error {
+        crate::Error::InvalidArgument("this preset does not iterate backwards yet".into())
+    }
+}
+
+impl InternalIterator for ChunkIter {
+    fn valid(&self) -> bool {
+        self.pos < self.buf.len()
+    }
+    fn seek(&mut self, key: &[u8]) -> Result<()> {
+        self.fill(Bound::Included(key))
+    }
+    fn seek_to_first(&mut self) -> Result<()> {
+        self.fill(Bound::Unbounded)
+    }
+    fn seek_to_last(&mut self) -> Result<()> {
+        Err(Self::reverse_unsupported())
+    }
+    fn next(&mut self) -> Result<()> {
+        self.pos += 1;
+        if self.pos >= self.buf.len() && self.more {
+            let last = self.buf.last().map(|e| e.0.clone()).unwrap_or_default();
+            self.fill(Bound::Excluded(&last))?;
+        }
+        Ok(())
+    }
+    fn prev(&mut self) -> Result<()> {
+        Err(Self::reverse_unsupported())
+    }
+    fn seek_for_prev(&mut self, _key: &[u8]) -> Result<()> {
+        Err(Self::reverse_unsupported())
+    }
+    fn key(&self) -> &[u8] {
+        self.buf.get(self.pos).map_or(&[], |e| e.0.as_slice())
+    }
+    fn value(&self) -> Option<&[u8]> {
+        self.buf.get(self.pos).map(|e| e.1.as_slice())
     }
 }

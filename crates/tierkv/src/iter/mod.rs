@@ -22,7 +22,8 @@ mod db_iter;
 mod merge;
 mod vec;
 
-pub use db_iter::{DbIterator, Scan};
+pub(crate) use db_iter::ChunkIter;
+pub use db_iter::{DbIterator, IterOptions, Scan};
 pub use merge::MergingIterator;
 pub use vec::VecIter;
 
