@@ -98,6 +98,7 @@ pub type BoxedIter = Box<dyn InternalIterator>;
 
 /// Every entry of `it`, forward (tests).
 #[cfg(test)]
+#[allow(clippy::type_complexity)]
 pub(crate) fn collect_forward(it: &mut dyn InternalIterator) -> Result<Vec<(Vec<u8>, Option<Vec<u8>>)>> {
     let mut out = Vec::new();
     it.seek_to_first()?;
