@@ -95,16 +95,3 @@ impl<T: InternalIterator + ?Sized> InternalIterator for Box<T> {
 
 /// A boxed source, as presets hand them around.
 pub type BoxedIter = Box<dyn InternalIterator>;
-
-/// Every entry of `it`, forward (tests).
-#[cfg(test)]
-#[allow(clippy::type_complexity)]
-pub(crate) fn collect_forward(it: &mut dyn InternalIterator) -> Result<Vec<(Vec<u8>, Option<Vec<u8>>)>> {
-    let mut out = Vec::new();
-    it.seek_to_first()?;
-    while it.valid() {
-        out.push((it.key().to_vec(), it.value().map(<[u8]>::to_vec)));
-        it.next()?;
-    }
-    Ok(out)
-}
