@@ -147,17 +147,7 @@ pub fn zscore(k: &[u8], score: f64, m: &[u8]) -> Vec<u8> {
     v
 }
 
-/// The smallest key after every key starting with `prefix` (`None`: no such key).
-pub fn prefix_end(prefix: &[u8]) -> Option<Vec<u8>> {
-    let mut v = prefix.to_vec();
-    while let Some(last) = v.pop() {
-        if last < 0xFF {
-            v.push(last + 1);
-            return Some(v);
-        }
-    }
-    None
-}
+pub use tierkv::iter::prefix_end;
 
 /// An f64 as a u64 whose unsigned order is the numeric order (-0.0 is stored as 0.0).
 pub fn sortable(score: f64) -> u64 {

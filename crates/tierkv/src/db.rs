@@ -165,9 +165,11 @@ impl Db {
         self.guarded(|e| {
             let gate = self.overlay.begin_write();
             if let Some(seq) = gate.must_record() {
+                // Each distinct key once: its value before the whole batch.
+                let mut seen = std::collections::HashSet::with_capacity(ops.len());
                 let mut olds: Vec<(Vec<u8>, Option<Vec<u8>>)> = Vec::with_capacity(ops.len());
                 for op in ops {
-                    if !olds.iter().any(|(k, _)| k.as_slice() == op.key()) {
+                    if seen.insert(op.key()) {
                         olds.push((op.key().to_vec(), e.get(op.key())?));
                     }
                 }

@@ -62,7 +62,7 @@ impl IterOptions {
             if lower_is_tighter(&plo, &lo) {
                 lo = plo;
             }
-            if let Some(succ) = successor(p) {
+            if let Some(succ) = prefix_end(p) {
                 let phi = Bound::Excluded(succ);
                 if upper_is_tighter(&phi, &hi) {
                     hi = phi;
@@ -73,10 +73,10 @@ impl IterOptions {
     }
 }
 
-/// The smallest key greater than every key with prefix `p`; `None` if there is none
-/// (`p` is empty or all `0xff`).
-fn successor(p: &[u8]) -> Option<Vec<u8>> {
-    let mut s = p.to_vec();
+/// The smallest key after every key starting with `prefix`; `None` if there is none
+/// (`prefix` is empty or all `0xff`).
+pub fn prefix_end(prefix: &[u8]) -> Option<Vec<u8>> {
+    let mut s = prefix.to_vec();
     while let Some(last) = s.pop() {
         if last < 0xff {
             s.push(last + 1);
@@ -277,13 +277,12 @@ impl Resolved {
             };
             let undo = self.snap.neighbour(from, forward);
             let ek = self.e.valid().then(|| self.e.key());
-            let undo_first = match (&undo, ek) {
+            // The nearer of the two; the undo map's version wins a tie.
+            let from_undo = match (&undo, ek) {
                 (None, None) => {
                     self.cur = Cur::None;
                     return Ok(());
                 }
-                (Some(_), None) => true,
-                (None, Some(_)) => false,
                 (Some((uk, _)), Some(ek)) => {
                     if forward {
                         uk.as_slice() <= ek
@@ -291,48 +290,47 @@ impl Resolved {
                         uk.as_slice() >= ek
                     }
                 }
+                (some, _) => some.is_some(),
             };
             let key: &[u8] = match (&undo, ek) {
-                (Some((uk, _)), _) if undo_first => uk,
+                (Some((uk, _)), _) if from_undo => uk,
                 (_, Some(ek)) => ek,
                 _ => &[],
             };
-            let in_bounds_ahead = if forward { below_upper(key, &self.hi) } else { above_lower(key, &self.lo) };
-            if !in_bounds_ahead {
+            let ahead_ok = if forward { below_upper(key, &self.hi) } else { above_lower(key, &self.lo) };
+            if !ahead_ok {
                 self.cur = Cur::None;
                 return Ok(());
             }
-            let in_bounds_behind = if forward { above_lower(key, &self.lo) } else { below_upper(key, &self.hi) };
-            if undo_first {
-                let Some((uk, uv)) = undo else { continue };
-                match uv {
-                    Some(v) if in_bounds_behind => {
+            let behind_ok = if forward { above_lower(key, &self.lo) } else { below_upper(key, &self.hi) };
+            match undo {
+                Some((uk, uv)) if from_undo => {
+                    if let (Some(v), true) = (uv, behind_ok) {
                         self.cur = Cur::Undo(uk, v);
                         return Ok(());
                     }
-                    _ => {
-                        // Absent at the snapshot: step the preset cursor too if it is here.
-                        if self.e.valid() && self.e.key() == uk.as_slice() {
-                            let r = if forward { self.e.next() } else { self.e.prev() };
-                            if let Err(e) = r {
-                                return self.fail(e);
-                            }
+                    // Absent at the snapshot: step the preset cursor too if it is here.
+                    if self.e.valid() && self.e.key() == uk.as_slice() {
+                        let r = if forward { self.e.next() } else { self.e.prev() };
+                        if let Err(e) = r {
+                            return self.fail(e);
                         }
-                        skipped = Some(uk);
                     }
+                    skipped = Some(uk);
                 }
-            } else {
-                if in_bounds_behind && self.e.value().is_some() {
-                    self.cur = Cur::Engine;
-                    return Ok(());
-                }
-                let mut buf = skipped.take().unwrap_or_default();
-                buf.clear();
-                buf.extend_from_slice(key);
-                skipped = Some(buf);
-                let r = if forward { self.e.next() } else { self.e.prev() };
-                if let Err(e) = r {
-                    return self.fail(e);
+                _ => {
+                    if behind_ok && self.e.value().is_some() {
+                        self.cur = Cur::Engine;
+                        return Ok(());
+                    }
+                    let mut buf = skipped.take().unwrap_or_default();
+                    buf.clear();
+                    buf.extend_from_slice(self.e.key());
+                    skipped = Some(buf);
+                    let r = if forward { self.e.next() } else { self.e.prev() };
+                    if let Err(e) = r {
+                        return self.fail(e);
+                    }
                 }
             }
         }
@@ -345,15 +343,13 @@ enum Gap {
     /// A seek not yet done.
     Seek(Vec<u8>),
     SeekForPrev(Vec<u8>),
-    First,
-    Last,
     /// Before the resolved iterator's current entry.
     Before,
     /// After it.
     After,
-    /// Past the last entry / before the first.
-    End,
+    /// Before the first entry / past the last.
     Start,
+    End,
 }
 
 /// A seekable, bidirectional iterator over a consistent snapshot of the store
@@ -374,7 +370,7 @@ impl DbIterator {
     pub(crate) fn new(e: BoxedIter, snap: SnapshotRef, opts: &IterOptions) -> DbIterator {
         let (lo, hi) = opts.bounds();
         let r = Resolved { e, snap, dir: Dir::Forward, cur: Cur::None, lo, hi, scratch: Vec::new() };
-        DbIterator { r, gap: Gap::First }
+        DbIterator { r, gap: Gap::Start }
     }
 
     /// Put the gap before the first key `>= key`.
@@ -389,68 +385,61 @@ impl DbIterator {
 
     /// Put the gap before the first key.
     pub fn seek_to_first(&mut self) {
-        self.gap = Gap::First;
+        self.gap = Gap::Start;
     }
 
     /// Put the gap after the last key.
     pub fn seek_to_last(&mut self) {
-        self.gap = Gap::Last;
+        self.gap = Gap::End;
     }
 
     /// The next entry, borrowed until the iterator moves; `None` at the end.
     pub fn next_ref(&mut self) -> Result<Option<(&[u8], &[u8])>> {
-        let r = match std::mem::replace(&mut self.gap, Gap::End) {
-            Gap::Seek(k) => self.r.seek(&k),
-            Gap::SeekForPrev(k) => self.r.seek(&k).and_then(|()| {
-                if self.r.valid() && self.r.key() == k.as_slice() {
-                    self.r.step(true)
-                } else {
-                    Ok(())
-                }
-            }),
-            Gap::First | Gap::Start => self.r.seek_to_first(),
-            Gap::Last | Gap::End => {
-                self.gap = Gap::End;
-                return Ok(None);
-            }
-            Gap::Before => Ok(()),
-            Gap::After => self.r.step(true),
-        };
-        r?;
-        Ok(if self.r.valid() {
-            self.gap = Gap::After;
-            Some((self.r.key(), self.r.value()))
-        } else {
-            self.gap = Gap::End;
-            None
-        })
+        self.cross(true)
     }
 
     /// The previous entry, borrowed until the iterator moves; `None` at the start.
     pub fn prev_ref(&mut self) -> Result<Option<(&[u8], &[u8])>> {
-        let r = match std::mem::replace(&mut self.gap, Gap::Start) {
-            Gap::SeekForPrev(k) => self.r.seek_for_prev(&k),
-            Gap::Seek(k) => self.r.seek_for_prev(&k).and_then(|()| {
-                if self.r.valid() && self.r.key() == k.as_slice() {
-                    self.r.step(false)
-                } else {
-                    Ok(())
+        self.cross(false)
+    }
+
+    /// Return the entry after (`forward`) or before the gap and move the gap past it.
+    fn cross(&mut self, forward: bool) -> Result<Option<(&[u8], &[u8])>> {
+        let (behind, past) = if forward { (Gap::After, Gap::End) } else { (Gap::Before, Gap::Start) };
+        let r =
+            match std::mem::replace(&mut self.gap, Gap::End) {
+                // A seek whose gap is on the walk's side: position there.
+                Gap::Seek(k) if forward => self.r.seek(&k),
+                Gap::SeekForPrev(k) if !forward => self.r.seek_for_prev(&k),
+                // A seek whose gap is on the other side of its key: position, then step past
+                // the key itself if present.
+                Gap::Seek(k) | Gap::SeekForPrev(k) => {
+                    let r = if forward { self.r.seek(&k) } else { self.r.seek_for_prev(&k) };
+                    r.and_then(|()| {
+                        if self.r.valid() && self.r.key() == k.as_slice() {
+                            self.r.step(forward)
+                        } else {
+                            Ok(())
+                        }
+                    })
                 }
-            }),
-            Gap::Last | Gap::End => self.r.seek_to_last(),
-            Gap::First | Gap::Start => {
-                self.gap = Gap::Start;
-                return Ok(None);
-            }
-            Gap::After => Ok(()),
-            Gap::Before => self.r.step(false),
-        };
+                Gap::Start if forward => self.r.seek_to_first(),
+                Gap::End if !forward => self.r.seek_to_last(),
+                Gap::Start | Gap::End => {
+                    self.gap = past;
+                    return Ok(None);
+                }
+                // The current entry is on the walk's side of the gap: return it.
+                Gap::Before if forward => Ok(()),
+                Gap::After if !forward => Ok(()),
+                Gap::Before | Gap::After => self.r.step(forward),
+            };
         r?;
         Ok(if self.r.valid() {
-            self.gap = Gap::Before;
+            self.gap = behind;
             Some((self.r.key(), self.r.value()))
         } else {
-            self.gap = Gap::Start;
+            self.gap = past;
             None
         })
     }
@@ -562,5 +551,116 @@ impl InternalIterator for ChunkIter {
     }
     fn value(&self) -> Option<&[u8]> {
         self.buf.get(self.pos).map(|e| e.1.as_slice())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::collections::BTreeMap;
+
+    use proptest::prelude::*;
+
+    use super::*;
+    use crate::iter::VecIter;
+    use crate::snapshot::Overlay;
+
+    type Map = BTreeMap<Vec<u8>, Option<Vec<u8>>>;
+
+    #[derive(Debug, Clone)]
+    enum Op {
+        Next,
+        Prev,
+        Seek(Vec<u8>),
+        SeekForPrev(Vec<u8>),
+        First,
+        Last,
+    }
+
+    fn key() -> impl Strategy<Value = Vec<u8>> {
+        proptest::collection::vec(0u8..4, 0..3)
+    }
+
+    fn map() -> impl Strategy<Value = Map> {
+        proptest::collection::btree_map(
+            key(),
+            proptest::option::weighted(0.8, proptest::collection::vec(any::<u8>(), 0..2)),
+            0..16,
+        )
+    }
+
+    fn bound() -> impl Strategy<Value = Bound<Vec<u8>>> {
+        prop_oneof![Just(Bound::Unbounded), key().prop_map(Bound::Included), key().prop_map(Bound::Excluded)]
+    }
+
+    fn op() -> impl Strategy<Value = Op> {
+        prop_oneof![
+            4 => Just(Op::Next),
+            4 => Just(Op::Prev),
+            1 => key().prop_map(Op::Seek),
+            1 => key().prop_map(Op::SeekForPrev),
+            1 => Just(Op::First),
+            1 => Just(Op::Last),
+        ]
+    }
+
+    proptest! {
+        /// The gap cursor over a snapshot, with bounds and a prefix, against a model: the
+        /// preset cursor shows the store *after* writes made since the snapshot, and the
+        /// undo records those writes made must bring back exactly the snapshot's entries.
+        #[test]
+        fn gap_cursor_over_a_snapshot_matches_the_model(
+            at_snapshot in map(),
+            writes in proptest::collection::vec((key(), proptest::option::of(proptest::collection::vec(any::<u8>(), 0..2))), 0..8),
+            lower in bound(),
+            upper in bound(),
+            prefix in proptest::option::weighted(0.3, proptest::collection::vec(0u8..4, 0..2)),
+            ops in proptest::collection::vec(op(), 1..30),
+        ) {
+            let overlay = Arc::new(Overlay::default());
+            let snap = overlay.snapshot();
+            let mut now = at_snapshot.clone();
+            for (k, v) in writes {
+                let g = overlay.begin_write();
+                let seq = g.must_record().expect("a snapshot lives");
+                overlay.record(seq, vec![(k.clone(), now.get(&k).cloned().flatten())]);
+                now.insert(k, v);
+            }
+            let opts = IterOptions { lower: lower.clone(), upper: upper.clone(), prefix: prefix.clone() };
+            let want: Vec<(Vec<u8>, Vec<u8>)> = at_snapshot
+                .iter()
+                .filter_map(|(k, v)| Some((k.clone(), v.clone()?)))
+                .filter(|(k, _)| above_lower(k, &lower) && below_upper(k, &upper))
+                .filter(|(k, _)| prefix.as_ref().is_none_or(|p| k.starts_with(p)))
+                .collect();
+            let mut it = DbIterator::new(Box::new(VecIter::from_vec(now.into_iter().collect())), snap, &opts);
+            let mut gap = 0usize;
+            for op in ops {
+                match op {
+                    Op::Next => {
+                        let got = it.next().unwrap();
+                        prop_assert_eq!(got.as_ref(), want.get(gap));
+                        gap = (gap + 1).min(want.len());
+                    }
+                    Op::Prev => {
+                        let got = it.prev().unwrap();
+                        let w = gap.checked_sub(1).map(|g| &want[g]);
+                        prop_assert_eq!(got.as_ref(), w);
+                        gap = gap.saturating_sub(1);
+                    }
+                    Op::Seek(k) => { it.seek(&k); gap = want.partition_point(|e| e.0 < k); }
+                    Op::SeekForPrev(k) => { it.seek_for_prev(&k); gap = want.partition_point(|e| e.0 <= k); }
+                    Op::First => { it.seek_to_first(); gap = 0; }
+                    Op::Last => { it.seek_to_last(); gap = want.len(); }
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn prefix_end_is_the_first_key_past_the_prefix() {
+        assert_eq!(prefix_end(b"ab"), Some(b"ac".to_vec()));
+        assert_eq!(prefix_end(b"a\xff"), Some(b"b".to_vec()));
+        assert_eq!(prefix_end(b"\xff\xff"), None);
+        assert_eq!(prefix_end(b""), None);
     }
 }

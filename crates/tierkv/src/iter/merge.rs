@@ -96,6 +96,43 @@ impl MergingIterator {
         }
         Ok(())
     }
+
+    /// Move forward or back from the current entry.
+    fn step(&mut self, forward: bool) -> Result<()> {
+        let Some(cur) = self.current else { return Ok(()) };
+        let want = if forward { Dir::Forward } else { Dir::Reverse };
+        if self.dir != want {
+            // Every other child sits on the far side of the current key: move each to its
+            // first entry >= it (forward) or last <= it (back); ties are stepped below.
+            self.scratch.clear();
+            self.scratch.extend_from_slice(self.children[cur].key());
+            for i in 0..self.children.len() {
+                if i == cur {
+                    continue;
+                }
+                let r = if forward {
+                    self.children[i].seek(&self.scratch)
+                } else {
+                    self.children[i].seek_for_prev(&self.scratch)
+                };
+                if let Err(e) = r {
+                    return self.fail(e);
+                }
+            }
+            self.dir = want;
+        }
+        self.step_ties(cur, forward)?;
+        let r = if forward { self.children[cur].next() } else { self.children[cur].prev() };
+        if let Err(e) = r {
+            return self.fail(e);
+        }
+        if forward {
+            self.find_smallest();
+        } else {
+            self.find_largest();
+        }
+        Ok(())
+    }
 }
 
 impl InternalIterator for MergingIterator {
@@ -132,49 +169,11 @@ impl InternalIterator for MergingIterator {
     }
 
     fn next(&mut self) -> Result<()> {
-        let Some(cur) = self.current else { return Ok(()) };
-        if self.dir == Dir::Reverse {
-            // Every other child is at or before the current key: move each to its first
-            // entry >= it (ties are stepped below).
-            self.scratch.clear();
-            self.scratch.extend_from_slice(self.children[cur].key());
-            for i in 0..self.children.len() {
-                if i != cur {
-                    if let Err(e) = self.children[i].seek(&self.scratch) {
-                        return self.fail(e);
-                    }
-                }
-            }
-            self.dir = Dir::Forward;
-        }
-        self.step_ties(cur, true)?;
-        if let Err(e) = self.children[cur].next() {
-            return self.fail(e);
-        }
-        self.find_smallest();
-        Ok(())
+        self.step(true)
     }
 
     fn prev(&mut self) -> Result<()> {
-        let Some(cur) = self.current else { return Ok(()) };
-        if self.dir == Dir::Forward {
-            self.scratch.clear();
-            self.scratch.extend_from_slice(self.children[cur].key());
-            for i in 0..self.children.len() {
-                if i != cur {
-                    if let Err(e) = self.children[i].seek_for_prev(&self.scratch) {
-                        return self.fail(e);
-                    }
-                }
-            }
-            self.dir = Dir::Reverse;
-        }
-        self.step_ties(cur, false)?;
-        if let Err(e) = self.children[cur].prev() {
-            return self.fail(e);
-        }
-        self.find_largest();
-        Ok(())
+        self.step(false)
     }
 
     fn key(&self) -> &[u8] {

@@ -23,7 +23,7 @@ mod merge;
 mod vec;
 
 pub(crate) use db_iter::ChunkIter;
-pub use db_iter::{DbIterator, IterOptions, Scan};
+pub use db_iter::{prefix_end, DbIterator, IterOptions, Scan};
 pub use merge::MergingIterator;
 pub use vec::VecIter;
 
