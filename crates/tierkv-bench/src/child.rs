@@ -25,7 +25,8 @@ use std::path::Path;
 use std::process::{Command, Stdio};
 use std::time::Instant;
 
-use crate::engine::{self, BenchEngine, EngineSpec, Result};
+use crate::api::{BenchEngine, Result};
+use crate::engine::{self, EngineSpec};
 
 /// The hidden `tierkv` subcommand the child runs.
 pub const CHILD_CMD: &str = "bench-crash-child";

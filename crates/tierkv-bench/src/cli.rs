@@ -30,8 +30,9 @@ pub struct BenchArgs {
     pub pm_dir: Option<PathBuf>,
     /// `--out`: JSON path.
     pub out: Option<PathBuf>,
-    /// `--threads`: client threads (readers for readwhilewriting).
-    pub threads: usize,
+    /// `--threads`: client threads (readers for readwhilewriting); more than one count is a
+    /// thread sweep (a fresh store per count).
+    pub threads: Vec<usize>,
     /// `--durable`: peers fsync every write; tierkv msyncs PM.
     pub durable: bool,
     /// The `tierkv` executable, to run the crash child ([`crate::child`]). Without it, only
@@ -56,10 +57,19 @@ impl Default for BenchArgs {
             dir: None,
             pm_dir: None,
             out: None,
-            threads: 1,
+            threads: vec![1],
             durable: false,
             crash_exe: None,
         }
+    }
+}
+
+/// ` (N threads)` in a sweep's progress lines, nothing otherwise.
+fn thread_tag(sweep: &[usize], threads: usize) -> String {
+    if sweep.len() > 1 {
+        format!(" ({threads} threads)")
+    } else {
+        String::new()
     }
 }
 
@@ -101,69 +111,79 @@ pub fn run(a: &BenchArgs) -> Result<Report, String> {
         key_size: a.key_size,
         scan_len: a.scan_len,
         seed: a.seed,
-        threads: a.threads,
+        threads: a.threads.first().copied().unwrap_or(1),
     };
+    if a.threads.is_empty() || a.threads.contains(&0) {
+        return Err("--threads: give one or more counts, each at least 1".into());
+    }
     for &value_size in &a.value_sizes {
-        let params = Params { value_size, ..base.clone() };
         for name in &a.engines {
-            let disk =
-                tempfile::Builder::new().prefix("tierkv-bench-").tempdir_in(&disk_base).map_err(|e| e.to_string())?;
-            let pm =
-                tempfile::Builder::new().prefix("tierkv-bench-pm-").tempdir_in(&pm_base).map_err(|e| e.to_string())?;
-            let spec = EngineSpec {
-                name: name.clone(),
-                dir: disk.path().join("db"),
-                pm_dir: pm.path().to_path_buf(),
-                durable: a.durable,
-            };
-            let mut e = engine::open(&spec)?;
-            let mut loaded = Loaded::default();
-            for &w in &a.workloads {
-                let bar = indicatif::ProgressBar::new(a.num);
-                bar.set_style(
-                    indicatif::ProgressStyle::with_template(
-                        "{prefix:>28} [{bar:40}] {human_pos}/{human_len} eta {eta}",
-                    )
-                    .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar())
-                    .progress_chars("=> "),
-                );
-                bar.set_prefix(format!("{name} {value_size} B {}", w.name()));
-                let o = run::run_with_progress(e.as_ref(), w, &params, &mut loaded, &bar);
-                bar.finish_and_clear();
-                if let Some(o) = o? {
-                    outcomes.push(o);
+            for (step, &threads) in a.threads.iter().enumerate() {
+                let params = Params { value_size, threads, ..base.clone() };
+                let disk = tempfile::Builder::new()
+                    .prefix("tierkv-bench-")
+                    .tempdir_in(&disk_base)
+                    .map_err(|e| e.to_string())?;
+                let pm = tempfile::Builder::new()
+                    .prefix("tierkv-bench-pm-")
+                    .tempdir_in(&pm_base)
+                    .map_err(|e| e.to_string())?;
+                let spec = EngineSpec {
+                    name: name.clone(),
+                    dir: disk.path().join("db"),
+                    pm_dir: pm.path().to_path_buf(),
+                    durable: a.durable,
+                };
+                let mut e = engine::open(&spec)?;
+                let mut loaded = Loaded::default();
+                for &w in &a.workloads {
+                    let bar = indicatif::ProgressBar::new(a.num);
+                    bar.set_style(
+                        indicatif::ProgressStyle::with_template(
+                            "{prefix:>28} [{bar:40}] {human_pos}/{human_len} eta {eta}",
+                        )
+                        .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar())
+                        .progress_chars("=> "),
+                    );
+                    bar.set_prefix(format!("{name} {value_size} B {}{}", w.name(), thread_tag(&a.threads, threads)));
+                    let o = run::run_with_progress(e.as_ref(), w, &params, &mut loaded, &bar);
+                    bar.finish_and_clear();
+                    if let Some(o) = o? {
+                        outcomes.push(o);
+                    }
                 }
-            }
-            let t = Instant::now();
-            if e.reopen().is_ok() {
-                let seconds = t.elapsed().as_secs_f64();
-                let crashed = match &a.crash_exe {
-                    Some(exe) => {
-                        drop(e);
-                        crate::child::measure(exe, &spec, a.num, a.key_size, value_size)
-                    }
-                    None => crate::child::measure_in_process(e.as_mut(), a.key_size, value_size),
-                };
-                let (after_crash_seconds, verified_keys) = match crashed {
-                    Ok(r) => (Some(r.seconds), Some(r.verified)),
-                    // An acknowledged write lost by a crash fails the run.
-                    Err(crate::child::CrashError::Lost(msg)) => {
-                        return Err(format!("recovery after a crash lost acknowledged writes: {msg}"))
-                    }
-                    Err(crate::child::CrashError::NotMeasured(err)) => {
-                        if a.crash_exe.is_some() {
-                            eprintln!("warning: {name}: recovery after a crash not measured: {err}");
+                // Recovery is measured once per engine and value size (the sweep's first count).
+                let t = Instant::now();
+                if step == 0 && e.reopen().is_ok() {
+                    let seconds = t.elapsed().as_secs_f64();
+                    let crashed = match &a.crash_exe {
+                        Some(exe) => {
+                            drop(e);
+                            crate::child::measure(exe, &spec, a.num, a.key_size, value_size)
                         }
-                        (None, None)
-                    }
-                };
-                recovery.push(Recovery {
-                    engine: name.clone(),
-                    value_size,
-                    seconds,
-                    after_crash_seconds,
-                    verified_keys,
-                });
+                        None => crate::child::measure_in_process(e.as_mut(), a.key_size, value_size),
+                    };
+                    let (after_crash_seconds, verified_keys) = match crashed {
+                        Ok(r) => (Some(r.seconds), Some(r.verified)),
+                        // An acknowledged write lost by a crash fails the run.
+                        Err(crate::child::CrashError::Lost(msg)) => {
+                            return Err(format!("recovery after a crash lost acknowledged writes: {msg}"))
+                        }
+                        Err(crate::child::CrashError::NotMeasured(err)) => {
+                            if a.crash_exe.is_some() {
+                                eprintln!("warning: {name}: recovery after a crash not measured: {err}");
+                            }
+                            (None, None)
+                        }
+                    };
+                    recovery.push(Recovery {
+                        engine: name.clone(),
+                        value_size,
+                        seconds,
+                        after_crash_seconds,
+                        verified_keys,
+                    });
+                }
             }
         }
     }
@@ -171,7 +191,8 @@ pub fn run(a: &BenchArgs) -> Result<Report, String> {
     outcomes.sort_by_key(|o| {
         let wi = a.workloads.iter().position(|w| *w == o.workload).unwrap_or(usize::MAX);
         let ei = a.engines.iter().position(|e| *e == o.engine).unwrap_or(usize::MAX);
-        (o.value_size, wi, ei)
+        let ti = a.threads.iter().position(|&t| t == o.threads).unwrap_or(usize::MAX);
+        (o.value_size, wi, ti, ei)
     });
     let rep = Report { schema: 1, params: base, outcomes, recovery };
     print!("{}", report::table(&rep));

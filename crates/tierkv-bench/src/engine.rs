@@ -1,70 +1,14 @@
-//! The engines a benchmark run measures, behind one trait: every tierkv preset, and the
-//! `limit` pseudo-engine. (Peers — LevelDB, RocksDB — join here as further implementations.)
+//! The engines a benchmark run measures, built by name ([`open`]): every tierkv preset and
+//! the `limit` pseudo-engine live here; the peers (LevelDB, RocksDB) in [`crate::peers`].
+//! All implement [`crate::api::BenchEngine`].
 
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 
+use crate::api::{BenchEngine, Result, Usage};
 use parking_lot::{Mutex, RwLock};
 use tierkv::pm::{Backing, Region, RegionConfig, LINE, POOL_HEADER_LEN};
 use tierkv::{Db, HoakvOptions, HpdkOptions, LightkvOptions, LightkvPlacement, Options, Preset, SlmdbOptions};
-
-/// Result of engine calls (errors are reported, not recovered).
-pub type Result<T> = std::result::Result<T, String>;
-
-/// Resource figures an engine reports after a workload.
-#[derive(Debug, Clone, Copy, Default, serde::Serialize)]
-pub struct Usage {
-    /// Bytes written back to PM.
-    pub pm_bytes_written: u64,
-    /// Bytes written to disk files.
-    pub disk_bytes_written: u64,
-    /// User bytes written (keys + values).
-    pub user_bytes_written: u64,
-    /// DRAM held by the index.
-    pub dram_index_bytes: u64,
-    /// PM reserved by the engine.
-    pub pm_space: u64,
-}
-
-/// One engine under test.
-pub trait BenchEngine: Send + Sync {
-    /// Display name.
-    fn name(&self) -> String;
-    /// Insert or overwrite.
-    fn put(&self, key: &[u8], value: &[u8]) -> Result<()>;
-    /// Insert a new record (YCSB's insert). Default: [`BenchEngine::put`]; engines whose
-    /// insert differs from an update (the RESP client: YCSB's binding also indexes the key)
-    /// override it.
-    fn insert(&self, key: &[u8], value: &[u8]) -> Result<()> {
-        self.put(key, value)
-    }
-    /// Read; returns the value length if found (the value itself is copied out, then dropped).
-    fn get(&self, key: &[u8]) -> Result<Option<usize>>;
-    /// Read; returns the value itself (the crash check compares it with what was
-    /// acknowledged).
-    fn get_value(&self, key: &[u8]) -> Result<Option<Vec<u8>>>;
-    /// Read up to `n` entries from `start` in key order; returns how many were read.
-    fn scan(&self, start: &[u8], n: usize) -> Result<usize>;
-    /// Resource usage since open.
-    fn usage(&self) -> Usage;
-    /// Clean close, then open again; the store must still hold its data.
-    fn reopen(&mut self) -> Result<()>;
-    /// Bytes of disk space the store occupies.
-    fn space(&self) -> u64 {
-        0
-    }
-    /// The design's own figures (tierkv's `Stats::design`: promotions, flushes, …); empty
-    /// for the peers.
-    fn design(&self) -> std::collections::BTreeMap<String, u64> {
-        std::collections::BTreeMap::new()
-    }
-    /// Drop the store as a killed process would (no clean shutdown), then open it again.
-    /// Engines that cannot simulate that in-process return an error and are reported as
-    /// not measured.
-    fn crash_reopen(&mut self) -> Result<()> {
-        Err(format!("{} cannot simulate a crash in-process", self.name()))
-    }
-}
 
 /// How to build engines for one run.
 #[derive(Debug, Clone)]
@@ -258,11 +202,16 @@ impl BenchEngine for Tierkv {
         self.db()?.get(key).map_err(|e| e.to_string())
     }
     fn scan(&self, start: &[u8], n: usize) -> Result<usize> {
-        let mut count = 0;
-        for item in self.db()?.scan(start..).map_err(|e| e.to_string())?.take(n) {
-            item.map_err(|e| e.to_string())?;
+        // Borrowed entries, as the peers' scans read them (see `crate::api::BenchEngine::scan`).
+        let mut it = self.db()?.iter().map_err(|e| e.to_string())?;
+        it.seek(start);
+        let (mut count, mut bytes) = (0, 0);
+        while count < n {
+            let Some((k, v)) = it.next_ref().map_err(|e| e.to_string())? else { break };
+            bytes += k.len() + v.len();
             count += 1;
         }
+        std::hint::black_box(bytes);
         Ok(count)
     }
     fn usage(&self) -> Usage {

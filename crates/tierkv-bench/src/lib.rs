@@ -2,8 +2,9 @@
 //! may link peer engines, so the core `tierkv` crate never does.
 //!
 //! - [`workload`]: db_bench key streams and YCSB's request distributions;
-//! - [`engine`]: the engines behind one trait — every tierkv preset, the `limit` floor, and
-//!   (feature `peers`, used by the main job) LevelDB and RocksDB in `peers`;
+//! - [`api`]: the one trait every engine implements; [`engine`]: the engines by name — every
+//!   tierkv preset, the `limit` floor, and (feature `peers`, used by the main job) LevelDB and
+//!   RocksDB in `peers`, which depends on `api` only;
 //! - [`child`]: recovery after a real crash (a child process writing fresh keys, killed with
 //!   SIGKILL at a random moment; every write it acknowledged is verified after the reopen);
 //! - [`run`]: workloads, client threads, latency histograms; [`report`]: table and JSON;
@@ -23,6 +24,7 @@
 //!   default) and the OS page cache; tierkv reads PM directly;
 //! - the same seeded key and request streams are used for every engine.
 
+pub mod api;
 pub mod child;
 pub mod cli;
 pub mod engine;

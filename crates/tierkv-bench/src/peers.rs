@@ -13,7 +13,7 @@ use std::os::raw::c_char;
 use std::path::{Path, PathBuf};
 use std::ptr;
 
-use crate::engine::{BenchEngine, Result, Usage};
+use crate::api::{BenchEngine, Result, Usage};
 
 /// Write buffer (MemTable) size given to both peers.
 pub const WRITE_BUFFER: usize = 64 << 20;
@@ -192,26 +192,24 @@ impl BenchEngine for LevelDb {
         Ok(Some(copy))
     }
     fn scan(&self, start: &[u8], n: usize) -> Result<usize> {
-        // SAFETY: iterator created, used and destroyed here while `db` is open; key/value
-        // pointers are valid until the next move, and are copied before it.
+        // SAFETY: iterator created, used and destroyed here while `db` is open; the key and
+        // value stay in place (only their lengths are read).
         unsafe {
             let it = ldb::leveldb_create_iterator(self.db, self.read);
             ldb::leveldb_iter_seek(it, start.as_ptr() as *const c_char, start.len());
-            let mut count = 0;
+            let (mut count, mut bytes) = (0, 0);
             while count < n && ldb::leveldb_iter_valid(it) != 0 {
                 let (mut kl, mut vl) = (0usize, 0usize);
                 // The binding declares the length out-parameters `*const`, but LevelDB writes
                 // them: pass pointers derived from mutable locals.
-                let k = ldb::leveldb_iter_key(it, std::ptr::addr_of_mut!(kl).cast_const());
-                let v = ldb::leveldb_iter_value(it, std::ptr::addr_of_mut!(vl).cast_const());
-                let _copy = (
-                    std::slice::from_raw_parts(k as *const u8, kl).to_vec(),
-                    std::slice::from_raw_parts(v as *const u8, vl).to_vec(),
-                );
+                ldb::leveldb_iter_key(it, std::ptr::addr_of_mut!(kl).cast_const());
+                ldb::leveldb_iter_value(it, std::ptr::addr_of_mut!(vl).cast_const());
+                bytes += kl + vl;
                 count += 1;
                 ldb::leveldb_iter_next(it);
             }
             ldb::leveldb_iter_destroy(it);
+            std::hint::black_box(bytes);
             Ok(count)
         }
     }
@@ -299,12 +297,17 @@ impl BenchEngine for RocksDb {
         self.db()?.get(key).map_err(|e| format!("rocksdb: {e}"))
     }
     fn scan(&self, start: &[u8], n: usize) -> Result<usize> {
-        let it = self.db()?.iterator(rocksdb::IteratorMode::From(start, rocksdb::Direction::Forward));
-        let mut count = 0;
-        for item in it.take(n) {
-            let (_k, _v) = item.map_err(|e| format!("rocksdb: {e}"))?;
+        let mut it = self.db()?.raw_iterator();
+        it.seek(start);
+        let (mut count, mut bytes) = (0, 0);
+        while count < n {
+            let (Some(k), Some(v)) = (it.key(), it.value()) else { break };
+            bytes += k.len() + v.len();
             count += 1;
+            it.next();
         }
+        it.status().map_err(|e| format!("rocksdb: {e}"))?;
+        std::hint::black_box(bytes);
         Ok(count)
     }
     fn usage(&self) -> Usage {

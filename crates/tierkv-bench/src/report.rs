@@ -69,9 +69,9 @@ pub fn table(r: &Report) -> String {
         "WA pm",
         "WA disk"
     );
-    let mut last: Option<(&str, usize)> = None;
+    let mut last: Option<(&str, usize, usize)> = None;
     for o in &r.outcomes {
-        let group = (o.workload.name(), o.value_size);
+        let group = (o.workload.name(), o.value_size, o.threads);
         if last.is_some_and(|l| l != group) {
             out.push('\n');
         }
@@ -80,7 +80,12 @@ pub fn table(r: &Report) -> String {
             let base = r
                 .outcomes
                 .iter()
-                .find(|x| x.engine == engine && x.workload == o.workload && x.value_size == o.value_size)
+                .find(|x| {
+                    x.engine == engine
+                        && x.workload == o.workload
+                        && x.value_size == o.value_size
+                        && x.threads == o.threads
+                })
                 .map(|x| x.ops_per_sec);
             match base {
                 Some(b) if b > 0.0 => format!("{:.2}", o.ops_per_sec / b),
@@ -106,6 +111,7 @@ pub fn table(r: &Report) -> String {
             wa(o.write_amp_disk),
         );
     }
+    out.push_str(&sweep(r));
     for o in r.outcomes.iter().filter(|o| o.background_writes > 0) {
         let _ = writeln!(
             out,
@@ -122,6 +128,50 @@ pub fn table(r: &Report) -> String {
             let crash = rec.after_crash_seconds.map_or("not measured".to_string(), |s| format!("{s:.3} s"));
             let _ = writeln!(out, "  {:<10} value {:>6}: {:.3} s | {crash}", rec.engine, rec.value_size, rec.seconds);
         }
+    }
+    out
+}
+
+/// The thread sweep, when the run had more than one thread count: per engine, workload and
+/// value size, the throughput at each count and its ratio to the smallest count's.
+pub fn sweep(r: &Report) -> String {
+    let mut counts: Vec<usize> = r.outcomes.iter().map(|o| o.threads).collect();
+    counts.sort_unstable();
+    counts.dedup();
+    let mut out = String::new();
+    if counts.len() < 2 {
+        return out;
+    }
+    let _ = write!(out, "\nthread sweep: ops/s at each count (ratio to {} thread(s))\n", counts[0]);
+    let _ = write!(out, "{:<16} {:>7} {:<10}", "workload", "value", "engine");
+    for c in &counts {
+        let _ = write!(out, " {:>18}", format!("{c} thr"));
+    }
+    out.push('\n');
+    let mut seen = std::collections::HashSet::new();
+    for o in &r.outcomes {
+        if !seen.insert((o.workload.name(), o.value_size, o.engine.as_str())) {
+            continue;
+        }
+        let at = |t: usize| {
+            r.outcomes
+                .iter()
+                .find(|x| {
+                    x.engine == o.engine && x.workload == o.workload && x.value_size == o.value_size && x.threads == t
+                })
+                .map(|x| x.ops_per_sec)
+        };
+        let _ = write!(out, "{:<16} {:>7} {:<10}", o.workload.name(), o.value_size, o.engine);
+        let base = at(counts[0]);
+        for &c in &counts {
+            let cell = match (at(c), base) {
+                (Some(v), Some(b)) if b > 0.0 => format!("{v:.0} ({:.2}x)", v / b),
+                (Some(v), _) => format!("{v:.0}"),
+                (None, _) => "-".into(),
+            };
+            let _ = write!(out, " {cell:>18}");
+        }
+        out.push('\n');
     }
     out
 }

@@ -7,7 +7,7 @@ use hdrhistogram::Histogram;
 use rand::rngs::SmallRng;
 use rand::{Rng, SeedableRng};
 
-use crate::engine::{BenchEngine, Result, Usage};
+use crate::api::{BenchEngine, Result, Usage};
 use crate::workload::{db_bench_key, scan_len, ycsb_key, Latest, ScrambledZipfian};
 
 /// The workloads, named as in db_bench and YCSB.

@@ -25,7 +25,7 @@ use std::time::{Duration, Instant};
 
 use parking_lot::Mutex;
 
-use crate::engine::{BenchEngine, Result, Usage};
+use crate::api::{BenchEngine, Result, Usage};
 use crate::run::{self, Loaded, Params, Workload};
 
 /// One server under test.

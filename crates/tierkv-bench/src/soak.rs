@@ -23,7 +23,7 @@ use std::time::{Duration, Instant};
 use rand::{Rng, SeedableRng};
 use tierkv::{Db, HpdkOptions, LightkvOptions, Options, Preset, SlmdbOptions};
 
-use crate::engine::Result;
+use crate::api::Result;
 
 /// The hidden `tierkv` subcommand the stress process runs.
 pub const STRESS_CMD: &str = "soak-stress";

@@ -122,7 +122,7 @@ fn two_threads_and_readwhilewriting() {
     let t = tempfile::tempdir().unwrap();
     let a = BenchArgs {
         num: 1000,
-        threads: 2,
+        threads: vec![2],
         workloads: parse_workloads("fillseq,readrandom,readwhilewriting,load,d,e").unwrap(),
         dir: Some(t.path().to_path_buf()),
         pm_dir: Some(t.path().to_path_buf()),
@@ -142,4 +142,35 @@ fn two_threads_and_readwhilewriting() {
             _ => assert!(o.ops > 0),
         }
     }
+}
+
+/// `--threads 1,2`: every engine runs every workload once per count;
+/// recovery is measured once per engine; the table prints the sweep with ratios.
+#[test]
+fn thread_sweep_runs_every_count_and_prints_ratios() {
+    let t = tempfile::tempdir().unwrap();
+    let a = BenchArgs {
+        num: 600,
+        threads: vec![1, 2],
+        engines: parse_engines("pmekv,lightkv").unwrap(),
+        workloads: parse_workloads("fillrandom,readrandom").unwrap(),
+        dir: Some(t.path().to_path_buf()),
+        pm_dir: Some(t.path().to_path_buf()),
+        ..Default::default()
+    };
+    let rep = run(&a).unwrap();
+    for e in ["pmekv", "lightkv"] {
+        for th in [1usize, 2] {
+            let mine: Vec<_> = rep.outcomes.iter().filter(|o| o.engine == e && o.threads == th).collect();
+            assert_eq!(mine.len(), 2, "{e} at {th} threads");
+            let read = mine.iter().find(|o| o.workload == Workload::Readrandom).unwrap();
+            assert!(read.found > 0, "{e} {th}: the reads found what the fill wrote");
+        }
+        assert_eq!(rep.recovery.iter().filter(|r| r.engine == e).count(), 1, "{e}: recovery once");
+    }
+    let table = tierkv_bench::report::table(&rep);
+    assert!(table.contains("thread sweep"), "{table}");
+    let line = table.lines().find(|l| l.starts_with("fillrandom") && l.contains("pmekv") && l.contains("x)")).unwrap();
+    assert!(line.contains("(1.00x)"), "{line}");
+    assert!(run(&BenchArgs { threads: vec![0], ..a.clone() }).is_err(), "0 threads is refused");
 }

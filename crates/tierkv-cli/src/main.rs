@@ -85,9 +85,11 @@ struct BenchFlags {
     /// Write the results as JSON to this file.
     #[arg(long)]
     out: Option<PathBuf>,
-    /// Client threads (the readers of readwhilewriting, which adds one writer).
-    #[arg(long, default_value_t = 1)]
-    threads: usize,
+    /// Client threads (the readers of readwhilewriting, which adds one writer). A comma
+    /// separated list is a thread sweep: every engine runs the workloads once per count, on
+    /// a fresh store, and the table adds each count's throughput relative to the first.
+    #[arg(long, value_delimiter = ',', default_value = "1")]
+    threads: Vec<usize>,
     /// Power-loss durability for everyone: peers fsync every write, tierkv msyncs PM.
     #[arg(long)]
     durable: bool,
@@ -318,7 +320,7 @@ fn run(cli: Cli) -> Result<Outcome, Error> {
                 pipelines: vec![1, 16],
                 value_size: f.value_size.first().copied().unwrap_or(1024),
                 ycsb_num: f.ycsb_num,
-                threads: f.threads.max(1),
+                threads: f.threads.first().copied().unwrap_or(1).max(1),
                 seed: f.seed,
                 dir,
                 pm_dir,
@@ -341,7 +343,7 @@ fn run(cli: Cli) -> Result<Outcome, Error> {
                 dir: f.dir,
                 pm_dir: f.pm_dir,
                 out: f.out,
-                threads: f.threads.max(1),
+                threads: f.threads.iter().map(|&t| t.max(1)).collect(),
                 durable: f.durable,
                 ..Default::default()
             };
