@@ -45,6 +45,11 @@ pub trait BenchEngine: Send + Sync {
     fn usage(&self) -> Usage;
     /// Clean close, then open again; the store must still hold its data.
     fn reopen(&mut self) -> Result<()>;
+    /// False for engines without recovery (`limit`): the run skips their recovery figures.
+    /// For every other engine a failed reopen fails the run.
+    fn recovers(&self) -> bool {
+        true
+    }
     /// Bytes of disk space the store occupies.
     fn space(&self) -> u64 {
         0

@@ -153,8 +153,9 @@ pub fn run(a: &BenchArgs) -> Result<Report, String> {
                     }
                 }
                 // Recovery is measured once per engine and value size (the sweep's first count).
-                let t = Instant::now();
-                if step == 0 && e.reopen().is_ok() {
+                if step == 0 && e.recovers() {
+                    let t = Instant::now();
+                    e.reopen().map_err(|err| format!("{name}: reopen after the workloads failed: {err}"))?;
                     let seconds = t.elapsed().as_secs_f64();
                     let crashed = match &a.crash_exe {
                         Some(exe) => {

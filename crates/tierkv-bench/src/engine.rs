@@ -349,4 +349,7 @@ impl BenchEngine for Limit {
     fn reopen(&mut self) -> Result<()> {
         Err("limit keeps its index in DRAM only; it has no recovery".into())
     }
+    fn recovers(&self) -> bool {
+        false
+    }
 }
