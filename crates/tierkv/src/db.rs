@@ -223,6 +223,11 @@ impl Db {
         self.engine()?.get(key)
     }
 
+    /// The preset's lookup alone (see [`crate::testing::engine_get`]).
+    pub(crate) fn engine_get_unchecked(&self, key: &[u8]) -> Result<Option<Vec<u8>>> {
+        self.engine.get(key)
+    }
+
     /// Remove `key` (no error if absent).
     pub fn delete(&self, key: impl AsRef<[u8]>) -> Result<()> {
         let op = BatchOp::Delete { key: key.as_ref().to_vec() };

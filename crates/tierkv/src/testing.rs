@@ -92,3 +92,10 @@ pub fn slmdb_small() -> SlmdbOptions {
         ..SlmdbOptions::default()
     }
 }
+
+/// The preset's own point lookup, without [`crate::Db::get`]'s checks (key limit, closed
+/// handle): what the `db_get` criterion bench compares `Db::get` with, to show the cost the
+/// `Db` layer adds.
+pub fn engine_get(db: &crate::Db, key: &[u8]) -> crate::Result<Option<Vec<u8>>> {
+    db.engine_get_unchecked(key)
+}
