@@ -347,10 +347,33 @@ impl<V, M: LeafMeta> BPlusTree<V, M> {
         }
     }
 
+    /// Descend to the leaf that holds (or would hold) `key`, without recording the path.
+    fn find_leaf(&self, key: &[u8]) -> NodeId {
+        let mut id = self.root;
+        while let Some(Node::Inner { keys, children }) = self.nodes.get(id as usize) {
+            match children.get(keys.rank(key, true)) {
+                Some(c) => id = *c,
+                None => break,
+            }
+        }
+        id
+    }
+
+    /// The rightmost leaf.
+    fn last_leaf(&self) -> NodeId {
+        let mut id = self.root;
+        while let Some(Node::Inner { children, .. }) = self.nodes.get(id as usize) {
+            match children.last() {
+                Some(c) => id = *c,
+                None => break,
+            }
+        }
+        id
+    }
+
     /// The value of `key`.
     pub fn get(&self, key: &[u8]) -> Option<&V> {
-        let mut path = Vec::new();
-        let leaf = self.leaf(self.descend(key, &mut path))?;
+        let leaf = self.leaf(self.find_leaf(key))?;
         leaf.keys.find(key).ok().and_then(|i| leaf.vals.get(i))
     }
 
@@ -542,8 +565,7 @@ impl<V, M: LeafMeta> BPlusTree<V, M> {
 
     /// Position of the first entry with key >= `key` (or > when `exclusive`).
     pub fn seek(&self, key: &[u8], exclusive: bool) -> Option<Pos> {
-        let mut path = Vec::new();
-        let leaf_id = self.descend(key, &mut path);
+        let leaf_id = self.find_leaf(key);
         let leaf = self.leaf(leaf_id)?;
         let idx = if exclusive { leaf.keys.rank(key, true) } else { leaf.keys.rank(key, false) };
         self.normalize(Pos { leaf: leaf_id, idx })
@@ -594,6 +616,68 @@ impl<V, M: LeafMeta> BPlusTree<V, M> {
             pos = self.next_pos(p);
             e
         })
+    }
+
+    /// Push onto `out` up to `n` entries (values mapped by `map`) in one pass over the
+    /// leaves: from `from` ascending when `forward` (`Unbounded` = the first entry), else
+    /// descending from `from` (`Unbounded` = the last entry; `Included(k)` = the last entry
+    /// `<= k`). Returns true when no entries are left past the last one pushed in that
+    /// direction (fewer than `n` were pushed); false when `n` were pushed.
+    ///
+    /// Cost: one descent, then a copy of each key into `out` (no allocation once `out` has
+    /// grown).
+    pub fn fill_batch<W: Copy>(
+        &self,
+        from: Bound<&[u8]>,
+        forward: bool,
+        n: usize,
+        out: &mut Batch<W>,
+        map: impl Fn(&V) -> W,
+    ) -> bool {
+        let mut left = n;
+        if forward {
+            let mut pos = self.seek_bound(from);
+            while let Some(p) = pos {
+                let Some(leaf) = self.leaf(p.leaf) else { return true };
+                for (k, v) in leaf.keys.iter().zip(leaf.vals.iter()).skip(p.idx).take(left) {
+                    out.push(k, map(v));
+                    left -= 1;
+                }
+                if left == 0 {
+                    return false;
+                }
+                pos = leaf.next.map(|l| Pos { leaf: l, idx: 0 });
+            }
+        } else {
+            // `upto`: the entries of the leaf before this index are still to visit.
+            let (mut id, mut upto) = match from {
+                Bound::Unbounded => {
+                    let id = self.last_leaf();
+                    (Some(id), self.leaf(id).map_or(0, |l| l.keys.len()))
+                }
+                Bound::Included(k) | Bound::Excluded(k) => {
+                    let id = self.find_leaf(k);
+                    let inclusive = matches!(from, Bound::Included(_));
+                    (Some(id), self.leaf(id).map_or(0, |l| l.keys.rank(k, inclusive)))
+                }
+            };
+            while let Some(l) = id {
+                let Some(leaf) = self.leaf(l) else { return true };
+                let upto_c = upto.min(leaf.keys.len());
+                let take = upto_c.min(left);
+                let lo = upto_c - take;
+                for (k, v) in leaf.keys.iter().zip(leaf.vals.iter()).take(upto_c).skip(lo).rev() {
+                    out.push(k, map(v));
+                }
+                left -= take;
+                if left == 0 {
+                    return false;
+                }
+                id = leaf.prev;
+                upto = usize::MAX;
+            }
+        }
+        true
     }
 
     /// Check the invariants; returns a description of the first violation.
@@ -659,6 +743,219 @@ impl<V, M: LeafMeta> BPlusTree<V, M> {
     }
 }
 
+/// Entries copied out of a structure under its lock: keys packed into one buffer, values
+/// (small `Copy` handles: addresses) beside them. Reused between fills, so a cursor that
+/// reads ahead allocates nothing once its buffers have grown.
+#[derive(Debug)]
+pub struct Batch<W> {
+    keys: Vec<u8>,
+    /// (start of the key in `keys`, its length, value).
+    ents: Vec<(usize, usize, W)>,
+}
+
+impl<W> Default for Batch<W> {
+    fn default() -> Self {
+        Batch { keys: Vec::new(), ents: Vec::new() }
+    }
+}
+
+impl<W> Batch<W> {
+    /// Append an entry.
+    pub fn push(&mut self, key: &[u8], val: W) {
+        let at = self.keys.len();
+        self.keys.extend_from_slice(key);
+        self.ents.push((at, key.len(), val));
+    }
+
+    /// Entries held.
+    pub fn len(&self) -> usize {
+        self.ents.len()
+    }
+
+    /// True when no entry is held.
+    pub fn is_empty(&self) -> bool {
+        self.ents.is_empty()
+    }
+
+    fn clear(&mut self) {
+        self.keys.clear();
+        self.ents.clear();
+    }
+
+    fn key(&self, i: usize) -> &[u8] {
+        self.ents.get(i).and_then(|&(at, len, _)| self.keys.get(at..at + len)).unwrap_or(&[])
+    }
+
+    fn val(&self, i: usize) -> Option<&W> {
+        self.ents.get(i).map(|e| &e.2)
+    }
+}
+
+/// A sorted key → handle structure behind a lock that a [`ReadAhead`] cursor reads from.
+pub trait BatchSource: Send {
+    /// The value handle copied per entry (an address).
+    type V: Copy + Send;
+    /// Under one short lock, push onto `out` up to `n` entries beyond `from`: ascending
+    /// when `forward` (`Unbounded` = from the first entry), else descending (`Unbounded` =
+    /// from the last; `Included(k)` = from the last entry `<= k`). Returns true when fewer
+    /// than `n` were pushed because the source has no more in that direction.
+    fn fill(&self, from: Bound<&[u8]>, forward: bool, n: usize, out: &mut Batch<Self::V>) -> bool;
+}
+
+/// First read-ahead after a seek (entries).
+const READ_AHEAD_FIRST: usize = 32;
+/// Largest read-ahead (entries); each refill in one direction doubles it up to this.
+const READ_AHEAD_MAX: usize = 512;
+
+/// A bidirectional cursor over a mutable structure shared with writers (a B+-tree, a
+/// MemTable): it holds no lock between calls. Each refill takes the source's lock once,
+/// re-positions by key (strictly after the last key it returned, or before the first) and
+/// copies a batch of keys and value handles; moving inside the batch takes no lock.
+///
+/// # Invariants
+/// - The batch is in ascending key order; `pos` indexes it (`pos == len` is invalid).
+/// - `more_fwd`/`more_back`: the source may hold entries after the batch's last key /
+///   before its first (false only when a fill in that direction ran out, or started at
+///   the source's end).
+///
+/// Under concurrent writes, a key not written while the cursor lives is in every batch
+/// whose key range covers it, and consecutive batches cover adjacent ranges, so a walk in
+/// either direction returns it exactly once; a key written meanwhile may show any version
+/// or none.
+#[derive(Debug)]
+pub struct ReadAhead<S: BatchSource> {
+    src: S,
+    batch: Batch<S::V>,
+    pos: usize,
+    more_fwd: bool,
+    more_back: bool,
+    n: usize,
+    scratch: Vec<u8>,
+    fills: u64,
+}
+
+impl<S: BatchSource> ReadAhead<S> {
+    /// A cursor over `src`, unpositioned.
+    pub fn new(src: S) -> Self {
+        ReadAhead {
+            src,
+            batch: Batch::default(),
+            pos: 0,
+            more_fwd: false,
+            more_back: false,
+            n: READ_AHEAD_FIRST,
+            scratch: Vec::new(),
+            fills: 0,
+        }
+    }
+
+    /// The source.
+    pub fn source(&self) -> &S {
+        &self.src
+    }
+
+    /// Refills so far (one lock acquisition each).
+    pub fn fills(&self) -> u64 {
+        self.fills
+    }
+
+    /// True when positioned at an entry.
+    pub fn valid(&self) -> bool {
+        self.pos < self.batch.len()
+    }
+
+    /// The current key (empty when invalid).
+    pub fn key(&self) -> &[u8] {
+        self.batch.key(self.pos)
+    }
+
+    /// The current value handle.
+    pub fn val(&self) -> Option<&S::V> {
+        self.batch.val(self.pos)
+    }
+
+    /// Replace the batch with one read from `from`, in `forward` order; `fresh` restarts the
+    /// read-ahead size (a seek), else it doubles (a walk).
+    fn load(&mut self, from: Bound<&[u8]>, forward: bool, fresh: bool) {
+        self.n = if fresh { READ_AHEAD_FIRST } else { (self.n * 2).min(READ_AHEAD_MAX) };
+        self.batch.clear();
+        self.fills += 1;
+        let exhausted = self.src.fill(from, forward, self.n, &mut self.batch);
+        let edge = matches!(from, Bound::Unbounded);
+        if forward {
+            self.pos = 0;
+            self.more_fwd = !exhausted;
+            self.more_back = !edge;
+        } else {
+            self.batch.ents.reverse();
+            self.pos = self.batch.len().saturating_sub(1);
+            self.more_back = !exhausted;
+            self.more_fwd = !edge;
+        }
+    }
+
+    /// Load the batch beyond the current key (strictly after it when `forward`).
+    fn load_beyond(&mut self, forward: bool) {
+        let mut k = std::mem::take(&mut self.scratch);
+        k.clear();
+        k.extend_from_slice(self.key());
+        self.load(Bound::Excluded(&k), forward, false);
+        self.scratch = k;
+    }
+
+    fn invalidate(&mut self) {
+        self.pos = self.batch.len();
+    }
+
+    /// Position at the first entry `>= key`.
+    pub fn seek(&mut self, key: &[u8]) {
+        self.load(Bound::Included(key), true, true);
+    }
+
+    /// Position at the last entry `<= key`.
+    pub fn seek_for_prev(&mut self, key: &[u8]) {
+        self.load(Bound::Included(key), false, true);
+    }
+
+    /// Position at the first entry.
+    pub fn seek_to_first(&mut self) {
+        self.load(Bound::Unbounded, true, true);
+    }
+
+    /// Position at the last entry.
+    pub fn seek_to_last(&mut self) {
+        self.load(Bound::Unbounded, false, true);
+    }
+
+    /// Move to the following entry.
+    pub fn next(&mut self) {
+        if !self.valid() {
+            return;
+        }
+        if self.pos + 1 < self.batch.len() {
+            self.pos += 1;
+        } else if self.more_fwd {
+            self.load_beyond(true);
+        } else {
+            self.invalidate();
+        }
+    }
+
+    /// Move to the preceding entry.
+    pub fn prev(&mut self) {
+        if !self.valid() {
+            return;
+        }
+        if self.pos > 0 {
+            self.pos -= 1;
+        } else if self.more_back {
+            self.load_beyond(false);
+        } else {
+            self.invalidate();
+        }
+    }
+}
+
 #[cold]
 fn unreachable_leaf() -> ! {
     // Only reached if a caller passes a non-leaf id obtained from this tree's own descent,
@@ -711,6 +1008,137 @@ mod tests {
             }
             assert!(t.is_empty());
             assert_eq!(t.check_invariants(), Ok(()));
+        }
+    }
+
+    /// A tree behind a lock, as the presets hold it.
+    struct Locked(std::sync::Arc<parking_lot::RwLock<BPlusTree<u64>>>);
+    impl BatchSource for Locked {
+        type V = u64;
+        fn fill(&self, from: Bound<&[u8]>, forward: bool, n: usize, out: &mut Batch<u64>) -> bool {
+            self.0.read().fill_batch(from, forward, n, out, |v| *v)
+        }
+    }
+
+    /// `fill_batch` in both directions from every kind of bound matches a `BTreeMap`.
+    #[test]
+    fn fill_batch_matches_btreemap() {
+        let mut rng = SmallRng::seed_from_u64(7);
+        for cap in [4usize, 8, 64] {
+            let mut t: BPlusTree<u64> = BPlusTree::new(cap);
+            let mut m = BTreeMap::new();
+            for i in 0..600u64 {
+                let k = rng.random_range(0..400u32).to_be_bytes().to_vec();
+                if rng.random_bool(0.7) {
+                    t.insert(&k, i);
+                    m.insert(k, i);
+                } else {
+                    t.remove(&k);
+                    m.remove(&k);
+                }
+            }
+            for _ in 0..300 {
+                let k = rng.random_range(0..420u32).to_be_bytes().to_vec();
+                let n = rng.random_range(1..40usize);
+                let from = match rng.random_range(0..3) {
+                    0 => Bound::Unbounded,
+                    1 => Bound::Included(k.as_slice()),
+                    _ => Bound::Excluded(k.as_slice()),
+                };
+                for forward in [true, false] {
+                    let mut b = Batch::default();
+                    let done = t.fill_batch(from, forward, n, &mut b, |v| *v);
+                    let want: Vec<(Vec<u8>, u64)> = if forward {
+                        m.range::<[u8], _>((from, Bound::Unbounded)).take(n).map(|(k, v)| (k.clone(), *v)).collect()
+                    } else {
+                        m.range::<[u8], _>((Bound::Unbounded, from))
+                            .rev()
+                            .take(n)
+                            .map(|(k, v)| (k.clone(), *v))
+                            .collect()
+                    };
+                    let got: Vec<(Vec<u8>, u64)> =
+                        (0..b.len()).map(|i| (b.key(i).to_vec(), *b.val(i).unwrap_or(&u64::MAX))).collect();
+                    assert_eq!(got, want, "cap {cap} from {from:?} forward {forward} n {n}");
+                    assert_eq!(done, want.len() < n);
+                }
+            }
+        }
+    }
+
+    /// A read-ahead cursor walks both ways, across batch boundaries and direction changes,
+    /// exactly as the model; and a writer changing other keys between its moves does not
+    /// make it skip or repeat the keys it leaves alone.
+    #[test]
+    fn read_ahead_cursor_matches_model_under_writes() {
+        let mut rng = SmallRng::seed_from_u64(11);
+        let tree = std::sync::Arc::new(parking_lot::RwLock::new(BPlusTree::<u64>::new(4)));
+        let mut m = BTreeMap::new();
+        // Even keys are stable; odd keys are written while the cursor walks.
+        for i in (0..2000u32).step_by(2) {
+            tree.write().insert(&i.to_be_bytes(), u64::from(i));
+            m.insert(i.to_be_bytes().to_vec(), u64::from(i));
+        }
+        let mut c = ReadAhead::new(Locked(tree.clone()));
+        c.seek_to_first();
+        let mut seen = Vec::new();
+        while c.valid() {
+            seen.push((c.key().to_vec(), *c.val().unwrap_or(&0)));
+            let odd = rng.random_range(0..1000u32) * 2 + 1;
+            if rng.random_bool(0.5) {
+                tree.write().insert(&odd.to_be_bytes(), 1);
+            } else {
+                tree.write().remove(&odd.to_be_bytes());
+            }
+            c.next();
+        }
+        let even: Vec<(Vec<u8>, u64)> =
+            seen.iter().filter(|(k, _)| k.last().is_some_and(|b| b % 2 == 0)).cloned().collect();
+        assert_eq!(even, m.iter().map(|(k, v)| (k.clone(), *v)).collect::<Vec<_>>());
+        assert!(seen.windows(2).all(|w| w[0].0 < w[1].0), "strictly ascending");
+        // Backward the same, from the end.
+        c.seek_to_last();
+        let mut back = Vec::new();
+        while c.valid() {
+            if c.key().last().is_some_and(|b| b % 2 == 0) {
+                back.push(c.key().to_vec());
+            }
+            let odd = rng.random_range(0..1000u32) * 2 + 1;
+            tree.write().insert(&odd.to_be_bytes(), 1);
+            c.prev();
+        }
+        back.reverse();
+        assert_eq!(back, m.keys().cloned().collect::<Vec<_>>());
+        assert!(c.fills() > 10, "the walk crossed batch boundaries");
+        // Random moves on a quiet tree match positions in the model.
+        let want: Vec<Vec<u8>> = tree.read().range_from(Bound::Unbounded).map(|(k, _)| k.to_vec()).collect();
+        let mut pos: Option<usize> = None;
+        for _ in 0..5000 {
+            match rng.random_range(0..10) {
+                0..=3 => {
+                    c.next();
+                    pos = pos.map(|p| p + 1).filter(|&p| p < want.len());
+                }
+                4..=7 => {
+                    c.prev();
+                    pos = pos.and_then(|p| p.checked_sub(1));
+                }
+                8 => {
+                    let k = rng.random_range(0..2100u32).to_be_bytes();
+                    c.seek(&k);
+                    let p = want.partition_point(|e| e.as_slice() < &k[..]);
+                    pos = (p < want.len()).then_some(p);
+                }
+                _ => {
+                    let k = rng.random_range(0..2100u32).to_be_bytes();
+                    c.seek_for_prev(&k);
+                    pos = want.partition_point(|e| e.as_slice() <= &k[..]).checked_sub(1);
+                }
+            }
+            assert_eq!(c.valid(), pos.is_some());
+            if let Some(p) = pos {
+                assert_eq!(c.key(), want[p].as_slice());
+            }
         }
     }
 

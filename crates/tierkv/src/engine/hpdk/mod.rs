@@ -32,7 +32,8 @@
 //!   live counts are recounted from the tree.
 //! - **Ablations** (Fig. 7): `use_btree = false` is HPDK-NT (a GET searches the level, newest
 //!   table first), `enable_merge = false` is HPDK-NGC.
-//! - **Scans**: the two MemTables merged with a B+-tree iterator; values read from the log.
+//! - **Range reads**: the two MemTables merged with the B+-tree; values read from the log
+//!   (below).
 //!
 //! # Choices where the paper is silent or we differ
 //! - The value log and the tables share one PM heap ([`crate::pm::heap`]); a two-level
@@ -55,10 +56,45 @@
 //!   nothing (the paper's "normal exit").
 //! - HPDK-NT keeps no tree, so its flushes count no live items and it runs no merge (the
 //!   merge validates items through the tree) and reuses no pool.
-//! - Readers hold the MemTable or tree read lock while they copy a value out of PM, so a
-//!   pool cannot be reused under them.
+//! - A GET holds the MemTable or tree read lock while it copies a value out of PM, so a
+//!   pool cannot be reused under it; an iterator pins pools instead (below).
 //! - The merge candidate-set threshold is not given in the paper; we use 4.
+//!
+//! # Range reads: the iterator
+//! `Engine::iter` returns an `iter::HpdkIter`: a [`crate::iter::MergingIterator`] of
+//! key → value address over, newest first, the MemTable, the Immutable MemTable and the
+//! DRAM B+-tree (HPDK-NT: the level's SSTables, newest first, as
+//! [`crate::sstable::TableIter`]s), and on top of it the resolution of the current entry's
+//! address to its record in the value log.
+//! - **Sources.** The iterator takes the two MemTables as they are when it is created
+//!   (`Arc`s: a MemTable that is flushed meanwhile stays readable, and its entries stay
+//!   what they were) and the tree itself. A source empty at creation is left out: whatever
+//!   reaches it later was written after the iterator started. Every key not written while
+//!   the iterator lives is in one of these sources for its whole life with the same
+//!   address, so the merge returns it with its value.
+//! - **Mutable DRAM structures, copied in batches.** The MemTable maps and the tree are
+//!   changed in place under their locks, so nothing borrowed from them survives a call.
+//!   Each is read through a [`crate::index::bplus::ReadAhead`] cursor: a refill takes the
+//!   read lock once, re-positions by key (strictly after the last key returned, or before
+//!   the first) and copies a batch of keys and 8-byte addresses (32 entries after a seek,
+//!   doubling to 512 along a walk); moving within the batch takes no lock. Writers, flushes
+//!   and merges wait at most for one batch copy. A merge rewrites only the tree's table
+//!   part, never a value's address, so it changes nothing an iterator returns.
+//! - **Values, pinned and borrowed.** Values are not copied: `value()` borrows the record's
+//!   bytes in PM, verified (checksum, bounds) when the iterator moves onto the entry. The
+//!   iterator registers an epoch with the value log at creation (`Vlog::pin`); a pool
+//!   whose live count falls to zero is not reused while an iterator registered before
+//!   that moment lives (another idle pool, or a new extent, is taken instead;
+//!   `value_pool_reuse_deferred_by_iterators` in the design figures counts it). An
+//!   iterator registered later cannot hold an address into that pool, since no source
+//!   refers to it any more. The pool table is cached per iterator (a pinned pool's
+//!   location and generation do not change). HPDK-NT reuses no pool and frees no table.
+//! - **Cost.** A seek: one descent of each source under its lock plus a batch copy of
+//!   keys; a `next`: amortised O(1) (a step in a batch, a comparison per source in the
+//!   merge, one checksum of the value read); no allocation per entry (batch buffers are
+//!   reused). `scan_chunk` is a loop over this iterator.
 
+mod iter;
 pub mod jobs;
 pub mod layout;
 pub(crate) mod salvage;
@@ -498,92 +534,6 @@ impl Inner {
         Ok(())
     }
 
-    /// Up to `max` live entries in the bounds: the B+-tree iterator merged with both
-    /// MemTables (newest wins, deletes hide older versions); values read from the log.
-    fn scan_impl(&self, start: Bound<&[u8]>, end: Bound<&[u8]>, max: usize) -> Result<Vec<(Vec<u8>, Vec<u8>)>> {
-        let in_end = |k: &[u8]| match end {
-            Bound::Included(e) => k <= e,
-            Bound::Excluded(e) => k < e,
-            Bound::Unbounded => true,
-        };
-        let mem = self.mem.read();
-        let tree = self.tree.read();
-        let mut out = Vec::new();
-        let mut from: Bound<Vec<u8>> = start.map(|k| k.to_vec());
-        loop {
-            let fb = from.as_ref().map(|k| k.as_slice());
-            let n = (max - out.len()).max(16);
-            let tree_part: Vec<(Vec<u8>, u64)> = if self.opts.use_btree {
-                tree.range_from(fb)
-                    .take_while(|(k, _)| in_end(k))
-                    .take(n)
-                    .map(|(k, v)| (k.to_vec(), untv(*v).0))
-                    .collect()
-            } else {
-                self.level_range(fb, &in_end, n)?
-            };
-            // Entries past the last key of a full batch may be missing from it: merge up to
-            // there, then continue after it.
-            let horizon = (tree_part.len() == n).then(|| tree_part.last().map(|e| e.0.clone())).flatten();
-            let within = |k: &[u8]| horizon.as_deref().is_none_or(|h| k <= h);
-            // Newest source last: it overwrites.
-            let mut merged: BTreeMap<Vec<u8>, u64> = tree_part.into_iter().collect();
-            let b = (fb, end);
-            if let Some(imm) = &mem.imm {
-                merged.extend(
-                    imm.map.read().range::<[u8], _>(b).take_while(|(k, _)| within(k)).map(|(k, v)| (k.clone(), *v)),
-                );
-            }
-            merged.extend(
-                mem.active.map.read().range::<[u8], _>(b).take_while(|(k, _)| within(k)).map(|(k, v)| (k.clone(), *v)),
-            );
-            for (k, a) in merged {
-                if a != TOMB {
-                    let v = self.vlog.read(&self.region, a)?;
-                    out.push((k, v));
-                    if out.len() >= max {
-                        return Ok(out);
-                    }
-                }
-            }
-            match horizon {
-                Some(h) => from = Bound::Excluded(h),
-                None => return Ok(out),
-            }
-        }
-    }
-
-    /// HPDK-NT's range read: every table's entries in range, newest table winning.
-    fn level_range(
-        &self,
-        start: Bound<&[u8]>,
-        in_end: &dyn Fn(&[u8]) -> bool,
-        n: usize,
-    ) -> Result<Vec<(Vec<u8>, u64)>> {
-        let after_start = |k: &[u8]| match start {
-            Bound::Included(s) => k >= s,
-            Bound::Excluded(s) => k > s,
-            Bound::Unbounded => true,
-        };
-        let mut m: BTreeMap<Vec<u8>, u64> = BTreeMap::new();
-        for t in self.level_newest_first() {
-            t.table.for_each(|e, h| {
-                if after_start(e.key) && in_end(e.key) && !m.contains_key(e.key) {
-                    let a = match e.kind {
-                        Kind::Delete => TOMB,
-                        Kind::Put => layout::vaddr_from(e.value)
-                            .ok_or_else(|| Error::corruption(t.table.path(), h.offset, "malformed value address"))?,
-                    };
-                    m.insert(e.key.to_vec(), a);
-                }
-                Ok(())
-            })?;
-        }
-        // Deleted keys are dropped here: a MemTable merged later cannot revive them, since
-        // it only adds newer versions.
-        Ok(m.into_iter().filter(|e| e.1 != TOMB).take(n).collect())
-    }
-
     fn stats_impl(&self) -> Stats {
         let pm = self.region.stats();
         let (files, live, total, cands, bytes) = self.version.lock().version.summary();
@@ -645,11 +595,48 @@ impl Inner {
             ("value_pools_reused", vs.reused),
             ("value_pool_live_items", vs.live),
             ("value_records_written", vs.records),
+            ("value_pool_reuse_deferred_by_iterators", vs.reuse_deferred),
             ("pm_heap_bytes", heap.total()),
             ("pm_heap_free_bytes", heap.free_bytes()),
         ];
         Stats::engine("hpdk", pm, ld(&self.user_bytes), live_keys, tree_bytes + mem_bytes, &design)
     }
+}
+
+/// Up to `max` live entries of `[start, end)` read through `it` (deletes skipped).
+pub(crate) fn scan_with(
+    it: &mut dyn crate::iter::InternalIterator,
+    start: Bound<&[u8]>,
+    end: Bound<&[u8]>,
+    max: usize,
+) -> Result<Vec<(Vec<u8>, Vec<u8>)>> {
+    match start {
+        Bound::Unbounded => it.seek_to_first()?,
+        Bound::Included(k) => it.seek(k)?,
+        Bound::Excluded(k) => {
+            it.seek(k)?;
+            if it.valid() && it.key() == k {
+                it.next()?;
+            }
+        }
+    }
+    let mut out = Vec::new();
+    while it.valid() && out.len() < max {
+        let k = it.key();
+        let inside = match end {
+            Bound::Included(e) => k <= e,
+            Bound::Excluded(e) => k < e,
+            Bound::Unbounded => true,
+        };
+        if !inside {
+            break;
+        }
+        if let Some(v) = it.value() {
+            out.push((k.to_vec(), v.to_vec()));
+        }
+        it.next()?;
+    }
+    Ok(out)
 }
 
 impl Engine for Hpdk {
@@ -662,7 +649,12 @@ impl Engine for Hpdk {
     }
 
     fn scan_chunk(&self, start: Bound<&[u8]>, end: Bound<&[u8]>, max: usize) -> Result<Vec<(Vec<u8>, Vec<u8>)>> {
-        self.inner.scan_impl(start, end, max)
+        let mut it = iter::HpdkIter::new(&self.inner);
+        scan_with(&mut it, start, end, max)
+    }
+
+    fn iter(&self) -> Result<Option<crate::iter::BoxedIter>> {
+        Ok(Some(Box::new(iter::HpdkIter::new(&self.inner))))
     }
 
     fn flush(&self) -> Result<()> {

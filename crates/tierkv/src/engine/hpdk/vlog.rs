@@ -7,6 +7,14 @@
 //! `mem_refs`, the MemTable entries written into it (released when their MemTable's flush
 //! commits). A pool is reused only when both are zero, so no state a crash could return to
 //! still refers to it.
+//!
+//! Iterators read values in place, without a lock, so a pool must also outlive every
+//! iterator that may still hold an address into it. Each iterator registers an *epoch*
+//! ([`Vlog::pin`]) before it reads any address; a pool records the epoch at which its
+//! references last fell to zero (`idle_since`). An iterator registered after that moment
+//! can never obtain an address into the pool (no source holds one any more), so the pool
+//! is reusable once every live iterator is newer than its `idle_since`; until then
+//! `switch_pool` takes another idle pool or a new extent.
 
 use std::collections::BTreeMap;
 
@@ -40,6 +48,8 @@ pub struct PoolCount {
     pub used: u32,
     /// Records appended.
     pub total: u32,
+    /// Iterator epoch at which both reference counts were last seen at zero.
+    pub idle_since: u64,
 }
 
 #[derive(Debug, Default)]
@@ -49,6 +59,24 @@ pub(crate) struct State {
     pub(crate) next_gen: u32,
     pub(crate) reused: u64,
     pub(crate) records: u64,
+    /// The newest iterator epoch handed out.
+    pub(crate) epoch: u64,
+    /// Live iterators by epoch (how many registered at each).
+    pub(crate) readers: BTreeMap<u64, usize>,
+    /// Times a pool with no references was not reused because an iterator may read it.
+    pub(crate) reuse_deferred: u64,
+}
+
+impl State {
+    /// Note that pool `no`'s references may have fallen to zero.
+    fn settle(&mut self, no: u16) {
+        let epoch = self.epoch;
+        if let Some(c) = self.counts.get_mut(&no) {
+            if c.tree_refs == 0 && c.mem_refs == 0 {
+                c.idle_since = epoch;
+            }
+        }
+    }
 }
 
 /// Value-log figures for `Stats`.
@@ -62,6 +90,8 @@ pub struct VlogStats {
     pub live: u64,
     /// Records appended since open.
     pub records: u64,
+    /// Idle pools not reused because a live iterator might still read them.
+    pub reuse_deferred: u64,
 }
 
 /// The value log.
@@ -79,13 +109,24 @@ pub struct Vlog {
 impl Vlog {
     /// Read and verify the value at address `a`.
     pub fn read(&self, region: &Region, a: u64) -> Result<Vec<u8>> {
-        let (no, off) = layout::split_vaddr(a);
+        let info = self.pool_info(region, a)?;
+        let (at, len) = Self::locate(region, &info, a)?;
+        Ok(region.slice_checked(at, len, "value record")?.to_vec())
+    }
+
+    /// The pool that address `a` names.
+    pub(crate) fn pool_info(&self, region: &Region, a: u64) -> Result<PoolInfo> {
+        let no = layout::split_vaddr(a).0;
         let info = self.pools.read().get(no as usize).copied().flatten();
-        let Some(info) = info else {
-            return Err(
-                region.corruption(0, format!("value address {a:#x} names value pool {no}, which does not exist"))
-            );
-        };
+        info.ok_or_else(|| {
+            region.corruption(0, format!("value address {a:#x} names value pool {no}, which does not exist"))
+        })
+    }
+
+    /// Verify the record at address `a` in pool `info`; returns where its value bytes are
+    /// (region address, length).
+    pub(crate) fn locate(region: &Region, info: &PoolInfo, a: u64) -> Result<(u64, usize)> {
+        let (no, off) = layout::split_vaddr(a);
         let at = info.addr + u64::from(off);
         let bad = |d: &str| region.corruption(at, format!("value pool {no} offset {off}: {d}"));
         if u64::from(off) + RECORD_OVERHEAD > u64::from(info.cap) {
@@ -101,7 +142,28 @@ impl Vlog {
         if layout::record_crc(info.gen, v) != u32::from_le_bytes([c[0], c[1], c[2], c[3]]) {
             return Err(bad("value record checksum mismatch"));
         }
-        Ok(v.to_vec())
+        Ok((at + 4, size as usize))
+    }
+
+    /// Register an iterator: until [`Vlog::unpin`] with the returned epoch, no pool it may
+    /// read from is reused.
+    pub(crate) fn pin(&self) -> u64 {
+        let mut st = self.state.lock();
+        st.epoch += 1;
+        let e = st.epoch;
+        *st.readers.entry(e).or_insert(0) += 1;
+        e
+    }
+
+    /// Deregister the iterator of epoch `e`.
+    pub(crate) fn unpin(&self, e: u64) {
+        let mut st = self.state.lock();
+        if let Some(n) = st.readers.get_mut(&e) {
+            *n -= 1;
+            if *n == 0 {
+                st.readers.remove(&e);
+            }
+        }
     }
 
     /// Append `values` (persisted with one fence) and return their addresses. Caller holds
@@ -157,10 +219,14 @@ impl Vlog {
         let region = &inner.region;
         let active = st.active;
         let reusable = if self.reuse {
-            st.counts
-                .iter()
-                .find(|(no, c)| Some(**no) != active && c.tree_refs == 0 && c.mem_refs == 0)
-                .map(|(no, _)| *no)
+            // The oldest live iterator; pools idle since before it registered stay.
+            let oldest = st.readers.keys().next().copied();
+            let idle = |no: &u16, c: &PoolCount| Some(*no) != active && c.tree_refs == 0 && c.mem_refs == 0;
+            let r = st.counts.iter().find(|(no, c)| idle(no, c) && oldest.is_none_or(|o| o > c.idle_since));
+            if r.is_none() && st.counts.iter().any(|(no, c)| idle(no, c)) {
+                st.reuse_deferred += 1;
+            }
+            r.map(|(no, _)| *no)
         } else {
             None
         };
@@ -214,6 +280,7 @@ impl Vlog {
         for (no, n) in d {
             let c = st.counts.entry(*no).or_default();
             c.tree_refs = c.tree_refs.saturating_add_signed(*n);
+            st.settle(*no);
         }
     }
 
@@ -224,6 +291,7 @@ impl Vlog {
             if let Some(c) = st.counts.get_mut(no) {
                 c.mem_refs = c.mem_refs.saturating_sub(*n);
             }
+            st.settle(*no);
         }
     }
 
@@ -245,6 +313,7 @@ impl Vlog {
             reused: st.reused,
             live: st.counts.values().map(|c| c.tree_refs + c.mem_refs).sum(),
             records: st.records,
+            reuse_deferred: st.reuse_deferred,
         }
     }
 }
