@@ -293,11 +293,26 @@ pub(crate) mod check {
         assert!(back == want, "backward walk differs from the model");
     }
 
+    /// Walk on from where a `seek(from)` made before left `it`: the rest of the model.
+    pub(crate) fn continue_forward(it: &mut dyn InternalIterator, model: &Model, from: &[u8]) {
+        skip(it, true);
+        for (k, v) in model.range::<[u8], _>((std::ops::Bound::Included(from), std::ops::Bound::Unbounded)) {
+            assert!(it.valid(), "ended early");
+            assert_eq!(it.key(), k.as_slice());
+            assert!(it.value() == Some(v.as_slice()), "value differs");
+            it.next().unwrap();
+            skip(it, true);
+        }
+        assert!(!it.valid(), "entries past the model's last");
+    }
+
     /// `steps` random moves (seeks of every kind, next, prev, direction changes), each
     /// compared with the model's position.
     pub(crate) fn random_moves(it: &mut dyn InternalIterator, model: &Model, rng: &mut SmallRng, steps: usize) {
         let want: Vec<(&Vec<u8>, &Vec<u8>)> = model.iter().collect();
-        let mut pos: Option<usize> = None;
+        it.seek_to_first().unwrap();
+        skip(it, true);
+        let mut pos: Option<usize> = (!want.is_empty()).then_some(0);
         for step in 0..steps {
             let probe = |rng: &mut SmallRng| -> Vec<u8> {
                 if !want.is_empty() && rng.random_bool(0.5) {
@@ -522,6 +537,7 @@ mod tests {
         e.flush().unwrap();
         e.compact().unwrap();
         assert!(design(&e, "merges") > merges && design(&e, "merge_input_tables") > freed, "a merge freed tables");
+        super::check::continue_forward(&mut *it, &m, &key(100));
         random_moves(&mut *it, &m, &mut rng, 1500);
         full_walks(&mut *it, &m);
         drop(it);

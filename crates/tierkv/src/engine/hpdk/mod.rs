@@ -94,7 +94,7 @@
 //!   merge, one checksum of the value read); no allocation per entry (batch buffers are
 //!   reused). `scan_chunk` is a loop over this iterator.
 
-mod iter;
+pub(crate) mod iter;
 pub mod jobs;
 pub mod layout;
 pub(crate) mod salvage;
