@@ -874,6 +874,12 @@ impl<S: BatchSource> ReadAhead<S> {
         self.batch.val(self.pos)
     }
 
+    /// The value handle `ahead` entries past the current one in the batch (backward when
+    /// negative), if the batch holds it: for prefetching what the next moves will read.
+    pub fn peek(&self, ahead: isize) -> Option<&S::V> {
+        self.batch.val(self.pos.checked_add_signed(ahead)?)
+    }
+
     /// Replace the batch with one read from `from`, in `forward` order; `fresh` restarts the
     /// read-ahead size (a seek), else it doubles (a walk).
     fn load(&mut self, from: Bound<&[u8]>, forward: bool, fresh: bool) {

@@ -51,42 +51,134 @@ impl BatchSource for TreeSource {
     }
 }
 
-/// A read-ahead cursor as an [`InternalIterator`] of key → address bytes.
-struct AddrCursor<S: BatchSource<V = Addr>>(ReadAhead<S>);
+/// Ask the CPU to start loading `bytes` into its caches (a hint: nothing is read).
+#[inline]
+pub(crate) fn prefetch(bytes: &[u8]) {
+    #[cfg(target_arch = "x86_64")]
+    {
+        use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T0};
+        for line in bytes.chunks(64) {
+            // SAFETY: SSE is part of the x86-64 baseline, and a prefetch is only a hint:
+            // it reads nothing observable and never faults (the pointer is in `bytes`).
+            unsafe { _mm_prefetch::<_MM_HINT_T0>(line.as_ptr().cast()) };
+        }
+        if let Some(last) = bytes.last() {
+            // SAFETY: as above.
+            unsafe { _mm_prefetch::<_MM_HINT_T0>(std::ptr::from_ref(last).cast()) };
+        }
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    let _ = bytes;
+}
+
+/// Entries ahead of the current one whose record header is prefetched.
+const PREFETCH_HEAD: isize = 6;
+/// Entries ahead of the current one whose whole record is prefetched (its header, fetched
+/// two moves earlier, gives the length).
+const PREFETCH_RECORD: isize = 3;
+
+/// A read-ahead cursor as an [`InternalIterator`] of key → address bytes. Values sit in
+/// the value log in write order, not key order, so each step of a walk reads a record far
+/// from the last: the cursor prefetches the records of the entries it will step onto.
+struct AddrCursor<S: BatchSource<V = Addr>> {
+    cur: ReadAhead<S>,
+    inner: Arc<Inner>,
+    pools: Vec<Option<PoolInfo>>,
+}
+
+impl<S: BatchSource<V = Addr>> AddrCursor<S> {
+    fn new(src: S, inner: &Arc<Inner>) -> Self {
+        AddrCursor { cur: ReadAhead::new(src), inner: inner.clone(), pools: Vec::new() }
+    }
+
+    /// The record of the entry `ahead` entries away: header only, or all of it.
+    fn prefetch_at(&mut self, ahead: isize, whole: bool) {
+        let Some(Some(b)) = self.cur.peek(ahead).copied() else { return };
+        let Some(a) = layout::vaddr_from(&b) else { return };
+        let (no, off) = layout::split_vaddr(a);
+        let info = match self.pools.get(no as usize) {
+            Some(Some(p)) => *p,
+            _ => {
+                let Ok(p) = self.inner.vlog.pool_info(&self.inner.region, a) else { return };
+                if self.pools.len() <= no as usize {
+                    self.pools.resize(no as usize + 1, None);
+                }
+                if let Some(slot) = self.pools.get_mut(no as usize) {
+                    *slot = Some(p);
+                }
+                p
+            }
+        };
+        let at = info.addr + u64::from(off);
+        let region = &self.inner.region;
+        if !whole {
+            if let Some(h) = region.slice(at, 4) {
+                prefetch(h);
+            }
+            return;
+        }
+        // The address came from a source after this iterator pinned the value log, so
+        // its pool is not reused: the header read is of a written record (its length is
+        // only a hint here; `Vlog::locate` verifies the record when it is read).
+        let Some(h) = region.slice(at, 4) else { return };
+        let size = u32::from_le_bytes([h[0], h[1], h[2], h[3]]) as usize;
+        let room = u64::from(info.cap).saturating_sub(u64::from(off)) as usize;
+        if let Some(r) = region.slice(at, (size + layout::RECORD_OVERHEAD as usize).min(room)) {
+            prefetch(r);
+        }
+    }
+
+    fn prefetch(&mut self, dir: isize) {
+        if self.cur.valid() {
+            self.prefetch_at(PREFETCH_RECORD * dir, true);
+            self.prefetch_at(PREFETCH_HEAD * dir, false);
+        }
+    }
+}
 
 impl<S: BatchSource<V = Addr>> InternalIterator for AddrCursor<S> {
     fn valid(&self) -> bool {
-        self.0.valid()
+        self.cur.valid()
     }
     fn seek(&mut self, key: &[u8]) -> Result<()> {
-        self.0.seek(key);
+        self.cur.seek(key);
+        for d in 1..PREFETCH_HEAD {
+            self.prefetch_at(d, false);
+        }
         Ok(())
     }
     fn seek_to_first(&mut self) -> Result<()> {
-        self.0.seek_to_first();
+        self.cur.seek_to_first();
+        self.prefetch(1);
         Ok(())
     }
     fn seek_to_last(&mut self) -> Result<()> {
-        self.0.seek_to_last();
+        self.cur.seek_to_last();
+        self.prefetch(-1);
         Ok(())
     }
     fn seek_for_prev(&mut self, key: &[u8]) -> Result<()> {
-        self.0.seek_for_prev(key);
+        self.cur.seek_for_prev(key);
+        for d in 1..PREFETCH_HEAD {
+            self.prefetch_at(-d, false);
+        }
         Ok(())
     }
     fn next(&mut self) -> Result<()> {
-        self.0.next();
+        self.cur.next();
+        self.prefetch(1);
         Ok(())
     }
     fn prev(&mut self) -> Result<()> {
-        self.0.prev();
+        self.cur.prev();
+        self.prefetch(-1);
         Ok(())
     }
     fn key(&self) -> &[u8] {
-        self.0.key()
+        self.cur.key()
     }
     fn value(&self) -> Option<&[u8]> {
-        self.0.val().and_then(|a| a.as_ref()).map(|a| &a[..])
+        self.cur.val().and_then(|a| a.as_ref()).map(|a| &a[..])
     }
 }
 
@@ -134,12 +226,12 @@ impl HpdkIter {
         let mut children: Vec<BoxedIter> = Vec::with_capacity(3);
         for m in std::iter::once(active).chain(imm) {
             if !m.map.read().is_empty() {
-                children.push(Box::new(AddrCursor(ReadAhead::new(MemSource(m)))));
+                children.push(Box::new(AddrCursor::new(MemSource(m), inner)));
             }
         }
         if inner.opts.use_btree {
             if !inner.tree.read().is_empty() {
-                children.push(Box::new(AddrCursor(ReadAhead::new(TreeSource(inner.clone())))));
+                children.push(Box::new(AddrCursor::new(TreeSource(inner.clone()), inner)));
             }
         } else {
             // HPDK-NT: level 0, newest table first (it runs no merge, so no table is freed

@@ -89,6 +89,11 @@
 //!   iterator registered later cannot hold an address into that pool, since no source
 //!   refers to it any more. The pool table is cached per iterator (a pinned pool's
 //!   location and generation do not change). HPDK-NT reuses no pool and frees no table.
+//! - **Prefetch.** The log holds values in write order, so consecutive keys' records are
+//!   far apart and each step would wait for memory: a cursor prefetches the record header
+//!   of the entry 6 steps ahead in its batch and the whole record (length from that
+//!   header) 3 steps ahead, so a walk overlaps those misses (about 2× on a 200k × 1 KiB
+//!   `seek` + 100 `next` micro-benchmark).
 //! - **Cost.** A seek: one descent of each source under its lock plus a batch copy of
 //!   keys; a `next`: amortised O(1) (a step in a batch, a comparison per source in the
 //!   merge, one checksum of the value read); no allocation per entry (batch buffers are

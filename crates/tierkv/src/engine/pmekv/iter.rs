@@ -82,6 +82,9 @@ impl Pins {
     }
 }
 
+/// Value records prefetched ahead of the current entry.
+const PREFETCH: isize = 3;
+
 /// The key index tree, read by key under the shared state lock.
 struct TreeSource(Arc<Inner>);
 
@@ -131,6 +134,33 @@ impl PmekvIter {
         PmekvIter { inner: inner.clone(), cur: ReadAhead::new(TreeSource(inner.clone())), epoch, val: None, ok: true }
     }
 
+    /// Prefetch the value record `ahead` entries away (values are in PM in write order,
+    /// not key order: each step of a walk reads a record far from the last).
+    fn prefetch_at(&self, ahead: isize) {
+        if let Some(v) = self.cur.peek(ahead) {
+            let len = (layout::VALUE_HEADER + u64::from(v.len)) as usize;
+            if let Some(r) = self.inner.region.slice(v.addr, len) {
+                crate::engine::hpdk::iter::prefetch(r);
+            }
+        }
+    }
+
+    /// After a seek: prefetch the records of the next entries in direction `dir`.
+    fn after_seek(&mut self, dir: isize) -> Result<()> {
+        self.settle()?;
+        for d in 1..=PREFETCH {
+            self.prefetch_at(d * dir);
+        }
+        Ok(())
+    }
+
+    /// After a step in direction `dir`: prefetch one more record ahead.
+    fn after_step(&mut self, dir: isize) -> Result<()> {
+        self.settle()?;
+        self.prefetch_at(PREFETCH * dir);
+        Ok(())
+    }
+
     /// After a move: verify the current value record in place.
     fn settle(&mut self) -> Result<()> {
         self.val = None;
@@ -164,33 +194,33 @@ impl InternalIterator for PmekvIter {
     }
     fn seek(&mut self, key: &[u8]) -> Result<()> {
         self.cur.seek(key);
-        self.settle()
+        self.after_seek(1)
     }
     fn seek_to_first(&mut self) -> Result<()> {
         self.cur.seek_to_first();
-        self.settle()
+        self.after_seek(1)
     }
     fn seek_to_last(&mut self) -> Result<()> {
         self.cur.seek_to_last();
-        self.settle()
+        self.after_seek(-1)
     }
     fn seek_for_prev(&mut self, key: &[u8]) -> Result<()> {
         self.cur.seek_for_prev(key);
-        self.settle()
+        self.after_seek(-1)
     }
     fn next(&mut self) -> Result<()> {
         if !self.valid() {
             return Ok(());
         }
         self.cur.next();
-        self.settle()
+        self.after_step(1)
     }
     fn prev(&mut self) -> Result<()> {
         if !self.valid() {
             return Ok(());
         }
         self.cur.prev();
-        self.settle()
+        self.after_step(-1)
     }
     fn key(&self) -> &[u8] {
         if self.ok {
