@@ -95,3 +95,19 @@ impl<T: InternalIterator + ?Sized> InternalIterator for Box<T> {
 
 /// A boxed source, as presets hand them around.
 pub type BoxedIter = Box<dyn InternalIterator>;
+
+/// Owned entries, tombstones as `None` (tests).
+#[cfg(test)]
+pub(crate) type OwnedEntries = Vec<(Vec<u8>, Option<Vec<u8>>)>;
+
+/// Every entry of `it`, forward, tombstones included (tests of the presets' iterators).
+#[cfg(test)]
+pub(crate) fn collect_forward(it: &mut dyn InternalIterator) -> Result<OwnedEntries> {
+    let mut out = Vec::new();
+    it.seek_to_first()?;
+    while it.valid() {
+        out.push((it.key().to_vec(), it.value().map(<[u8]>::to_vec)));
+        it.next()?;
+    }
+    Ok(out)
+}
