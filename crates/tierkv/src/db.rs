@@ -36,7 +36,10 @@ pub struct Db {
     pm_failure_reported: AtomicBool,
     /// Log ranges the open dropped.
     recovery: Vec<crate::format::log::Dropped>,
-    _lock: Box<dyn FsLock>,
+    /// The directory lock, shared with every iterator and snapshot: they may borrow PM and
+    /// files this handle mapped, so the store cannot be opened again (and its PM reused by
+    /// the new handle's recovery) until the last of them is dropped.
+    lock: Arc<dyn FsLock>,
 }
 
 impl std::fmt::Debug for Db {
@@ -111,7 +114,7 @@ impl Db {
             pm_health,
             pm_failure_reported: AtomicBool::new(false),
             recovery,
-            _lock: lock,
+            lock: Arc::from(lock),
         })
     }
 
@@ -280,7 +283,7 @@ impl Db {
     /// An iterator limited to `opts`' bounds and prefix.
     pub fn iter_with(&self, opts: &IterOptions) -> Result<DbIterator> {
         let snap = self.overlay.snapshot();
-        Ok(DbIterator::new(self.engine_iter()?, snap, opts))
+        Ok(DbIterator::new(self.engine_iter()?, snap, self.lock.clone(), opts))
     }
 
     /// The preset's merged cursor. Made after the snapshot was registered, so every write
@@ -299,7 +302,7 @@ impl Db {
     /// [`crate::snapshot`]), so drop snapshots when done.
     pub fn snapshot(&self) -> Result<Snapshot> {
         self.engine()?;
-        Ok(Snapshot { snap: self.overlay.snapshot(), engine: self.engine.clone() })
+        Ok(Snapshot { snap: self.overlay.snapshot(), engine: self.engine.clone(), lock: self.lock.clone() })
     }
 
     /// Force the preset's pending background work (write-back, memtable flush) now.
@@ -342,7 +345,9 @@ impl Db {
 
     /// Clean shutdown. Later calls on this handle return [`Error::Closed`]. Calls already
     /// running finish on the closed engine (as they may fail, their writes are not
-    /// promised); iterators and snapshots read on what they pinned.
+    /// promised); iterators and snapshots read on what they pinned. The store can be opened
+    /// again once this handle *and* its iterators and snapshots are dropped; until then
+    /// [`Db::open`] returns [`Error::Locked`] (they may still borrow its PM).
     pub fn close(&self) -> Result<()> {
         if self.closed.swap(true, Ordering::AcqRel) {
             return Ok(());
@@ -372,6 +377,8 @@ impl Drop for Db {
 pub struct Snapshot {
     snap: SnapshotRef,
     engine: Arc<dyn Engine>,
+    /// Keeps the store from being reopened while the snapshot lives (see [`Db`]'s `lock`).
+    lock: Arc<dyn FsLock>,
 }
 
 impl std::fmt::Debug for Snapshot {
@@ -404,6 +411,6 @@ impl Snapshot {
             Some(it) => it,
             None => Box::new(ChunkIter::new(self.engine.clone())),
         };
-        Ok(DbIterator::new(e, self.snap.another(), opts))
+        Ok(DbIterator::new(e, self.snap.another(), self.lock.clone(), opts))
     }
 }

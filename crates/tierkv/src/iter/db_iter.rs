@@ -358,6 +358,9 @@ enum Gap {
 pub struct DbIterator {
     r: Resolved,
     gap: Gap,
+    /// The store's directory lock: the store is not reopened (and its PM not reused) while
+    /// this iterator may borrow from it.
+    _lock: Arc<dyn crate::fs::FsLock>,
 }
 
 impl std::fmt::Debug for DbIterator {
@@ -367,10 +370,15 @@ impl std::fmt::Debug for DbIterator {
 }
 
 impl DbIterator {
-    pub(crate) fn new(e: BoxedIter, snap: SnapshotRef, opts: &IterOptions) -> DbIterator {
+    pub(crate) fn new(
+        e: BoxedIter,
+        snap: SnapshotRef,
+        lock: Arc<dyn crate::fs::FsLock>,
+        opts: &IterOptions,
+    ) -> DbIterator {
         let (lo, hi) = opts.bounds();
         let r = Resolved { e, snap, dir: Dir::Forward, cur: Cur::None, lo, hi, scratch: Vec::new() };
-        DbIterator { r, gap: Gap::Start }
+        DbIterator { r, gap: Gap::Start, _lock: lock }
     }
 
     /// Put the gap before the first key `>= key`.
@@ -564,6 +572,11 @@ mod tests {
     use crate::iter::VecIter;
     use crate::snapshot::Overlay;
 
+    /// A directory lock that locks nothing (the unit tests have no store directory).
+    #[derive(Debug)]
+    struct NoLock;
+    impl crate::fs::FsLock for NoLock {}
+
     type Map = BTreeMap<Vec<u8>, Option<Vec<u8>>>;
 
     #[derive(Debug, Clone)]
@@ -632,7 +645,8 @@ mod tests {
                 .filter(|(k, _)| above_lower(k, &lower) && below_upper(k, &upper))
                 .filter(|(k, _)| prefix.as_ref().is_none_or(|p| k.starts_with(p)))
                 .collect();
-            let mut it = DbIterator::new(Box::new(VecIter::from_vec(now.into_iter().collect())), snap, &opts);
+            let lock: Arc<dyn crate::fs::FsLock> = Arc::new(NoLock);
+            let mut it = DbIterator::new(Box::new(VecIter::from_vec(now.into_iter().collect())), snap, lock, &opts);
             let mut gap = 0usize;
             for op in ops {
                 match op {

@@ -6,7 +6,7 @@ use std::sync::Arc;
 
 use super::vlog::{PoolInfo, Vlog};
 use super::{layout, untv, Inner, Mem, TOMB};
-use crate::error::{Error, Result};
+use crate::error::Result;
 use crate::index::bplus::{Batch, BatchSource, ReadAhead};
 use crate::iter::{BoxedIter, InternalIterator, MergingIterator};
 use crate::sstable::TableIter;
@@ -273,11 +273,9 @@ impl HpdkIter {
             }
             let Some(b) = self.src.value() else { return Ok(()) };
             let a = layout::vaddr_from(b).ok_or_else(|| {
-                Error::corruption(
-                    self.inner.dir.join("pm"),
-                    0,
-                    format!("malformed value address for key {}", crate::escape(self.src.key())),
-                )
+                self.inner
+                    .region
+                    .corruption(0, format!("malformed value address for key {}", crate::escape(self.src.key())))
             })?;
             let info = self.pool(a)?;
             self.val = Some(Vlog::locate(&self.inner.region, &info, a)?);

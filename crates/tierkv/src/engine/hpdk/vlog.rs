@@ -199,8 +199,11 @@ impl Vlog {
             layout::encode_record(info.gen, v, &mut buf);
             let at = info.addr + u64::from(c.used);
             // SAFETY: `[at, at+len)` lies past the open pool's write position, which only this
-            // writer (holding the value-log lock) touches, and no address into it has been
-            // handed out yet.
+            // writer (holding the value-log lock) touches. No address past that position was
+            // handed out in this generation; addresses of a reused pool's earlier generation
+            // were, and no one reads them any more: `switch_pool` reuses a pool only when no
+            // index refers to it and every iterator that could hold such an address (those
+            // registered before the pool went idle) has dropped (the epoch pins).
             unsafe { region.write(at, &buf)? };
             region.flush(at, buf.len() as u64);
             out.push(layout::vaddr(no, c.used));
