@@ -14,6 +14,7 @@
 //! that reach 0.
 
 use std::collections::{HashMap, HashSet};
+use std::ops::Range;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 use std::sync::Arc;
@@ -251,24 +252,48 @@ impl ColdVlog {
 
     /// Read the value `p` points at, checking the record's checksum and key.
     pub fn read(&self, key: &[u8], p: Pointer) -> Result<Vec<u8>> {
-        let f = self.readers.read().get(&p.file).cloned();
-        let path = self.dir.join(vlog_name(p.file));
-        let f =
-            f.ok_or_else(|| Error::corruption(&path, p.offset, "pointer into a value-log file that does not exist"))?;
-        let mut buf = vec![0u8; p.len as usize];
+        let f = self.reader(p.file).ok_or_else(|| {
+            Error::corruption(
+                self.dir.join(vlog_name(p.file)),
+                p.offset,
+                "pointer into a value-log file that does not exist",
+            )
+        })?;
+        let mut buf = Vec::new();
+        let r = self.read_into(&*f, key, p, &mut buf)?;
+        buf.truncate(r.end);
+        buf.drain(..r.start);
+        Ok(buf)
+    }
+
+    /// The reader of value-log file `n`, while the file is listed or not yet removed. A
+    /// holder (an iterator) can read on after group maintenance removes the file: the open
+    /// file stays readable.
+    pub fn reader(&self, n: u64) -> Option<Arc<dyn FsFile>> {
+        self.readers.read().get(&n).cloned()
+    }
+
+    /// Read the record `p` points at from `f` (the reader of `p.file`) into `buf`,
+    /// checking its checksum and key; returns where the value is in `buf`. `buf` is reused:
+    /// no allocation once it has grown to the record size.
+    pub fn read_into(&self, f: &dyn FsFile, key: &[u8], p: Pointer, buf: &mut Vec<u8>) -> Result<Range<usize>> {
+        let path = || self.dir.join(vlog_name(p.file));
+        buf.clear();
+        buf.resize(p.len as usize, 0);
         let mut got = 0;
-        while got < buf.len() {
-            let n = f.read_at(p.offset + got as u64, &mut buf[got..])?;
+        while let Some(rest) = buf.get_mut(got..).filter(|r| !r.is_empty()) {
+            let n = f.read_at(p.offset + got as u64, rest)?;
             if n == 0 {
-                return Err(Error::corruption(&path, p.offset, "value-log record past the end of the file"));
+                return Err(Error::corruption(path(), p.offset, "value-log record past the end of the file"));
             }
             got += n;
         }
-        let (k, v) = layout::decode_vlog(&buf).map_err(|d| Error::corruption(&path, p.offset, d))?;
+        let (k, v) = layout::decode_vlog(buf).map_err(|d| Error::corruption(path(), p.offset, d))?;
         if k != key {
-            return Err(Error::corruption(&path, p.offset, "value-log record belongs to another key"));
+            return Err(Error::corruption(path(), p.offset, "value-log record belongs to another key"));
         }
-        Ok(v.to_vec())
+        let start = layout::VLOG_HEADER + k.len();
+        Ok(start..start + v.len())
     }
 
     /// Every record of file `n` in order: (key, pointer). Stops at the first record that does

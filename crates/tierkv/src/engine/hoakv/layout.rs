@@ -296,15 +296,32 @@ pub fn encode_pointer(p: Pointer) -> Vec<u8> {
     b
 }
 
+/// An LSM value as [`decode_cold_ref`] sees it: the inline value borrowed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ColdRef<'a> {
+    /// The value itself.
+    Inline(&'a [u8]),
+    /// A cold value-log pointer.
+    Pointer(Pointer),
+}
+
 /// Decode an LSM value.
 pub fn decode_cold(b: &[u8]) -> Result<ColdValue, String> {
+    Ok(match decode_cold_ref(b)? {
+        ColdRef::Inline(v) => ColdValue::Inline(v.to_vec()),
+        ColdRef::Pointer(p) => ColdValue::Pointer(p),
+    })
+}
+
+/// Decode an LSM value without copying an inline one.
+pub fn decode_cold_ref(b: &[u8]) -> Result<ColdRef<'_>, String> {
     match b.split_first() {
-        Some((&TAG_INLINE, v)) => Ok(ColdValue::Inline(v.to_vec())),
+        Some((&TAG_INLINE, v)) => Ok(ColdRef::Inline(v)),
         Some((&TAG_POINTER, rest)) if rest.len() == POINTER_LEN - 1 => {
             let mut c = Cursor::new(rest);
             match (c.u64(), c.u64(), c.u32()) {
                 (Some(file), Some(offset), Some(len)) if (len as usize) >= VLOG_HEADER => {
-                    Ok(ColdValue::Pointer(Pointer { file, offset, len }))
+                    Ok(ColdRef::Pointer(Pointer { file, offset, len }))
                 }
                 _ => Err("malformed value-log pointer".into()),
             }

@@ -29,8 +29,66 @@
 //!   copied into one new file (garbage collection). The pointers are then rewritten in one
 //!   synced LSM batch and the old files removed.
 //! - **Cold index** (§3.6): per group, key → heat ([`cold`]).
-//! - **Scans**: the LSM's merged iterator, with the hot keys of the range (ordered map)
-//!   taking precedence; hot tombstones hide cold versions.
+//! - **Range reads**: the hot keys in order (ordered map) merged over the LSM's sources,
+//!   hot entries winning; see below.
+//!
+//! # Range reads: the iterator
+//! [`Engine::iter`] returns `iter::HoaIter`: a [`crate::iter::MergingIterator`] over, newest
+//! first,
+//! - the **HotStore** (`HotCursor`): the hot keys in key order from the HotStore's ordered key
+//!   map (kept on every promotion, demotion, insert and removal; no scan of the cuckoo
+//!   table). Hot values are overwritten in place in PM (the other half of the slot, then
+//!   the selector flips), so a borrowed value could change under the reader: entries are
+//!   *copied* out under the HotStore lock in batches (16 on a seek, doubling up to 256 as a
+//!   walk goes on, cut at 256 KiB; keys and values into one reused buffer, records
+//!   verified), and the cursor re-positions by key past the batch's edge when it runs off
+//!   it. The lock is held for one batch copy, never between calls.
+//! - the **ColdStore**'s sources ([`crate::lsm::Lsm::sources`]): MemTable and Immutable
+//!   MemTable (lock-free skiplists of versioned entries, borrowed from their nodes), each
+//!   level-0 table, one concatenating iterator per deeper level, entries borrowed from
+//!   pinned blocks.
+//!
+//! Hot beats cold for a key, as [`Engine::get`] resolves it (a hot record, tombstone
+//! included, is the key's newest version). A cold value is decoded only where the merge
+//! stops: an inline one is borrowed from its source (no copy); a cold-vlog pointer's record
+//! is read into one reused buffer (checksum and key verified) and the value borrowed from
+//! it.
+//!
+//! **What is pinned.** The MemTables (`Arc<Mem>`: a flushed MemTable lives on while an
+//! iterator holds it) and the LSM version's tables (`Arc<Table>`s, each holding its file
+//! open: a compaction that removes a file does not stop a live iterator reading it). The
+//! value-log files an iterator has read from are held open by it (`Arc<dyn FsFile>`, taken
+//! from the vlog's readers on first use, one lookup per file, not per entry): group
+//! maintenance that removes one does not break the pointers into it that the iterator's
+//! pinned sources still hold. A pointer into a file removed *before* the iterator first
+//! used it (its value relocated by group maintenance since the sources were made) is
+//! resolved as a point read resolves it: under the files gate, the key looked up again
+//! (HotStore, then the current LSM). Reclamation is thus deferred by reference counts alone
+//! — the last iterator to drop a table or vlog file closes it — and nothing waits for an
+//! iterator: flushes, compactions, group maintenance and writers run unhindered.
+//!
+//! **Keys that move without a write.** Writes to keys the iterator has not reached may or
+//! may not show (the engine contract; the snapshot overlay in [`crate::Db`] gives the
+//! snapshot). The one move that could make an *unwritten* key wrong is a key leaving the
+//! HotStore: a dirty demotion writes the value to the ColdStore (which, after a MemTable
+//! switch, the iterator's pinned sources do not hold) and then drops the hot record; a hot
+//! batch copied after that would miss the key and the pinned ColdStore would show its
+//! older version. So the HotStore counts dirty removals (a clean hot key's value is the
+//! ColdStore's newest version already); the iterator reads the count before it takes the
+//! LSM's sources, and each hot batch reads it under the same lock: when it moved, the
+//! iterator rebuilds its sources (hot cursor and LSM) and replays the move as a seek from
+//! the last key it returned (`iter_rebuilds` in the design figures). A promotion (by a
+//! read: clean) and group maintenance's pointer rewrites leave the value unchanged.
+//!
+//! **Costs.** A seek: one HotStore lock (a `BTreeMap` range of 16 entries), a skiplist
+//! search per MemTable, a block per level-0 table and per deeper level (binary searches of
+//! table bounds, index and block). A step: O(1) amortised per source plus the merge's
+//! linear pass over the sources and a copy of the current key (the replay point); one
+//! HotStore lock per batch of hot keys; no lock for cold entries. Only hot entries are
+//! copied, and cold-vlog values are read (one positional read per value, into the reused
+//! buffer). A hot batch prefetches its PM records before it verifies and copies them (one
+//! cache miss per record, serially, was most of a scan's time). [`Engine::scan_chunk`] is
+//! a loop over the iterator.
 //!
 //! # Durability and recovery
 //! Every write gets a sequence number; hot records and WAL batches carry it.
@@ -86,6 +144,7 @@
 pub mod cold;
 pub mod heat;
 pub mod hot;
+mod iter;
 pub mod layout;
 pub(crate) mod salvage;
 
@@ -100,6 +159,7 @@ use parking_lot::{Condvar, Mutex, RwLock};
 use crate::batch::BatchOp;
 use crate::engine::{Cond, Engine, EngineCtx, Poison};
 use crate::error::{Error, Result};
+use crate::iter::{BoxedIter, InternalIterator};
 use crate::lsm::{Lsm, LsmOptions};
 use crate::options::HoakvOptions;
 use crate::pm::Region;
@@ -133,6 +193,9 @@ struct Counters {
     decays: AtomicU64,
     recovered_stale_hot: AtomicU64,
     recovered_ops: AtomicU64,
+    /// Times an iterator rebuilt its ColdStore sources (a dirty hot key left the HotStore
+    /// while it walked; see `iter`).
+    iter_rebuilds: AtomicU64,
 }
 
 #[derive(Debug, Default)]
@@ -679,56 +742,6 @@ impl Inner {
         Ok(true)
     }
 
-    /// Up to `max` live entries of the range: the LSM's merged entries with the hot keys of
-    /// the same stretch taking precedence.
-    fn scan_impl(&self, start: Bound<&[u8]>, end: Bound<&[u8]>, max: usize) -> Result<Vec<(Vec<u8>, Vec<u8>)>> {
-        let mut out = Vec::new();
-        let mut lo: Bound<Vec<u8>> = start.map(<[u8]>::to_vec);
-        let _g = self.files_gate.read();
-        while out.len() < max {
-            let want = max - out.len();
-            let cold = self.lsm.scan(lo.as_ref().map(Vec::as_slice), end, want)?;
-            let full = cold.len() >= want;
-            let hi: Bound<&[u8]> = match (full, cold.last()) {
-                (true, Some((k, _))) => Bound::Included(k.as_slice()),
-                _ => end,
-            };
-            let hot = self.hot.lock().range(lo.as_ref().map(Vec::as_slice), hi)?;
-            let mut h = hot.into_iter().peekable();
-            let mut c = cold.iter().peekable();
-            loop {
-                let take_hot = match (h.peek(), c.peek()) {
-                    (None, None) => break,
-                    (Some(_), None) => true,
-                    (None, Some(_)) => false,
-                    (Some(a), Some(b)) => a.0 <= b.0,
-                };
-                if take_hot {
-                    let Some((k, v)) = h.next() else { break };
-                    if c.peek().is_some_and(|b| b.0 == k) {
-                        c.next();
-                    }
-                    if let Some(v) = v {
-                        out.push((k, v));
-                    }
-                } else if let Some((k, raw)) = c.next() {
-                    if let Some(v) = self.resolve_current(k, raw)? {
-                        out.push((k.clone(), v));
-                    }
-                }
-                if out.len() >= max {
-                    break;
-                }
-            }
-            match (full, cold.last()) {
-                (true, Some((k, _))) if out.len() < max => lo = Bound::Excluded(k.clone()),
-                _ => break,
-            }
-        }
-        out.truncate(max);
-        Ok(out)
-    }
-
     fn worker_loop(self: Arc<Self>) {
         loop {
             let gid = {
@@ -929,6 +942,7 @@ impl Inner {
             ("heat_decays".into(), r(&c.decays)),
             ("recovered_ops".into(), r(&c.recovered_ops)),
             ("recovered_stale_hot".into(), r(&c.recovered_stale_hot)),
+            ("iter_rebuilds".into(), r(&c.iter_rebuilds)),
             ("recovered_duplicate_slots".into(), dup),
             ("flushes".into(), r(&l.flushes)),
             ("compactions".into(), r(&l.compactions)),
@@ -961,7 +975,38 @@ impl Engine for Hoakv {
     }
 
     fn scan_chunk(&self, start: Bound<&[u8]>, end: Bound<&[u8]>, max: usize) -> Result<Vec<(Vec<u8>, Vec<u8>)>> {
-        self.inner.scan_impl(start, end, max)
+        let mut it = iter::HoaIter::new(self.inner.clone());
+        match start {
+            Bound::Unbounded => it.seek_to_first()?,
+            Bound::Included(k) => it.seek(k)?,
+            Bound::Excluded(k) => {
+                it.seek(k)?;
+                if it.valid() && it.key() == k {
+                    it.next()?;
+                }
+            }
+        }
+        let mut out = Vec::new();
+        while it.valid() && out.len() < max {
+            let k = it.key();
+            let inside = match end {
+                Bound::Included(e) => k <= e,
+                Bound::Excluded(e) => k < e,
+                Bound::Unbounded => true,
+            };
+            if !inside {
+                break;
+            }
+            if let Some(v) = it.value() {
+                out.push((k.to_vec(), v.to_vec()));
+            }
+            it.next()?;
+        }
+        Ok(out)
+    }
+
+    fn iter(&self) -> Result<Option<BoxedIter>> {
+        Ok(Some(Box::new(iter::HoaIter::new(self.inner.clone()))))
     }
 
     fn flush(&self) -> Result<()> {
@@ -1038,7 +1083,7 @@ mod tests {
     use crate::fs::{CountingFs, FaultFs, Fs};
     use crate::pm::sim::SimDevice;
 
-    fn open_with(dev: &SimDevice, fs: &FaultFs, o: HoakvOptions, fresh: bool) -> Hoakv {
+    pub(super) fn open_with(dev: &SimDevice, fs: &FaultFs, o: HoakvOptions, fresh: bool) -> Hoakv {
         let opts = crate::testing::sim_options(crate::Preset::Hoakv, dev, fs).hoakv(o);
         let cfs = CountingFs::new(Arc::new(fs.clone()));
         let dir = std::path::PathBuf::from("/h");
@@ -1057,11 +1102,11 @@ mod tests {
         .unwrap()
     }
 
-    fn put(h: &Hoakv, k: &[u8], v: &[u8]) {
+    pub(super) fn put(h: &Hoakv, k: &[u8], v: &[u8]) {
         assert!(h.write(&[BatchOp::Put { key: k.to_vec(), value: v.to_vec() }], Cond::None).unwrap());
     }
 
-    fn stat(h: &Hoakv, k: &str) -> u64 {
+    pub(super) fn stat(h: &Hoakv, k: &str) -> u64 {
         h.stats().design.get(k).copied().unwrap_or(0)
     }
 
