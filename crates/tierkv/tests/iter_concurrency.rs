@@ -14,8 +14,8 @@ use rand::rngs::SmallRng;
 use rand::{Rng, SeedableRng};
 use tierkv::fs::FaultFs;
 use tierkv::pm::sim::SimDevice;
-use tierkv::testing::{hpdk_small, sim_options};
-use tierkv::{Db, HpdkOptions, PmekvOptions, Preset};
+use tierkv::testing::{hoakv_small, hpdk_small, sim_options};
+use tierkv::{Db, HoakvOptions, HpdkOptions, PmekvOptions, Preset};
 
 const N: u32 = 3000;
 
@@ -39,18 +39,22 @@ fn background_counter(p: Preset) -> &'static str {
     match p {
         Preset::Hpdk => "flushes",
         Preset::Pmekv => "checkpoints",
+        Preset::Hoakv => "flushes",
         other => panic!("no background counter named for {other}"),
     }
 }
 
 fn run(preset: Preset) {
     let (dev, fs) = (SimDevice::new(), FaultFs::new());
-    let o = sim_options(preset, &dev, &fs).hpdk(HpdkOptions { background: true, ..hpdk_small() }).pmekv(PmekvOptions {
-        node_capacity: 8,
-        kv_log_size: 256 << 10,
-        key_log_size: 256 << 10,
-        writeback_interval_ms: 1,
-    });
+    let o = sim_options(preset, &dev, &fs)
+        .hpdk(HpdkOptions { background: true, ..hpdk_small() })
+        .pmekv(PmekvOptions {
+            node_capacity: 8,
+            kv_log_size: 256 << 10,
+            key_log_size: 256 << 10,
+            writeback_interval_ms: 1,
+        })
+        .hoakv(HoakvOptions { background: true, ..hoakv_small() });
     let db = Arc::new(Db::open("/db", o).unwrap());
     let mut rng = SmallRng::seed_from_u64(1);
     let mut stable = Vec::new();
@@ -167,4 +171,9 @@ fn hpdk_iterators_under_writers_and_background_work() {
 #[test]
 fn pmekv_iterators_under_writers_and_background_work() {
     run(Preset::Pmekv);
+}
+
+#[test]
+fn hoakv_iterators_under_writers_and_background_work() {
+    run(Preset::Hoakv);
 }
