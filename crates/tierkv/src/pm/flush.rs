@@ -1,4 +1,5 @@
-//! Cache-line write-back instructions, chosen once from CPUID.
+//! Cache-line write-back instructions, chosen once from CPUID; and the read-side hint,
+//! [`prefetch`], that iterators use to overlap the misses of values scattered in PM.
 //!
 //! `persist` = write back every 64-byte line of a range with the best instruction the CPU
 //! has (CLWB, else CLFLUSHOPT, else CLFLUSH), then SFENCE. On other architectures the
@@ -107,6 +108,26 @@ pub fn sfence() {
     }
     #[cfg(not(target_arch = "x86_64"))]
     std::sync::atomic::fence(std::sync::atomic::Ordering::SeqCst);
+}
+
+/// Ask the CPU to start loading `bytes` into its caches (a hint: nothing is read).
+#[inline]
+pub fn prefetch(bytes: &[u8]) {
+    #[cfg(target_arch = "x86_64")]
+    {
+        use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T0};
+        for line in bytes.chunks(64) {
+            // SAFETY: SSE is part of the x86-64 baseline, and a prefetch is only a hint:
+            // it reads nothing observable and never faults (the pointer is in `bytes`).
+            unsafe { _mm_prefetch::<_MM_HINT_T0>(line.as_ptr().cast()) };
+        }
+        if let Some(last) = bytes.last() {
+            // SAFETY: as above.
+            unsafe { _mm_prefetch::<_MM_HINT_T0>(std::ptr::from_ref(last).cast()) };
+        }
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    let _ = bytes;
 }
 
 #[cfg(test)]

@@ -777,7 +777,7 @@ impl Hot {
             if let Some(e) = self.entries.get(idx as usize) {
                 if let Some(vt) = self.vtables.get(e.vt as usize).and_then(Option::as_ref) {
                     if let Some(r) = self.region.slice(vt.half_addr(e.slot, e.half), (vt.class as usize).min(512)) {
-                        crate::engine::hpdk::iter::prefetch(r);
+                        crate::pm::flush::prefetch(r);
                     }
                 }
             }

@@ -51,26 +51,6 @@ impl BatchSource for TreeSource {
     }
 }
 
-/// Ask the CPU to start loading `bytes` into its caches (a hint: nothing is read).
-#[inline]
-pub(crate) fn prefetch(bytes: &[u8]) {
-    #[cfg(target_arch = "x86_64")]
-    {
-        use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T0};
-        for line in bytes.chunks(64) {
-            // SAFETY: SSE is part of the x86-64 baseline, and a prefetch is only a hint:
-            // it reads nothing observable and never faults (the pointer is in `bytes`).
-            unsafe { _mm_prefetch::<_MM_HINT_T0>(line.as_ptr().cast()) };
-        }
-        if let Some(last) = bytes.last() {
-            // SAFETY: as above.
-            unsafe { _mm_prefetch::<_MM_HINT_T0>(std::ptr::from_ref(last).cast()) };
-        }
-    }
-    #[cfg(not(target_arch = "x86_64"))]
-    let _ = bytes;
-}
-
 /// Entries ahead of the current one whose record header is prefetched.
 const PREFETCH_HEAD: isize = 6;
 /// Entries ahead of the current one whose whole record is prefetched (its header, fetched
@@ -113,7 +93,7 @@ impl<S: BatchSource<V = Addr>> AddrCursor<S> {
         let region = &self.inner.region;
         if !whole {
             if let Some(h) = region.slice(at, 4) {
-                prefetch(h);
+                crate::pm::flush::prefetch(h);
             }
             return;
         }
@@ -124,7 +104,7 @@ impl<S: BatchSource<V = Addr>> AddrCursor<S> {
         let size = u32::from_le_bytes([h[0], h[1], h[2], h[3]]) as usize;
         let room = u64::from(info.cap).saturating_sub(u64::from(off)) as usize;
         if let Some(r) = region.slice(at, (size + layout::RECORD_OVERHEAD as usize).min(room)) {
-            prefetch(r);
+            crate::pm::flush::prefetch(r);
         }
     }
 

@@ -140,7 +140,7 @@ impl PmekvIter {
         if let Some(v) = self.cur.peek(ahead) {
             let len = (layout::VALUE_HEADER + u64::from(v.len)) as usize;
             if let Some(r) = self.inner.region.slice(v.addr, len) {
-                crate::engine::hpdk::iter::prefetch(r);
+                crate::pm::flush::prefetch(r);
             }
         }
     }
