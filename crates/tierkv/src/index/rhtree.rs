@@ -744,6 +744,53 @@ impl RhTree {
         (lower, upper)
     }
 
+    /// The key space cut into disjoint ranges in key order, each routed to one partition:
+    /// `(lower, upper, p)` says every key `k` with `lower <= k` and (when `upper` is
+    /// `Some(u)`) `k < u` routes to `p`. Consecutive byte values of one leaf form one range;
+    /// an end partition's range holds exactly its one key. A partition whose byte values
+    /// have holes (a level split took one) has one range per run of values. Keys that route
+    /// nowhere (shorter than a depth with no end partition yet) are in no range.
+    pub fn ranges(&self) -> Vec<(Vec<u8>, Option<Vec<u8>>, PartitionId)> {
+        let mut out = Vec::with_capacity(self.parts.len() + self.inners.len());
+        self.ranges_below(0, &mut out);
+        out
+    }
+
+    fn ranges_below(&self, n: usize, out: &mut Vec<(Vec<u8>, Option<Vec<u8>>, PartitionId)>) {
+        let inner = &self.inners[n];
+        if let Some(p) = inner.end {
+            let mut up = inner.prefix.clone();
+            up.push(0);
+            out.push((inner.prefix.clone(), Some(up), p));
+        }
+        let mut b = 0usize;
+        while b < FANOUT {
+            match inner.children[b] {
+                Child::Inner(i) => {
+                    self.ranges_below(i as usize, out);
+                    b += 1;
+                }
+                Child::Leaf(p) => {
+                    let mut e = b;
+                    while e + 1 < FANOUT && inner.children[e + 1] == Child::Leaf(p) {
+                        e += 1;
+                    }
+                    let mut lo = inner.prefix.clone();
+                    lo.push(b as u8);
+                    let hi = if e < FANOUT - 1 {
+                        let mut u = inner.prefix.clone();
+                        u.push(e as u8 + 1);
+                        Some(u)
+                    } else {
+                        successor(&inner.prefix)
+                    };
+                    out.push((lo, hi, p));
+                    b = e + 1;
+                }
+            }
+        }
+    }
+
     /// Recreate the partition `d` describes in a tree that holds no entries yet (recovery
     /// rebuilds partitions with linked PM leaves before it replays the write buffer): inner
     /// nodes are created along `d.prefix`, and the byte values `d.values` (or the end slot)
@@ -995,6 +1042,18 @@ mod tests {
         sorted.sort_unstable();
         sorted.dedup();
         assert_eq!(sorted.len(), t.partition_count(), "partitions_in_order lists each partition once");
+        // The ranges ascend without overlapping, and every key lies in a range of its
+        // partition.
+        let rs = t.ranges();
+        assert!(
+            rs.windows(2).all(|w| w[0].0 < w[1].0 && w[0].1.as_deref().is_some_and(|u| u <= w[1].0.as_slice())),
+            "ranges ascend and do not overlap"
+        );
+        for k in model.keys() {
+            let i = rs.partition_point(|r| r.1.as_deref().is_some_and(|u| u <= k.as_slice()));
+            assert!(i < rs.len() && rs[i].0.as_slice() <= k.as_slice(), "key {k:?} is in no range");
+            assert_eq!(Some(rs[i].2), t.route(k), "key {k:?} is in another partition's range");
+        }
     }
 
     #[test]

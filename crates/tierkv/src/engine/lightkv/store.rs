@@ -1,6 +1,6 @@
 //! LightKV's store core: the RH-Tree over PM write-buffer segments, the flush of full leaves
-//! to SSTables with persistent leaf copies (Fig. 6), partition compaction (§III-F), scans,
-//! and recovery by segment scan or from a clean-shutdown image (§V). The engine
+//! to SSTables with persistent leaf copies (Fig. 6), partition compaction (§III-F), the
+//! sorted view and table list range reads use ([`super::iter`], [`super::view`]), and recovery by segment scan or from a clean-shutdown image (§V). The engine
 //! ([`super::Lightkv`]) adds the background threads around it (docs/design/lightkv.md).
 //!
 //! # PM layout (docs/format/lightkv.md)
@@ -50,7 +50,10 @@
 //! and unflushed leaves in DRAM, then the PM leaves (in PM, or in DRAM with
 //! [`LightkvPlacement::Dram`]); the first hit decides (a tombstone means absent). A PM leaf
 //! is probed in place: only the key's two buckets (and the extra area if the leaf used it)
-//! are read. Table entries are read through the block cache.
+//! are read. Table entries are read through the block cache. Range reads: see "Range
+//! reads: the iterator" in [`super`]; every write also updates the sorted view, a flush
+//! commit retires its records' view entries, and a freed segment's extent waits for the
+//! iterators created before the free.
 //!
 //! # Recovery
 //! Read both directories; rebuild each chained partition from its descriptor
@@ -80,10 +83,13 @@ use crate::error::{Error, Result};
 use crate::format::crc;
 use crate::fs::Fs;
 use crate::index::rhtree::{self, Insert, KeySource, Leaf, PartitionDesc, PartitionId, RhOptions, RhTree};
+use crate::iter::{BoxedIter, InternalIterator};
 use crate::options::LightkvPlacement;
 use crate::pm::heap::{self, Heap};
 use crate::pm::Region;
 use crate::sstable::{self, block_entries, BlockCache, Table, TableBuilder, TableCursor};
+use super::iter::{Run, TableRuns};
+use super::view::{Pins, SortedView};
 
 /// Superblock address.
 pub const SUPERBLOCK_ADDR: u64 = 64;
@@ -107,8 +113,6 @@ pub const HEAP_START: u64 = CHAIN_DIR_ADDR + CHAIN_SLOTS * 8;
 pub const SST_FLAG: u64 = 1 << 63;
 /// Unflushed leaves (all partitions) beyond which a writer waits for the flush thread.
 pub const MAX_PENDING_FLUSHES: usize = 8;
-/// DRAM entries (keys with their offsets) the scan cache holds, over all partitions.
-const SCAN_CACHE_ENTRIES: usize = 4 << 20;
 
 pub(crate) fn sst_off(table: u64, block: usize, entry: usize) -> u64 {
     SST_FLAG | (table & 0x7fff_ffff) << 32 | (block as u64 & 0xf_ffff) << 12 | (entry as u64 & 0xfff)
@@ -244,11 +248,12 @@ struct State {
     unflushed: HashMap<PartitionId, VecDeque<u64>>,
     /// Partitions in the order their leaves were linked: one entry per unflushed leaf.
     flush_queue: VecDeque<PartitionId>,
-    /// Bumped whenever the partitions change shape (splits, new partitions); with
-    /// `part_ver`, the scan cache's key.
+    /// Bumped whenever the partitions change shape (splits, new partitions).
     epoch: u64,
-    /// Per partition: bumped whenever one of its DRAM leaves changes.
-    part_ver: Vec<u64>,
+    /// Bumped whenever a chain record is committed (the iterators' table list changes).
+    chain_ver: u64,
+    /// Every key the DRAM leaves index, sorted, with its newest record (range reads).
+    view: SortedView,
     /// Recovery is re-indexing the write buffer: no segment may be freed yet (one whose
     /// count drops to zero may still hold records not replayed).
     replaying: bool,
@@ -300,15 +305,6 @@ pub(crate) struct Work {
     pub(crate) stop: bool,
 }
 
-/// Sorted DRAM entries of one partition: (key, offset), newest version of each key.
-type SortedEntries = Arc<Vec<(Vec<u8>, u64)>>;
-
-/// What a cached [`SortedEntries`] is valid for: (shape epoch, partition version).
-type ScanVersion = (u64, u64);
-
-/// Partitions' (lower bound, upper bound, id), sorted by lower bound.
-type PartitionBounds = Vec<(Vec<u8>, Option<Vec<u8>>, PartitionId)>;
-
 /// The write buffer store.
 pub struct PwbStore {
     region: Arc<Region>,
@@ -322,8 +318,10 @@ pub struct PwbStore {
     seg_size: u64,
     next_table: AtomicU64,
     stats: Mutex<StoreStats>,
-    scan_cache: Mutex<HashMap<PartitionId, (ScanVersion, SortedEntries)>>,
-    bounds_cache: Mutex<Option<(u64, Arc<PartitionBounds>)>>,
+    /// Open iterators' pins (see [`super::view`]).
+    pub(crate) pins: Pins,
+    /// The iterators' table list, for (shape epoch, chain version).
+    runs_cache: Mutex<Option<((u64, u64), Arc<TableRuns>)>>,
     /// Serialises flush builds (the flush thread; `flush()`/close in the caller).
     flush_job: Mutex<()>,
     /// Serialises compactions.
@@ -420,6 +418,9 @@ struct FlushJob {
 struct Built {
     table: Arc<Table>,
     leaf: PmLeaf,
+    /// A flush's records (key, write-buffer address): their sorted-view entries retire at
+    /// the commit. Empty for a compaction.
+    flushed: Vec<(Vec<u8>, u64)>,
 }
 
 /// A compaction picked from a chain: the run of leaves to merge.
@@ -427,22 +428,6 @@ struct CompactJob {
     slot: u64,
     inputs: Vec<PmLeaf>,
     bottom: bool,
-}
-
-fn in_end(k: &[u8], end: Bound<&[u8]>) -> bool {
-    match end {
-        Bound::Included(e) => k <= e,
-        Bound::Excluded(e) => k < e,
-        Bound::Unbounded => true,
-    }
-}
-
-fn after_start(k: &[u8], start: Bound<&[u8]>) -> bool {
-    match start {
-        Bound::Included(s) => k >= s,
-        Bound::Excluded(s) => k > s,
-        Bound::Unbounded => true,
-    }
 }
 
 impl PwbStore {
@@ -568,7 +553,8 @@ impl PwbStore {
             unflushed: HashMap::new(),
             flush_queue: VecDeque::new(),
             epoch: 0,
-            part_ver: Vec::new(),
+            chain_ver: 0,
+            view: SortedView::default(),
             replaying: false,
             images: HashMap::new(),
             chain_images: HashMap::new(),
@@ -587,8 +573,8 @@ impl PwbStore {
             seg_size,
             next_table: AtomicU64::new(next_table),
             stats: Mutex::new(StoreStats::default()),
-            scan_cache: Mutex::new(HashMap::new()),
-            bounds_cache: Mutex::new(None),
+            pins: Pins::default(),
+            runs_cache: Mutex::new(None),
             flush_job: Mutex::new(()),
             compact_job: Mutex::new(()),
             work: Mutex::new(Work::default()),
@@ -646,6 +632,9 @@ impl PwbStore {
                     Some(g) if off & SST_FLAG == 0 => g.live += 1,
                     _ => return Err(bad(format!("index image entry {off:#x} points outside the write buffer"))),
                 }
+                // The sorted view is DRAM only: rebuilt from the restored leaves' records.
+                let (_, k, _) = read_entry(&self.region, off)?;
+                st.view.put(&k, off);
             }
             st.tree.partition_mut(p).top = leaf;
             if active != 0 {
@@ -837,6 +826,7 @@ impl PwbStore {
         if let Some(g) = Self::seg_of(st, addr).and_then(|a| st.segs.get_mut(&a)) {
             g.live += 1;
         }
+        st.view.put(key, addr);
         Ok(())
     }
 
@@ -848,11 +838,6 @@ impl PwbStore {
 
     /// Partition `p`'s DRAM leaves changed.
     fn touch(st: &mut State, p: PartitionId) {
-        let i = p as usize;
-        if st.part_ver.len() <= i {
-            st.part_ver.resize(i + 1, 0);
-        }
-        st.part_ver[i] += 1;
         st.touched.push(p);
     }
 
@@ -993,7 +978,8 @@ impl PwbStore {
         let meta = LeafMeta { table: n, cw: 0, seq_hi: job.seq_hi };
         let lb = encode_leaf(&leaf, leaf.normal(), meta);
         let la = self.put_extent(&lb)?;
-        Ok(Built { leaf: pm_leaf(la, lb.len() as u64, meta, &leaf, self.cfg.placement), table })
+        let flushed = recs.into_iter().map(|(off, (_, k, _))| (k, off)).collect();
+        Ok(Built { leaf: pm_leaf(la, lb.len() as u64, meta, &leaf, self.cfg.placement), table, flushed })
     }
 
     /// Write a new chain record for `slot` and commit it (one 8-byte store); frees the old
@@ -1007,6 +993,7 @@ impl PwbStore {
         if let Some(old) = st.chains.get(&slot) {
             self.heap.lock().free(old.record.0, line_round(old.record.1));
         }
+        st.chain_ver += 1;
         Ok((ra, rb.len() as u64))
     }
 
@@ -1046,10 +1033,18 @@ impl PwbStore {
         }
         st.flush_queue.pop_front();
         Self::touch(st, p);
+        // The records are in the table: their sorted-view entries retire (iterators that
+        // listed the tables before this commit still read them from the write buffer).
+        let stamp = st.view.stamp();
+        let oldest = self.pins.oldest();
+        for (k, off) in &b.flushed {
+            st.view.retire(stamp, k, *off, oldest);
+        }
         for off in job.leaf.offsets() {
             Self::release(st, off);
         }
         self.free_emptied(st)?;
+        self.reclaim(st);
         let mut c = self.stats.lock();
         c.flushes += 1;
         c.flush_bytes += b.table.size();
@@ -1171,7 +1166,8 @@ impl PwbStore {
         let lb = encode_leaf(&leaf, leaf.normal(), meta);
         let la = self.put_extent(&lb)?;
         let dropped = seen - offs.len() as u64;
-        Ok((Built { leaf: pm_leaf(la, lb.len() as u64, meta, &leaf, self.cfg.placement), table }, dropped))
+        let leaf = pm_leaf(la, lb.len() as u64, meta, &leaf, self.cfg.placement);
+        Ok((Built { leaf, table, flushed: Vec::new() }, dropped))
     }
 
     /// Commit a built compaction: the run is replaced by the output leaf in a new chain
@@ -1253,10 +1249,37 @@ impl PwbStore {
         let slot = DIR_ADDR + g.slot * SLOT_LEN;
         self.region.store_u64_atomic(slot + 8, 0)?;
         self.region.persist(slot + 8, 8);
-        self.heap.lock().free(addr, g.size);
+        // Iterators open since before this free may still borrow its records: the extent
+        // goes back to the heap once they are gone (see `super::view`).
+        let stamp = st.view.stamp();
+        if st.view.free_extent(stamp, addr, g.size, self.pins.oldest()) {
+            self.heap.lock().free(addr, g.size);
+        }
         st.free_slots.push(g.slot);
         self.stats.lock().segments_freed += 1;
         Ok(())
+    }
+
+    /// Run the deferred work of [`super::view`] that no open iterator needs any more.
+    fn reclaim(&self, st: &mut State) {
+        if !st.view.has_deferred() {
+            return;
+        }
+        let extents = st.view.reclaim(self.pins.oldest());
+        if !extents.is_empty() {
+            let mut h = self.heap.lock();
+            for (a, l) in extents {
+                h.free(a, l);
+            }
+        }
+    }
+
+    /// An iterator was dropped: run the deferred work it held back, unless a writer holds
+    /// the state lock (its next write or flush does it then).
+    pub(crate) fn reclaim_if_idle(&self) {
+        if let Some(mut st) = self.state.try_write() {
+            self.reclaim(&mut st);
+        }
     }
 
     fn new_segment(&self, st: &mut State, size: u64) -> Result<u64> {
@@ -1383,7 +1406,9 @@ impl PwbStore {
             self.sync_images(&mut st, reshaped)?;
             // A segment whose last entry was just superseded, and that takes no more
             // writes, goes.
-            self.free_emptied(&mut st)
+            self.free_emptied(&mut st)?;
+            self.reclaim(&mut st);
+            Ok(())
         })();
         if let Err(e) = r {
             self.poisoned.set(format!("lightkv write failed after its record was persisted: {e}"));
@@ -1478,194 +1503,6 @@ impl PwbStore {
         self.get_locked(&st, key)
     }
 
-    /// Partition `p`'s DRAM entries (top leaf, then unflushed leaves), sorted by key, newest
-    /// version of each key; cached until the DRAM leaves change.
-    fn dram_entries(&self, st: &State, p: PartitionId) -> Result<SortedEntries> {
-        let ver = (st.epoch, st.part_ver.get(p as usize).copied().unwrap_or(0));
-        if let Some((e, v)) = self.scan_cache.lock().get(&p) {
-            if *e == ver {
-                return Ok(v.clone());
-            }
-        }
-        let part = st.tree.partition(p);
-        let mut m: BTreeMap<Vec<u8>, u64> = BTreeMap::new();
-        for leaf in std::iter::once(&part.top).chain(part.chain.iter()) {
-            for off in leaf.offsets() {
-                let k = self.keys().key(off)?;
-                m.entry(k).or_insert(off);
-            }
-        }
-        let v: SortedEntries = Arc::new(m.into_iter().collect());
-        let mut c = self.scan_cache.lock();
-        let held: usize = c.values().map(|x| x.1.len()).sum();
-        if held + v.len() > SCAN_CACHE_ENTRIES {
-            c.clear();
-        }
-        c.insert(p, (ver, v.clone()));
-        Ok(v)
-    }
-
-    /// Every partition's key bounds, sorted by lower bound; cached until the partitions
-    /// change shape.
-    fn partition_bounds(&self, st: &State) -> Arc<PartitionBounds> {
-        let mut c = self.bounds_cache.lock();
-        if let Some((e, b)) = &*c {
-            if *e == st.epoch {
-                return b.clone();
-            }
-        }
-        let mut b: PartitionBounds = st
-            .tree
-            .partitions_in_order()
-            .into_iter()
-            .map(|p| {
-                let (lo, up) = st.tree.bounds(p);
-                (lo, up, p)
-            })
-            .collect();
-        b.sort_by(|x, y| x.0.cmp(&y.0));
-        let b = Arc::new(b);
-        *c = Some((st.epoch, b.clone()));
-        b
-    }
-
-    /// Up to `max` live entries of `[start, end)` in key order. Partitions are visited in
-    /// the order of their lowest possible key and merged; within a partition the DRAM
-    /// entries and each PM leaf's table are merged newest first. A table read is cut at
-    /// `max` entries; entries past the smallest cut key are only returned by the next round.
-    pub fn scan(&self, start: Bound<&[u8]>, end: Bound<&[u8]>, max: usize) -> Result<Vec<(Vec<u8>, Vec<u8>)>> {
-        let st = self.state.read();
-        let bounds = self.partition_bounds(&st);
-        let mut out: Vec<(Vec<u8>, Vec<u8>)> = Vec::new();
-        let mut from: Bound<Vec<u8>> = start.map(|k| k.to_vec());
-        while out.len() < max {
-            let fb = from.as_ref().map(|k| k.as_slice());
-            let want = max - out.len();
-            // key → newest version (None = tombstone); partitions hold disjoint keys.
-            let mut cand: BTreeMap<Vec<u8>, Option<Vec<u8>>> = BTreeMap::new();
-            let mut horizon: Option<Vec<u8>> = None;
-            for (lo, up, p) in bounds.iter() {
-                // Every key of the partition is below `up`: skip it when `up` is at or below
-                // the start.
-                let below_start = match (up.as_deref(), fb) {
-                    (Some(u), Bound::Included(s) | Bound::Excluded(s)) => u <= s,
-                    _ => false,
-                };
-                if below_start {
-                    continue;
-                }
-                if !in_end(lo, end) {
-                    break;
-                }
-                if horizon.as_deref().is_some_and(|h| lo.as_slice() > h) {
-                    break;
-                }
-                // Enough live entries below this partition's lowest key: later partitions
-                // cannot come first.
-                if cand.len() >= want {
-                    let live: Vec<&Vec<u8>> =
-                        cand.iter().filter(|(_, v)| v.is_some()).map(|(k, _)| k).take(want).collect();
-                    if live.len() >= want && live.last().is_some_and(|k| k.as_slice() < lo.as_slice()) {
-                        break;
-                    }
-                }
-                self.scan_partition(&st, *p, fb, end, want, &mut cand, &mut horizon)?;
-            }
-            let mut got = 0;
-            for (k, v) in cand {
-                if horizon.as_deref().is_some_and(|h| k.as_slice() > h) {
-                    break;
-                }
-                if let Some(v) = v {
-                    out.push((k, v));
-                    got += 1;
-                    if got >= want {
-                        break;
-                    }
-                }
-            }
-            match horizon {
-                Some(h) if got < want => from = Bound::Excluded(h),
-                _ => break,
-            }
-        }
-        Ok(out)
-    }
-
-    /// Add partition `p`'s versions in range to `cand` (newest source first; keys already
-    /// there from a newer source are kept).
-    #[allow(clippy::too_many_arguments)]
-    fn scan_partition(
-        &self,
-        st: &State,
-        p: PartitionId,
-        start: Bound<&[u8]>,
-        end: Bound<&[u8]>,
-        want: usize,
-        cand: &mut BTreeMap<Vec<u8>, Option<Vec<u8>>>,
-        horizon: &mut Option<Vec<u8>>,
-    ) -> Result<()> {
-        // The partition's sources merged by key, newest first on equal keys: its DRAM
-        // entries, then its tables (newest leaf first). After `want` live entries the merge
-        // stops; nothing past the last key taken is known this round (`horizon`).
-        let ents = self.dram_entries(st, p)?;
-        let mut di = ents.partition_point(|(k, _)| !after_start(k, start));
-        let mut curs = Vec::new();
-        let tag = st.tree.partition(p).tag;
-        if let Some(c) = tag.checked_sub(1).and_then(|s| st.chains.get(&s)) {
-            for l in &c.leaves {
-                curs.push(TableCursor::seek(self.table(l.meta.table)?, start, true)?);
-            }
-        }
-        let mut live = 0;
-        let mut last: Option<Vec<u8>> = None;
-        loop {
-            // The smallest key among the sources; the first source holding it is the newest.
-            let mut best: Option<(&[u8], usize)> = ents.get(di).map(|e| (e.0.as_slice(), 0));
-            for (i, c) in curs.iter().enumerate() {
-                if let Some(e) = c.peek() {
-                    if best.is_none_or(|b| e.1.as_slice() < b.0) {
-                        best = Some((e.1.as_slice(), i + 1));
-                    }
-                }
-            }
-            let Some((k, src)) = best else { break };
-            if !in_end(k, end) || horizon.as_deref().is_some_and(|h| k > h) {
-                break;
-            }
-            if live == want {
-                if let Some(l) = last {
-                    if horizon.as_deref().is_none_or(|x| l.as_slice() < x) {
-                        *horizon = Some(l);
-                    }
-                }
-                break;
-            }
-            let key = k.to_vec();
-            let value = if src == 0 {
-                let (kind, _, v) = self.pwb_record(ents[di].1)?;
-                (kind == Kind::Put).then_some(v)
-            } else {
-                curs[src - 1].peek().and_then(|e| (e.0 == sstable::Kind::Put).then(|| e.2.clone()))
-            };
-            // Every source past this key.
-            while ents.get(di).is_some_and(|e| e.0 == key) {
-                di += 1;
-            }
-            for c in curs.iter_mut() {
-                while c.peek().is_some_and(|e| e.1 == key) {
-                    c.advance()?;
-                }
-            }
-            if value.is_some() {
-                live += 1;
-            }
-            cand.insert(key.clone(), value);
-            last = Some(key);
-        }
-        Ok(())
-    }
-
     /// Every live key and value, sorted (tests and checks; not the scan path).
     pub fn dump(&self) -> Result<Vec<(Vec<u8>, Vec<u8>)>> {
         let st = self.state.read();
@@ -1695,27 +1532,67 @@ impl PwbStore {
         Ok(out)
     }
 
-    /// Live keys: every partition's keys whose newest version is a put (reads every table).
-    pub fn live_keys(&self) -> Result<u64> {
-        let st = self.state.read();
+    /// Live keys: the store's entries whose newest version is a put (a full iteration).
+    pub fn live_keys(self: &Arc<Self>) -> Result<u64> {
+        let mut it = self.iter()?;
+        it.seek_to_first()?;
         let mut n = 0u64;
-        for p in st.tree.partitions_in_order() {
-            let mut newest: HashMap<Vec<u8>, bool> = HashMap::new();
-            for (k, off) in self.dram_entries(&st, p)?.iter() {
-                let (kind, _, _) = self.pwb_record(*off)?;
-                newest.insert(k.clone(), kind == Kind::Put);
-            }
-            if let Some(c) = st.tree.partition(p).tag.checked_sub(1).and_then(|s| st.chains.get(&s)) {
-                for l in &c.leaves {
-                    self.table(l.meta.table)?.for_each(|e, _| {
-                        newest.entry(e.key.to_vec()).or_insert(e.kind == sstable::Kind::Put);
-                        Ok(())
-                    })?;
-                }
-            }
-            n += newest.values().filter(|&&v| v).count() as u64;
+        while it.valid() {
+            n += u64::from(it.value().is_some());
+            it.next()?;
         }
         Ok(n)
+    }
+
+    /// A cursor over the whole store, tombstones as `None` (see [`super::iter`]).
+    pub fn iter(self: &Arc<Self>) -> Result<BoxedIter> {
+        super::iter::open(self)
+    }
+
+    /// A new iterator's pin and table list, taken under one state-lock acquisition: the
+    /// flushes the list includes are exactly those stamped before the pin.
+    pub(crate) fn pin_and_runs(&self) -> Result<(u64, Arc<TableRuns>)> {
+        let st = self.state.read();
+        let runs = self.table_runs(&st)?;
+        let gen = st.view.gen();
+        self.pins.pin(gen);
+        Ok((gen, runs))
+    }
+
+    /// The chained partitions' ranges with their tables (newest first), in key order;
+    /// cached until partitions change shape or a chain record is committed.
+    fn table_runs(&self, st: &State) -> Result<Arc<TableRuns>> {
+        let ver = (st.epoch, st.chain_ver);
+        if let Some((v, r)) = &*self.runs_cache.lock() {
+            if *v == ver {
+                return Ok(r.clone());
+            }
+        }
+        let mut by_slot: HashMap<u64, Arc<Vec<Arc<Table>>>> = HashMap::new();
+        let mut runs = Vec::new();
+        for (lo, hi, p) in st.tree.ranges() {
+            let Some(slot) = st.tree.partition(p).tag.checked_sub(1) else { continue };
+            let Some(c) = st.chains.get(&slot).filter(|c| !c.leaves.is_empty()) else { continue };
+            let tables = match by_slot.get(&slot) {
+                Some(t) => t.clone(),
+                None => {
+                    let t: Vec<Arc<Table>> = c.leaves.iter().map(|l| self.table(l.meta.table)).collect::<Result<_>>()?;
+                    let t = Arc::new(t);
+                    by_slot.insert(slot, t.clone());
+                    t
+                }
+            };
+            runs.push(Run { lo, hi, tables });
+        }
+        let runs = Arc::new(runs);
+        *self.runs_cache.lock() = Some((ver, runs.clone()));
+        Ok(runs)
+    }
+
+    /// Copy up to `want` record addresses of the sorted view from `from` on for an iterator
+    /// pinned at `pin` (a short read lock; see [`super::view::SortedView::fill`]).
+    pub(crate) fn view_fill(&self, from: Bound<&[u8]>, forward: bool, pin: u64, want: usize, out: &mut Vec<u64>) {
+        self.state.read().view.fill(from, forward, pin, want, out);
     }
 
     /// Counters.
@@ -1770,6 +1647,11 @@ impl PwbStore {
             ("pwb_segments", st.segs.len() as u64),
             ("pm_heap_bytes", heap_total),
             ("pm_heap_free_bytes", heap_free),
+            ("sorted_view_keys", st.view.len() as u64),
+            ("sorted_view_bytes", st.view.approx_bytes()),
+            ("iterators_open", self.pins.count() as u64),
+            ("deferred_view_entries", st.view.deferred().0 as u64),
+            ("deferred_segment_frees", st.view.deferred().1 as u64),
         ]
     }
 
@@ -1876,6 +1758,29 @@ impl PwbStore {
                     Err(e) => problems.push(e.to_string()),
                 }
             }
+        }
+        // The sorted view maps exactly the keys the DRAM leaves index to their newest record
+        // there (retired entries aside: they wait for old iterators).
+        let mut newest: HashMap<Vec<u8>, u64> = HashMap::new();
+        for p in st.tree.partitions_in_order() {
+            let part = st.tree.partition(p);
+            for off in std::iter::once(&part.top).chain(part.chain.iter()).flat_map(|l| l.offsets()) {
+                if let Ok((_, k, _)) = self.record(off) {
+                    newest.entry(k).or_insert(off);
+                }
+            }
+        }
+        for (k, e) in st.view.entries().filter(|(_, e)| e.retired == 0) {
+            if newest.remove(k) != Some(e.off) {
+                problems.push(format!(
+                    "sorted view: key {:?} maps to {:#x}, not to its newest DRAM-indexed record",
+                    String::from_utf8_lossy(k),
+                    e.off
+                ));
+            }
+        }
+        for k in newest.keys() {
+            problems.push(format!("sorted view: key {:?} is missing", String::from_utf8_lossy(k)));
         }
         Ok(problems)
     }
@@ -2305,7 +2210,7 @@ mod tests {
             let fs = FaultFs::new();
             let o = RhOptions { leaf_buckets: 4, t_normal: 4, max_leaf_nodes: 24 };
             let cfg = StoreConfig { placement, ..StoreConfig::inline(8192, o, 4) };
-            let s = open_cfg(&dev, &fs, true, cfg);
+            let s = Arc::new(open_cfg(&dev, &fs, true, cfg));
             let mut m = Model::new();
             for i in 0..6000u32 {
                 let k = scan_key(i);
@@ -2346,10 +2251,11 @@ mod tests {
                 let max = [1, 3, 16, 100, 5000][round % 5];
                 let want: Vec<(Vec<u8>, Vec<u8>)> =
                     m.range::<[u8], _>((start, end)).take(max).map(|(k, v)| (k.clone(), v.clone())).collect();
-                let got = s.scan(start, end, max).unwrap();
+                let got = crate::engine::lightkv::iter::scan(&s, start, end, max).unwrap();
                 assert_eq!(got, want, "{placement:?} round {round}: {start:?}..{end:?} max {max}");
             }
-            assert_eq!(s.scan(Bound::Unbounded, Bound::Unbounded, usize::MAX).unwrap().len(), all.len());
+            let everything = crate::engine::lightkv::iter::scan(&s, Bound::Unbounded, Bound::Unbounded, usize::MAX);
+            assert_eq!(everything.unwrap().len(), all.len());
             // Every key is found by get, in DRAM or PM leaves alike.
             for (k, v) in &m {
                 assert_eq!(s.get(k).unwrap().as_ref(), Some(v));
