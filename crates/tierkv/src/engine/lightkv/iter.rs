@@ -28,6 +28,11 @@ use crate::sstable::{Table, TableIter};
 const FIRST_BATCH: usize = 8;
 /// Largest batch (doubling from [`FIRST_BATCH`] while a walk goes on in one direction).
 const MAX_BATCH: usize = 256;
+/// Records prefetched this many entries ahead of the current one.
+const PREFETCH: usize = 3;
+/// Bytes of a record prefetched: its entry header, which is all of it the cursor may name
+/// before reading the lengths (the cache line it starts holds the start of the key too).
+const PREFETCH_BYTES: usize = pwb::ENTRY_HEADER;
 
 /// One range of a chained partition and its tables, newest first.
 #[derive(Debug)]
@@ -167,6 +172,13 @@ impl BufferIter {
             return Ok(());
         };
         let r = self.pin.store.region();
+        super::store::count_entry_read();
+        // Records sit in PM in write order, not key order: start loading the one a few
+        // steps ahead.
+        let ahead = self.batch.get(self.pos + PREFETCH).and_then(|&a| r.slice(a, PREFETCH_BYTES));
+        if let Some(b) = ahead {
+            crate::engine::hpdk::iter::prefetch(b);
+        }
         let decoded = (|| {
             let h = r.slice_checked(off, pwb::ENTRY_HEADER, "PWB entry")?;
             let (klen, vlen) = pwb::entry_lens(h).ok_or_else(|| r.corruption(off, "PWB entry header cut short"))?;
@@ -874,5 +886,172 @@ mod tests {
         eprintln!("concurrent: {passes} passes, {written} writes, {st:?}");
         assert!(st.flushes >= flushes + 20 && st.compactions > 0, "background work ran meanwhile: {st:?}");
         assert_eq!(e.check().unwrap(), Vec::<String>::new());
+    }
+
+    /// Entries read through a write buffer's worth of writes: what a range read costs
+    /// after writes. (e) Range reads interleaved with writes never sort the write buffer:
+    /// the sorted view is built once, by the first iterator, and each short scan after a
+    /// write decodes about as many write-buffer entries as it returns (re-sorting a
+    /// partition's buffer, as the old scan did after every write, reads every key in it).
+    /// After many writes with no range read the view is dropped (writes stop paying for
+    /// it), and the next iterator rebuilds it, once.
+    #[test]
+    fn range_reads_after_writes_do_not_sort_the_write_buffer() {
+        use crate::engine::lightkv::store::PWB_ENTRIES_READ;
+        let reads = || PWB_ENTRIES_READ.with(std::cell::Cell::get);
+        let dev = SimDevice::new();
+        let fs = FaultFs::new();
+        // Large leaves, two partitions at most: the whole load stays in the write buffer.
+        let tree = RhOptions { leaf_buckets: 1024, t_normal: 4, max_leaf_nodes: 2 };
+        let cfg = StoreConfig::inline(64 << 10, tree, 4);
+        let s = Arc::new(PwbStore::open(region(&dev), Arc::new(fs.clone()), Path::new("/t"), true, cfg).unwrap());
+        let mut m = Model::new();
+        let mut rng = SmallRng::seed_from_u64(5);
+        let k = |i: u32| format!("key{i:05}").into_bytes();
+        for i in 0..1500u32 {
+            let v = value(&mut rng, i as usize);
+            s.write(pwb::Kind::Put, &k(i), &v).unwrap();
+            m.insert(k(i), v);
+        }
+        assert_eq!(s.stats().flushes, 0, "the load is all in the write buffer");
+        assert_eq!(figure(&s, "sorted_view_active"), 0, "writes skip the view until a range read needs it");
+        let mut per_scan = Vec::new();
+        for round in 0..200usize {
+            // A write, then a 10-entry scan from a random key.
+            let i = rng.random_range(0..1500u32);
+            let v = value(&mut rng, round);
+            s.write(pwb::Kind::Put, &k(i), &v).unwrap();
+            m.insert(k(i), v);
+            let from = k(rng.random_range(0..1500u32));
+            let before = reads();
+            let got = scan(&s, Bound::Included(&from), Bound::Unbounded, 10).unwrap();
+            per_scan.push(reads() - before);
+            let want: Vec<(Vec<u8>, Vec<u8>)> =
+                m.range(from.clone()..).take(10).map(|(k, v)| (k.clone(), v.clone())).collect();
+            assert!(got == want, "round {round}: the scan returned other entries");
+        }
+        let keys = figure(&s, "sorted_view_keys");
+        assert!(keys >= 1500, "the view holds the whole buffer ({keys} keys)");
+        assert_eq!(figure(&s, "sorted_view_builds"), 1, "one build, by the first scan");
+        // The first scan built the view (it read every buffered key); each later one reads
+        // the ten entries it returns and the one it stops at.
+        assert!(per_scan[0] >= 1500, "the build read the buffer: {}", per_scan[0]);
+        let most = per_scan[1..].iter().copied().max().unwrap_or(0);
+        assert!(most <= 12, "a scan after a write read {most} write-buffer entries");
+        // Writes with no range read: the view goes idle and is dropped; the next
+        // iterator rebuilds it and sees every write made meanwhile.
+        let mut i = 0;
+        while figure(&s, "sorted_view_active") == 1 && i < 20_000 {
+            let v = value(&mut rng, i);
+            s.write(pwb::Kind::Put, &k(i as u32 % 1500), &v).unwrap();
+            m.insert(k(i as u32 % 1500), v);
+            i += 1;
+        }
+        assert_eq!(figure(&s, "sorted_view_active"), 0, "the idle view was dropped after {i} writes");
+        assert_eq!(figure(&s, "sorted_view_keys"), 0);
+        let mut it = s.iter().unwrap();
+        assert_live(&walk_both_ways(&mut it), &m);
+        drop(it);
+        assert_eq!(figure(&s, "sorted_view_builds"), 2);
+        assert_eq!(s.check().unwrap(), Vec::<String>::new());
+    }
+
+    /// (d) Through the public API: a `Db` iterator and a snapshot's iterators see exactly
+    /// the store of the snapshot — while two writers overwrite and delete every key and
+    /// add new ones, and flushes and compactions (on the background threads and forced
+    /// by the writers) move the write buffer into tables and merge them.
+    #[test]
+    fn db_iterators_and_snapshots_see_exactly_their_snapshot_under_writers() {
+        let (dev, fs) = (SimDevice::new(), FaultFs::new());
+        let mut opts = crate::testing::sim_options(Preset::Lightkv, &dev, &fs);
+        opts.lightkv.background = true;
+        let db = Arc::new(crate::Db::open("/db", opts).unwrap());
+        let key = |i: u32| format!("k{i:04}").into_bytes();
+        let mut m = Model::new();
+        let mut rng = SmallRng::seed_from_u64(3);
+        for i in 0..1200u32 {
+            let v = value(&mut rng, i as usize);
+            db.put(key(i), &v).unwrap();
+            m.insert(key(i), v);
+            if i % 7 == 3 {
+                db.delete(key(i / 2)).unwrap();
+                m.remove(&key(i / 2));
+            }
+        }
+        let design = |db: &crate::Db, name: &str| db.stats().design.get(name).copied().unwrap_or(0);
+        let (flushes, compactions) = (design(&db, "flushes"), design(&db, "compactions"));
+        let snap = db.snapshot().unwrap();
+        let mut old = db.iter().unwrap();
+        let want: Vec<(Vec<u8>, Vec<u8>)> = m.iter().map(|(k, v)| (k.clone(), v.clone())).collect();
+        // The first third through the old iterator before the writers start.
+        let mut got = Vec::new();
+        while got.len() < want.len() / 3 {
+            let (k, v) = old.next_ref().unwrap().expect("entries left");
+            got.push((k.to_vec(), v.to_vec()));
+        }
+        let writers: Vec<_> = (0..2u32)
+            .map(|t| {
+                let db = db.clone();
+                std::thread::spawn(move || {
+                    let mut rng = SmallRng::seed_from_u64(u64::from(t) + 10);
+                    for n in 0..3000u32 {
+                        let i = rng.random_range(0..1300u32);
+                        match rng.random_range(0..4) {
+                            0 => db.delete(key(i)).unwrap(),
+                            1 => db.put(format!("k{i:04}{t}").into_bytes(), b"new").unwrap(),
+                            _ => db.put(key(i), format!("w{t}-{n}").into_bytes()).unwrap(),
+                        }
+                        if n % 700 == 699 {
+                            db.compact().unwrap();
+                        }
+                    }
+                })
+            })
+            .collect();
+        // Walk snapshot iterators (made while the writers run) both ways until they stop.
+        let walk = |it: &mut crate::DbIterator, forward: bool| {
+            let mut out = Vec::new();
+            if forward {
+                it.seek_to_first();
+                while let Some((k, v)) = it.next_ref().unwrap() {
+                    out.push((k.to_vec(), v.to_vec()));
+                }
+            } else {
+                it.seek_to_last();
+                while let Some((k, v)) = it.prev_ref().unwrap() {
+                    out.push((k.to_vec(), v.to_vec()));
+                }
+                out.reverse();
+            }
+            out
+        };
+        let mut passes = 0;
+        while passes < 4 || (!writers.iter().all(std::thread::JoinHandle::is_finished) && passes < 200) {
+            let mut it = snap.iter().unwrap();
+            assert!(walk(&mut it, passes % 2 == 0) == want, "pass {passes}: the snapshot's iterator differs");
+            passes += 1;
+        }
+        for w in writers {
+            w.join().unwrap();
+        }
+        // The old iterator goes on from where it was, then both ways over everything.
+        while let Some((k, v)) = old.next_ref().unwrap() {
+            got.push((k.to_vec(), v.to_vec()));
+        }
+        assert!(got == want, "the iterator made before the writes returned other entries");
+        assert!(walk(&mut old, false) == want && walk(&mut old, true) == want);
+        for (k, v) in want.iter().step_by(37) {
+            old.seek(k);
+            assert_eq!(old.next_ref().unwrap(), Some((k.as_slice(), v.as_slice())));
+            old.seek_for_prev(k);
+            assert_eq!(old.prev_ref().unwrap(), Some((k.as_slice(), v.as_slice())));
+        }
+        drop((old, snap));
+        assert!(design(&db, "flushes") > flushes + 2, "flushes ran under the iterators");
+        assert!(design(&db, "compactions") > compactions, "compactions ran under the iterators");
+        // The store itself moved on: a new iterator sees the writers' changes.
+        let now = walk(&mut db.iter().unwrap(), true);
+        assert!(now != want && now.iter().any(|e| e.1 == b"new"));
+        assert_eq!(db.check().unwrap(), Vec::<String>::new());
     }
 }

@@ -27,16 +27,21 @@
 //! - **The write buffer in key order** ([`iter::BufferIter`]). The RH-Tree's hash leaves
 //!   cannot answer a range, so the store keeps a *sorted view* ([`view::SortedView`]): a
 //!   DRAM B-tree of every key a DRAM leaf (top or unflushed) indexes, mapped to its newest
-//!   record's write-buffer address. It is updated on every write (one B-tree update per
-//!   indexed entry; a key copy only when the key is new to the view), so a range read
-//!   never sorts a partition's write buffer (the old scan did, after every write). One
-//!   view serves all partitions (their keys are disjoint) and is unaffected by splits.
+//!   record's write-buffer address. The first iterator builds it from the DRAM leaves (one
+//!   pass, one sort); from then on every write updates it (one B-tree descent; a key copy
+//!   only when the key is new to the view), so a range read never sorts a partition's
+//!   write buffer (the old scan did, after every write). After many writes with no range
+//!   read (more than the view's keys, at least 65,536) and no iterator open, the next write
+//!   drops it again: a store that takes no range reads pays nothing for it on puts (keeping
+//!   it on every write had halved `fillrandom`). One view serves all partitions (their keys
+//!   are disjoint) and is unaffected by splits.
 //!   The cursor holds no lock between calls: each refill takes the state lock for reading,
 //!   copies up to 8 record *addresses* after the current key (doubling to 256 while the
 //!   walk goes on in one direction), and lets go; entries added or removed meanwhile are
 //!   met or not (only keys written meanwhile can be affected). Keys and values are
 //!   borrowed from the records in PM, each record's checksum verified when the cursor
-//!   reaches it; nothing is copied per entry but the address.
+//!   reaches it (the record three entries ahead is prefetched: records sit in write order);
+//!   nothing is copied per entry but the address.
 //! - **The chained partitions' SSTables** ([`iter::TableWalker`]): the radix tree's key
 //!   ranges in key order ([`crate::index::rhtree::RhTree::ranges`] — a partition whose
 //!   byte values have holes has one range per run), those of partitions with PM leaves
@@ -48,23 +53,31 @@
 //!   deletes a table leaves the iterator's handle readable.
 //!
 //! What is pinned, and how background work goes on meanwhile ([`view`]): the iterator
-//! registers a *pin* (a stamp counter value) with its table list, under one read lock. A
+//! registers a *pin* (a stamp counter value) with its table list, under one state-lock
+//! acquisition (a read lock; a write lock only when it must build the view first). A
 //! flush that commits later *retires* its records' view entries instead of removing them:
 //! older iterators (whose table list lacks the new table) still read them, newer ones skip
 //! them; they go once no older pin remains. A write-buffer segment freed later is cleared
 //! in PM at once (a crash forgets it) but its extent returns to the PM heap, where it
-//! could be overwritten, only once every older iterator is dropped. So flushes,
-//! compactions and writers never wait for an iterator, and an iterator never reads a
-//! reused byte; a long-lived iterator only delays the reuse of freed PM and the removal of
-//! retired view entries (`deferred_segment_frees`, `deferred_view_entries`,
-//! `iterators_open` in stats).
+//! could be overwritten, only once every older iterator is dropped. Tables are pinned by
+//! the `Arc<Table>`s of the list, each holding its open file: a compaction that deletes a
+//! table's file leaves it readable to the iterators that listed it. So flushes,
+//! compactions and writers never wait for an iterator (the lock is held for a refill or a
+//! registration, never between calls), and an iterator never reads a reused byte; a
+//! long-lived iterator only delays the reuse of freed PM and the removal of retired view
+//! entries (`deferred_segment_frees`, `deferred_view_entries`, `iterators_open` in stats;
+//! `sorted_view_active`, `sorted_view_builds` show the view's state).
 //!
 //! Cost: seek — one B-tree descent under a read lock, a binary search of the ranges and a
 //! block index search per table of the partition, a block read (cached) each; next —
 //! amortised O(1): an address from the batch, a PM entry's checksum, a step in a pinned
 //! block, and the merge's key comparisons (a refill per 256 buffer entries). Reverse steps
-//! cost the same. The view costs DRAM: the buffered keys plus about 56 bytes each
-//! (`sorted_view_bytes`, counted in the DRAM index figure).
+//! cost the same. The first iterator after an idle spell pays the build — every
+//! DRAM-indexed key read once, one sort — under the state write lock (writers wait for
+//! it); it comes at most once per view-size writes, so it adds O(log n) per write
+//! amortised. While active the view costs a write one B-tree update and DRAM: the
+//! buffered keys plus about 56 bytes each (`sorted_view_bytes`, counted in the DRAM index
+//! figure).
 //!
 //! # Choices where the paper is silent
 //! See docs/design/lightkv.md. In short: deletes index a tombstone record (dropped when a

@@ -1,6 +1,7 @@
 //! LightKV's store core: the RH-Tree over PM write-buffer segments, the flush of full leaves
 //! to SSTables with persistent leaf copies (Fig. 6), partition compaction (§III-F), the
-//! sorted view and table list range reads use ([`super::iter`], [`super::view`]), and recovery by segment scan or from a clean-shutdown image (§V). The engine
+//! sorted view and table list range reads use ([`super::iter`], [`super::view`]), and
+//! recovery by segment scan or from a clean-shutdown image (§V). The engine
 //! ([`super::Lightkv`]) adds the background threads around it (docs/design/lightkv.md).
 //!
 //! # PM layout (docs/format/lightkv.md)
@@ -51,9 +52,9 @@
 //! [`LightkvPlacement::Dram`]); the first hit decides (a tombstone means absent). A PM leaf
 //! is probed in place: only the key's two buckets (and the extra area if the leaf used it)
 //! are read. Table entries are read through the block cache. Range reads: see "Range
-//! reads: the iterator" in [`super`]; every write also updates the sorted view, a flush
-//! commit retires its records' view entries, and a freed segment's extent waits for the
-//! iterators created before the free.
+//! reads: the iterator" in [`super`]; while range reads use it, every write also updates
+//! the sorted view, a flush commit retires its records' view entries, and a freed
+//! segment's extent waits for the iterators created before the free.
 //!
 //! # Recovery
 //! Read both directories; rebuild each chained partition from its descriptor
@@ -73,11 +74,13 @@ use std::sync::Arc;
 
 use parking_lot::{Condvar, Mutex, RwLock};
 
+use super::iter::{Run, TableRuns};
 use super::leaf::{
     self, decode_bucket, decode_chain, decode_image, decode_leaf, encode_chain, encode_image, encode_leaf, image_len,
     leaf_len, Chain, Image, LeafMeta, IMAGE_HEADER, LEAF_HEADER,
 };
 use super::pwb::{self, Kind};
+use super::view::{Pins, SortedView};
 use crate::engine::{Cond, Poison};
 use crate::error::{Error, Result};
 use crate::format::crc;
@@ -88,8 +91,6 @@ use crate::options::LightkvPlacement;
 use crate::pm::heap::{self, Heap};
 use crate::pm::Region;
 use crate::sstable::{self, block_entries, BlockCache, Table, TableBuilder, TableCursor};
-use super::iter::{Run, TableRuns};
-use super::view::{Pins, SortedView};
 
 /// Superblock address.
 pub const SUPERBLOCK_ADDR: u64 = 64;
@@ -320,6 +321,8 @@ pub struct PwbStore {
     stats: Mutex<StoreStats>,
     /// Open iterators' pins (see [`super::view`]).
     pub(crate) pins: Pins,
+    /// The sorted view's write count when the last iterator was created (its idle rule).
+    view_used: AtomicU64,
     /// The iterators' table list, for (shape epoch, chain version).
     runs_cache: Mutex<Option<((u64, u64), Arc<TableRuns>)>>,
     /// Serialises flush builds (the flush thread; `flush()`/close in the caller).
@@ -346,8 +349,23 @@ impl std::fmt::Debug for PwbStore {
 /// the entry's checksum (a damaged key must not turn a hit into a silent miss).
 struct Keys<'a>(&'a PwbStore);
 
+#[cfg(test)]
+thread_local! {
+    /// Write-buffer entries this thread decoded (tests: what a range read costs).
+    pub(crate) static PWB_ENTRIES_READ: std::cell::Cell<u64> = const { std::cell::Cell::new(0) };
+}
+
+/// Count one write-buffer entry decoded by this thread (tests only; nothing in a release
+/// build).
+#[inline]
+pub(crate) fn count_entry_read() {
+    #[cfg(test)]
+    PWB_ENTRIES_READ.with(|c| c.set(c.get() + 1));
+}
+
 /// The write-buffer entry at `addr`, verified: (kind, key, value).
 fn read_entry(r: &Region, addr: u64) -> Result<(Kind, Vec<u8>, Vec<u8>)> {
+    count_entry_read();
     let h = r.slice_checked(addr, pwb::ENTRY_HEADER, "PWB entry")?;
     let (klen, vlen) = pwb::entry_lens(h).ok_or_else(|| r.corruption(addr, "PWB entry header cut short"))?;
     let b = r.slice_checked(addr, pwb::ENTRY_HEADER + klen + vlen, "PWB entry")?;
@@ -574,6 +592,7 @@ impl PwbStore {
             next_table: AtomicU64::new(next_table),
             stats: Mutex::new(StoreStats::default()),
             pins: Pins::default(),
+            view_used: AtomicU64::new(0),
             runs_cache: Mutex::new(None),
             flush_job: Mutex::new(()),
             compact_job: Mutex::new(()),
@@ -632,9 +651,6 @@ impl PwbStore {
                     Some(g) if off & SST_FLAG == 0 => g.live += 1,
                     _ => return Err(bad(format!("index image entry {off:#x} points outside the write buffer"))),
                 }
-                // The sorted view is DRAM only: rebuilt from the restored leaves' records.
-                let (_, k, _) = read_entry(&self.region, off)?;
-                st.view.put(&k, off);
             }
             st.tree.partition_mut(p).top = leaf;
             if active != 0 {
@@ -786,7 +802,8 @@ impl PwbStore {
     /// `inline` flushes it right away (recovery, or no background threads).
     fn index(&self, st: &mut State, key: &[u8], addr: u64, seq: u64, inline: bool) -> Result<()> {
         let shape = Self::shape_key(st);
-        loop {
+        // True when the key's top-leaf entry was updated: the sorted view has the key.
+        let known = loop {
             match st.tree.insert(key, addr, &self.keys())? {
                 Insert::Full(p) => {
                     Self::touch(st, p);
@@ -809,24 +826,24 @@ impl PwbStore {
                 }
                 Insert::Inserted(p) => {
                     Self::touch(st, p);
-                    break;
+                    break false;
                 }
                 Insert::Updated(p, old) => {
                     Self::touch(st, p);
                     if old & SST_FLAG == 0 {
                         Self::release(st, old);
                     }
-                    break;
+                    break true;
                 }
             }
-        }
+        };
         if Self::shape_key(st) != shape {
             st.epoch += 1;
         }
         if let Some(g) = Self::seg_of(st, addr).and_then(|a| st.segs.get_mut(&a)) {
             g.live += 1;
         }
-        st.view.put(key, addr);
+        st.view.put(key, addr, known);
         Ok(())
     }
 
@@ -1408,6 +1425,11 @@ impl PwbStore {
             // writes, goes.
             self.free_emptied(&mut st)?;
             self.reclaim(&mut st);
+            // No range read for long, none open: writes stop keeping the sorted view.
+            if st.view.idle(self.view_used.load(Ordering::Relaxed)) && self.pins.count() == 0 {
+                self.reclaim(&mut st);
+                st.view.deactivate();
+            }
             Ok(())
         })();
         if let Err(e) = r {
@@ -1550,13 +1572,52 @@ impl PwbStore {
     }
 
     /// A new iterator's pin and table list, taken under one state-lock acquisition: the
-    /// flushes the list includes are exactly those stamped before the pin.
+    /// flushes the list includes are exactly those stamped before the pin. Builds the
+    /// sorted view first if writes are not keeping it (see [`super::view`]).
     pub(crate) fn pin_and_runs(&self) -> Result<(u64, Arc<TableRuns>)> {
-        let st = self.state.read();
-        let runs = self.table_runs(&st)?;
+        {
+            let st = self.state.read();
+            if st.view.active() {
+                return self.pin_locked(&st);
+            }
+        }
+        let mut st = self.state.write();
+        if !st.view.active() {
+            self.build_view(&mut st)?;
+        }
+        self.pin_locked(&st)
+    }
+
+    fn pin_locked(&self, st: &State) -> Result<(u64, Arc<TableRuns>)> {
+        let runs = self.table_runs(st)?;
         let gen = st.view.gen();
         self.pins.pin(gen);
+        self.view_used.store(st.view.writes(), Ordering::Relaxed);
         Ok((gen, runs))
+    }
+
+    /// Build the sorted view from the DRAM leaves: every key they index (read from its
+    /// record once), with its newest record (the top leaf, then the unflushed leaves newest
+    /// first), sorted once.
+    fn build_view(&self, st: &mut State) -> Result<()> {
+        // (key, leaf rank: 0 = newest, address)
+        let mut ents: Vec<(Vec<u8>, usize, u64)> = Vec::new();
+        for p in st.tree.partitions_in_order() {
+            let part = st.tree.partition(p);
+            for (rank, leaf) in std::iter::once(&part.top).chain(part.chain.iter()).enumerate() {
+                for off in leaf.offsets() {
+                    if off & SST_FLAG != 0 {
+                        return Err(Error::Poisoned(format!("lightkv: a DRAM leaf names table entry {off:#x}")));
+                    }
+                    ents.push((self.keys().key(off)?, rank, off));
+                }
+            }
+        }
+        ents.sort_unstable_by(|a, b| a.0.cmp(&b.0).then(a.1.cmp(&b.1)));
+        // `dedup_by` keeps the first of equal keys: the newest leaf's.
+        ents.dedup_by(|later, first| later.0 == first.0);
+        st.view.build(ents.into_iter().map(|(k, _, off)| (k, off)).collect());
+        Ok(())
     }
 
     /// The chained partitions' ranges with their tables (newest first), in key order;
@@ -1576,7 +1637,8 @@ impl PwbStore {
             let tables = match by_slot.get(&slot) {
                 Some(t) => t.clone(),
                 None => {
-                    let t: Vec<Arc<Table>> = c.leaves.iter().map(|l| self.table(l.meta.table)).collect::<Result<_>>()?;
+                    let t: Vec<Arc<Table>> =
+                        c.leaves.iter().map(|l| self.table(l.meta.table)).collect::<Result<_>>()?;
                     let t = Arc::new(t);
                     by_slot.insert(slot, t.clone());
                     t
@@ -1647,6 +1709,8 @@ impl PwbStore {
             ("pwb_segments", st.segs.len() as u64),
             ("pm_heap_bytes", heap_total),
             ("pm_heap_free_bytes", heap_free),
+            ("sorted_view_active", u64::from(st.view.active())),
+            ("sorted_view_builds", st.view.builds()),
             ("sorted_view_keys", st.view.len() as u64),
             ("sorted_view_bytes", st.view.approx_bytes()),
             ("iterators_open", self.pins.count() as u64),
@@ -1759,8 +1823,15 @@ impl PwbStore {
                 }
             }
         }
-        // The sorted view maps exactly the keys the DRAM leaves index to their newest record
-        // there (retired entries aside: they wait for old iterators).
+        // While active, the sorted view maps exactly the keys the DRAM leaves index to their
+        // newest record there (retired entries aside: they wait for old iterators); while
+        // inactive it is empty and no iterator is open.
+        if !st.view.active() {
+            if st.view.len() != 0 || self.pins.count() != 0 {
+                problems.push("sorted view: inactive, yet it holds keys or iterators are open".into());
+            }
+            return Ok(problems);
+        }
         let mut newest: HashMap<Vec<u8>, u64> = HashMap::new();
         for p in st.tree.partitions_in_order() {
             let part = st.tree.partition(p);

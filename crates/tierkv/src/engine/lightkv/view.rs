@@ -5,11 +5,23 @@
 //! The RH-Tree's leaves are hash tables: they answer a get, never a range. [`SortedView`]
 //! is a DRAM B-tree of every key a DRAM leaf (a top leaf or an unflushed linked leaf)
 //! indexes, mapped to the write-buffer address of its newest record — exactly the DRAM
-//! part of the store a get sees, in key order. It is kept on every write under the state
-//! lock (one B-tree update per indexed entry, a key copy only for a key new to the view),
-//! so a range read never sorts the write buffer: it seeks the view in O(log n).
-//! Partitions hold disjoint keys, so one view serves every partition and survives splits
-//! (which move entries between leaves, never between keys and records).
+//! part of the store a get sees, in key order. While it is *active* it is kept on every
+//! write under the state lock (one B-tree update per indexed entry; a key copy only for a
+//! key new to the view), so a range read never sorts the write buffer: it seeks the view
+//! in O(log n). Partitions hold disjoint keys, so one view serves every partition and
+//! survives splits (which move entries between leaves, never between keys and records).
+//!
+//! # Built on demand, dropped when idle
+//! A B-tree update costs a write about as much as the rest of a put (measured: keeping it
+//! on every write halved `fillrandom`), and a store that takes no range reads has no use
+//! for it. So the view starts *inactive* (writes skip it: one branch), and the first
+//! iterator builds it from the DRAM leaves in one pass (every DRAM-indexed key read once,
+//! one sort: [`SortedView::build`]). From then on writes keep it. Once
+//! [`SortedView::idle`] — more writes since the last iterator was created than
+//! `max(IDLE_WRITES, keys in the view)` — and with no iterator open, the next write drops it
+//! again. A build costs O(n log n) for the n keys in DRAM and happens at most once per n
+//! writes without a range read, so it adds O(log n) per write amortised, never more than
+//! keeping the view would; a workload of range reads keeps it active and never sorts.
 //!
 //! # Retired entries
 //! A flush moves a leaf's records into an SSTable. An iterator that pinned the table list
@@ -30,6 +42,12 @@
 //! `gen` counts events (flush retirements, segment frees) under the state lock; an
 //! iterator's pin is the `gen` at its creation. An event stamped `s` happened after every
 //! pin `g <= s` was taken and before every pin `g > s`: it waits for the pins `<= s`.
+//!
+//! # Invariants
+//! - An open pin implies an active view (pins are taken after the build, under the state
+//!   lock; the view is dropped only with no pin open).
+//! - Active: every key a DRAM leaf indexes has a live entry naming its newest DRAM-indexed
+//!   record, and every other entry is retired, waiting for an older pin.
 
 use std::collections::{BTreeMap, VecDeque};
 use std::ops::Bound;
@@ -46,9 +64,23 @@ pub(crate) struct ViewEnt {
     pub(crate) retired: u64,
 }
 
+/// Writes without a range read after which an unused view is dropped (at least; a larger
+/// view waits for as many writes as it holds keys).
+#[cfg(not(test))]
+const IDLE_WRITES: u64 = 1 << 16;
+/// Small in tests, so that the model tests drop and rebuild the view.
+#[cfg(test)]
+const IDLE_WRITES: u64 = 512;
+
 /// The sorted view and the deferred work that waits for old iterators.
 #[derive(Debug)]
 pub(crate) struct SortedView {
+    /// False while writes skip the view (see the module docs).
+    active: bool,
+    /// Writes the view took since it was built.
+    writes: u64,
+    /// Views built (stats, tests).
+    builds: u64,
     map: BTreeMap<Vec<u8>, ViewEnt>,
     /// Key bytes held (for stats).
     key_bytes: u64,
@@ -62,7 +94,16 @@ pub(crate) struct SortedView {
 
 impl Default for SortedView {
     fn default() -> Self {
-        SortedView { map: BTreeMap::new(), key_bytes: 0, gen: 1, retired: VecDeque::new(), frees: VecDeque::new() }
+        SortedView {
+            active: false,
+            writes: 0,
+            builds: 0,
+            map: BTreeMap::new(),
+            key_bytes: 0,
+            gen: 1,
+            retired: VecDeque::new(),
+            frees: VecDeque::new(),
+        }
     }
 }
 
@@ -72,14 +113,65 @@ fn due(stamp: u64, oldest_pin: Option<u64>) -> bool {
 }
 
 impl SortedView {
-    /// `key`'s newest record is now at `off` (live).
-    pub(crate) fn put(&mut self, key: &[u8], off: u64) {
-        match self.map.get_mut(key) {
-            Some(e) => *e = ViewEnt { off, retired: 0 },
-            None => {
-                self.key_bytes += key.len() as u64;
-                self.map.insert(key.to_vec(), ViewEnt { off, retired: 0 });
+    /// True while writes keep the view (a range read may use it).
+    pub(crate) fn active(&self) -> bool {
+        self.active
+    }
+
+    /// Make the view active with `entries`: every DRAM-indexed key with its newest record,
+    /// sorted by key, each key once.
+    pub(crate) fn build(&mut self, entries: Vec<(Vec<u8>, u64)>) {
+        self.key_bytes = entries.iter().map(|e| e.0.len() as u64).sum();
+        // Sorted input: the B-tree is built in one pass.
+        self.map = entries.into_iter().map(|(k, off)| (k, ViewEnt { off, retired: 0 })).collect();
+        self.retired.clear();
+        self.active = true;
+        self.writes = 0;
+        self.builds += 1;
+    }
+
+    /// Views built so far.
+    pub(crate) fn builds(&self) -> u64 {
+        self.builds
+    }
+
+    /// Writes the view has taken since it was built.
+    pub(crate) fn writes(&self) -> u64 {
+        self.writes
+    }
+
+    /// True when the view has gone unused long enough to drop: more writes since the last
+    /// iterator was created (`writes` was [`SortedView::writes`] then) than it holds keys,
+    /// and at least `IDLE_WRITES`.
+    pub(crate) fn idle(&self, writes_at_last_use: u64) -> bool {
+        self.active && self.writes.saturating_sub(writes_at_last_use) > IDLE_WRITES.max(self.map.len() as u64)
+    }
+
+    /// Stop keeping the view (no iterator may be open: see the invariants).
+    pub(crate) fn deactivate(&mut self) {
+        self.active = false;
+        self.map = BTreeMap::new();
+        self.retired.clear();
+        self.key_bytes = 0;
+    }
+
+    /// `key`'s newest record is now at `off` (live). `known`: the key is in the view
+    /// already (its top-leaf entry was updated), so no key copy or insert is needed.
+    pub(crate) fn put(&mut self, key: &[u8], off: u64, known: bool) {
+        if !self.active {
+            return;
+        }
+        self.writes += 1;
+        let ent = ViewEnt { off, retired: 0 };
+        if known {
+            if let Some(e) = self.map.get_mut(key) {
+                *e = ent;
+                return;
             }
+        }
+        // One descent: a key already present keeps its stored copy.
+        if self.map.insert(key.to_vec(), ent).is_none() {
+            self.key_bytes += key.len() as u64;
         }
     }
 
@@ -105,6 +197,9 @@ impl SortedView {
     /// A flush (stamped `stamp`) put `key`'s record at `off` in a table: retire the entry if
     /// it is still that record's (a newer DRAM record keeps it live).
     pub(crate) fn retire(&mut self, stamp: u64, key: &[u8], off: u64, oldest_pin: Option<u64>) {
+        if !self.active {
+            return;
+        }
         let live = ViewEnt { off, retired: 0 };
         if due(stamp, oldest_pin) {
             self.remove_if(key, live);
@@ -225,8 +320,8 @@ mod tests {
     #[test]
     fn retired_entries_stay_for_older_iterators_only() {
         let mut v = SortedView::default();
-        v.put(b"a", 100);
-        v.put(b"b", 200);
+        v.build(vec![(b"a".to_vec(), 100)]);
+        v.put(b"b", 200, false);
         let pin = v.gen();
         let s = v.stamp();
         v.retire(s, b"a", 100, Some(pin));
@@ -244,10 +339,34 @@ mod tests {
         // A write revives a retired entry; the pending removal then leaves it alone.
         let s = v.stamp();
         v.retire(s, b"b", 200, Some(s));
-        v.put(b"b", 300);
+        v.put(b"b", 300, true);
         v.reclaim(None);
         v.fill(Bound::Included(b"b"), false, v.gen(), 10, &mut out);
         assert_eq!(out, vec![300]);
+    }
+
+    #[test]
+    fn an_inactive_view_ignores_writes_and_an_idle_one_can_be_dropped() {
+        let mut v = SortedView::default();
+        v.put(b"a", 100, false);
+        v.retire(v.gen(), b"a", 100, None);
+        assert_eq!((v.active(), v.len(), v.writes()), (false, 0, 0), "writes skip an inactive view");
+        v.build(vec![(b"a".to_vec(), 100), (b"b".to_vec(), 200)]);
+        assert_eq!((v.active(), v.len(), v.builds()), (true, 2, 1));
+        // A "known" key missing from the view (an invariant broken) is still inserted.
+        v.put(b"c", 300, true);
+        let mut out = Vec::new();
+        v.fill(Bound::Unbounded, true, v.gen(), 10, &mut out);
+        assert_eq!(out, vec![100, 200, 300]);
+        let used = v.writes();
+        for i in 0..IDLE_WRITES {
+            v.put(b"a", 1000 + i, true);
+        }
+        assert!(!v.idle(used), "idle only after more than IDLE_WRITES writes");
+        v.put(b"a", 7, true);
+        assert!(v.idle(used) && !v.idle(v.writes()));
+        v.deactivate();
+        assert_eq!((v.active(), v.len(), v.approx_bytes()), (false, 0, 0));
     }
 
     #[test]
