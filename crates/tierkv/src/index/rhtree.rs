@@ -442,6 +442,10 @@ pub struct Partition {
     end: bool,
 }
 
+/// A key range routed to one partition: `(lower, upper, partition)`, `upper` exclusive,
+/// `None` = no upper bound (see [`RhTree::ranges`]).
+pub type KeyRange = (Vec<u8>, Option<Vec<u8>>, PartitionId);
+
 /// The outcome of [`RhTree::insert`].
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Insert {
@@ -750,13 +754,13 @@ impl RhTree {
     /// an end partition's range holds exactly its one key. A partition whose byte values
     /// have holes (a level split took one) has one range per run of values. Keys that route
     /// nowhere (shorter than a depth with no end partition yet) are in no range.
-    pub fn ranges(&self) -> Vec<(Vec<u8>, Option<Vec<u8>>, PartitionId)> {
+    pub fn ranges(&self) -> Vec<KeyRange> {
         let mut out = Vec::with_capacity(self.parts.len() + self.inners.len());
         self.ranges_below(0, &mut out);
         out
     }
 
-    fn ranges_below(&self, n: usize, out: &mut Vec<(Vec<u8>, Option<Vec<u8>>, PartitionId)>) {
+    fn ranges_below(&self, n: usize, out: &mut Vec<KeyRange>) {
         let inner = &self.inners[n];
         if let Some(p) = inner.end {
             let mut up = inner.prefix.clone();

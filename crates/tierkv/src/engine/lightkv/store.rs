@@ -306,6 +306,9 @@ pub(crate) struct Work {
     pub(crate) stop: bool,
 }
 
+/// What a cached table list is valid for: (shape epoch, chain version).
+type RunsVersion = (u64, u64);
+
 /// The write buffer store.
 pub struct PwbStore {
     region: Arc<Region>,
@@ -324,7 +327,7 @@ pub struct PwbStore {
     /// The sorted view's write count when the last iterator was created (its idle rule).
     view_used: AtomicU64,
     /// The iterators' table list, for (shape epoch, chain version).
-    runs_cache: Mutex<Option<((u64, u64), Arc<TableRuns>)>>,
+    runs_cache: Mutex<Option<(RunsVersion, Arc<TableRuns>)>>,
     /// Serialises flush builds (the flush thread; `flush()`/close in the caller).
     flush_job: Mutex<()>,
     /// Serialises compactions.
