@@ -666,6 +666,9 @@ impl Lsm {
     pub fn compact_all(&self) -> Result<()> {
         self.flush(true)?;
         loop {
+            // Pick and run under the job lock: a job picked from a version another
+            // compaction has since changed would re-add or re-merge tables it removed.
+            let mut pointers = self.job.lock();
             let cur = self.current.read().clone();
             let nonempty: Vec<usize> = (0..cur.levels.len()).filter(|&l| !cur.levels[l].is_empty()).collect();
             if nonempty.len() <= 1 && cur.levels[0].is_empty() {
@@ -678,7 +681,7 @@ impl Lsm {
             let inputs = cur.levels[l].clone();
             let (lo, hi) = range_of(&inputs);
             let below = cur.overlapping(l + 1, &lo, &hi);
-            self.run_job(Job { level: l, inputs, below })?;
+            self.run_job(&mut pointers, Job { level: l, inputs, below })?;
         }
     }
 
@@ -805,22 +808,23 @@ impl Lsm {
 
     /// Run one compaction if one is due; true when one ran.
     fn compact_once(&self) -> Result<bool> {
-        let job = {
-            let pointers = self.job.lock().clone();
-            let cur = self.current.read().clone();
-            self.pick(&cur, &pointers)
-        };
-        match job {
+        // The job is picked under the lock it runs under (see `compact_all`): two threads
+        // (the background worker and a caller of `compact`) must not both run a job picked
+        // from the same version — the second would re-add a table the first moved, or
+        // rewrite tables the first removed, leaving overlapping tables in one level.
+        let mut pointers = self.job.lock();
+        let cur = self.current.read().clone();
+        match self.pick(&cur, &pointers) {
             Some(j) => {
-                self.run_job(j)?;
+                self.run_job(&mut pointers, j)?;
                 Ok(true)
             }
             None => Ok(false),
         }
     }
 
-    fn run_job(&self, job: Job) -> Result<()> {
-        let mut pointers = self.job.lock();
+    /// Run `job`, picked from the current version while `pointers` (the job lock) was held.
+    fn run_job(&self, pointers: &mut [Vec<u8>], job: Job) -> Result<()> {
         let out_level = job.level + 1;
         let (_, hi) = range_of(&job.inputs);
         if let Some(p) = pointers.get_mut(job.level) {
@@ -909,7 +913,6 @@ impl Lsm {
         }
         sort_levels(&mut levels);
         *self.current.write() = Arc::new(levels);
-        drop(pointers);
         for n in removed {
             let _ = self.fs.remove(&self.dir.join(table_name(n)));
         }

@@ -177,7 +177,7 @@ impl BufferIter {
         // steps ahead.
         let ahead = self.batch.get(self.pos + PREFETCH).and_then(|&a| r.slice(a, PREFETCH_BYTES));
         if let Some(b) = ahead {
-            crate::engine::hpdk::iter::prefetch(b);
+            crate::pm::flush::prefetch(b);
         }
         let decoded = (|| {
             let h = r.slice_checked(off, pwb::ENTRY_HEADER, "PWB entry")?;
