@@ -289,6 +289,9 @@ impl Limit {
             sync: false,
             write_latency_ns: 0,
             write_bandwidth_mbps: 0,
+            read_latency_ns: 0,
+            capacity: 0,
+            preallocate: false,
             create: true,
             health: Default::default(),
         })
