@@ -1,7 +1,8 @@
 //! `Db::get` against the preset's own lookup (`tierkv::testing::engine_get`), for every
 //! preset, on the same store and the same random keys (all present, 100-byte values): the
 //! difference is what the `Db` layer adds per read (the key-limit check, the closed-handle
-//! flag). Stores live in a temporary directory, PM pools on /dev/shm when present.
+//! flag), and `Db::get_into` (the value copied into a reused buffer: no allocation on
+//! presets that lend values in place). Stores live in a temporary directory, PM pools on /dev/shm when present.
 #![allow(clippy::unwrap_used, reason = "benchmark setup: a failure should abort the run")]
 
 use criterion::{criterion_group, criterion_main, Criterion};
@@ -38,6 +39,14 @@ fn bench(c: &mut Criterion) {
                 let v = db.get(key(rng.random_range(0..N))).unwrap();
                 assert!(v.is_some());
                 v
+            })
+        });
+        let mut rng = SmallRng::seed_from_u64(11);
+        let mut buf = Vec::with_capacity(128);
+        g.bench_function("Db::get_into", |b| {
+            b.iter(|| {
+                assert!(db.get_into(key(rng.random_range(0..N)), &mut buf).unwrap());
+                buf.len()
             })
         });
         let mut rng = SmallRng::seed_from_u64(11);

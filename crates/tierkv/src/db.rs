@@ -226,6 +226,17 @@ impl Db {
         self.engine()?.get(key)
     }
 
+    /// The value of `key` copied into `out` (cleared first; its capacity is reused, so a
+    /// loop of reads into one buffer allocates nothing once it is large enough — on presets
+    /// that lend values in place, `pmekv` today; the others copy from an owned value).
+    /// Returns whether the key exists; `out` is left empty when it does not.
+    pub fn get_into(&self, key: impl AsRef<[u8]>, out: &mut Vec<u8>) -> Result<bool> {
+        let key = key.as_ref();
+        self.check_key(key)?;
+        out.clear();
+        self.engine()?.get_with(key, &mut |v| out.extend_from_slice(v))
+    }
+
     /// The preset's lookup alone (see [`crate::testing::engine_get`]).
     pub(crate) fn engine_get_unchecked(&self, key: &[u8]) -> Result<Option<Vec<u8>>> {
         self.engine.get(key)
@@ -322,8 +333,8 @@ impl Db {
             Err(_) => Stats { preset: self.opts.preset.to_string(), ..Stats::default() },
         };
         let c = self.fs.counters();
-        s.disk_bytes_written += c.bytes_written.load(std::sync::atomic::Ordering::Relaxed);
-        s.disk_bytes_read += c.bytes_read.load(std::sync::atomic::Ordering::Relaxed);
+        s.disk_bytes_written += c.bytes_written();
+        s.disk_bytes_read += c.bytes_read();
         s.finish()
     }
 

@@ -27,6 +27,7 @@
 //! through the non-panicking [`format::Cursor`] instead of slice indexing.
 
 pub mod batch;
+pub(crate) mod counters;
 pub mod db;
 pub mod engine;
 pub mod error;

@@ -56,6 +56,18 @@ pub struct EngineCtx {
 pub trait Engine: Send + Sync {
     /// The newest value of `key`.
     fn get(&self, key: &[u8]) -> Result<Option<Vec<u8>>>;
+    /// The newest value of `key`, lent to `f` (borrowed from PM or a pinned block where the
+    /// preset can; no allocation on those presets). Returns whether the key exists (`f` is
+    /// called exactly once if so). The default goes through [`Engine::get`].
+    fn get_with(&self, key: &[u8], f: &mut dyn FnMut(&[u8])) -> Result<bool> {
+        match self.get(key)? {
+            Some(v) => {
+                f(&v);
+                Ok(true)
+            }
+            None => Ok(false),
+        }
+    }
     /// Apply `ops` atomically. With a condition (only for one op), returns false and writes
     /// nothing when it does not hold.
     fn write(&self, ops: &[BatchOp], cond: Cond) -> Result<bool>;

@@ -24,7 +24,6 @@
 //! failed msync is recorded in the region's [`PmHealth`], which the store checks before it
 //! acknowledges a write.
 
-mod counters;
 pub mod flush;
 pub mod heap;
 pub mod profile;
@@ -208,7 +207,7 @@ pub struct Region {
     throttle: Mutex<Instant>,
     health: Arc<PmHealth>,
     /// 0: bytes stored, 1: lines persisted, 2: persist calls (fences), 3: delayed reads.
-    counters: counters::Counters,
+    counters: crate::counters::Counters<4>,
 }
 
 impl std::fmt::Debug for Region {
@@ -271,7 +270,7 @@ impl Region {
             bandwidth_bps: cfg.write_bandwidth_mbps.saturating_mul(1_000_000),
             throttle: Mutex::new(Instant::now()),
             health: cfg.health.clone(),
-            counters: counters::Counters::default(),
+            counters: Default::default(),
         };
         let existing = region.attach_existing(cfg.create)?;
         // An existing region keeps its pool size, so the pool budget is computed after attach.

@@ -168,13 +168,17 @@ use cold::{ColdVlog, Group};
 use hot::{Hot, HotGet};
 use layout::{ColdValue, Pointer};
 
+const HOT_READS: usize = 0;
+const COLD_READS: usize = 1;
+const HOT_WRITES: usize = 2;
+const COLD_WRITES: usize = 3;
+
 /// Counters reported in `Stats::design`.
 #[derive(Debug, Default)]
 struct Counters {
-    hot_reads: AtomicU64,
-    cold_reads: AtomicU64,
-    hot_writes: AtomicU64,
-    cold_writes: AtomicU64,
+    /// Per-operation counts, bumped by every get and put: per thread, not a shared line
+    /// ([`HOT_READS`], [`COLD_READS`], [`HOT_WRITES`], [`COLD_WRITES`]).
+    per_op: crate::counters::Counters<4>,
     promotions: AtomicU64,
     /// Promotions a full PM device refused (the key stayed cold).
     promotions_refused: AtomicU64,
@@ -221,7 +225,7 @@ struct Inner {
     clock: AtomicU64,
     next_decay: AtomicU64,
     poison: Arc<Poison>,
-    user_bytes: AtomicU64,
+    user_bytes: crate::counters::Counters<1>,
     c: Counters,
     work: Mutex<Work>,
     work_cv: Condvar,
@@ -343,7 +347,7 @@ impl Hoakv {
             clock: AtomicU64::new(0),
             next_decay: AtomicU64::new(opts.heat_window),
             poison,
-            user_bytes: AtomicU64::new(0),
+            user_bytes: Default::default(),
             c,
             work: Mutex::new(Work::default()),
             work_cv: Condvar::new(),
@@ -491,16 +495,16 @@ impl Inner {
         self.tick();
         match self.hot.lock().get(key, true)? {
             HotGet::Value(v) => {
-                self.c.hot_reads.fetch_add(1, Ordering::Relaxed);
+                self.c.per_op.add(HOT_READS, 1);
                 return Ok(Some(v));
             }
             HotGet::Deleted => {
-                self.c.hot_reads.fetch_add(1, Ordering::Relaxed);
+                self.c.per_op.add(HOT_READS, 1);
                 return Ok(None);
             }
             HotGet::Miss => {}
         }
-        self.c.cold_reads.fetch_add(1, Ordering::Relaxed);
+        self.c.per_op.add(COLD_READS, 1);
         let v = self.cold_get(key)?;
         if let Some(val) = &v {
             let heat = self.cold.bump(key);
@@ -648,8 +652,8 @@ impl Inner {
                     let seq = self.next_seq();
                     match self.hot.lock().update(key, value, seq) {
                         Ok(()) => {
-                            self.c.hot_writes.fetch_add(1, Ordering::Relaxed);
-                            self.user_bytes.fetch_add(user, Ordering::Relaxed);
+                            self.c.per_op.add(HOT_WRITES, 1);
+                            self.user_bytes.add(0, user);
                             return Ok(true);
                         }
                         Err(Error::PmFull(_)) => overflow = true,
@@ -659,8 +663,8 @@ impl Inner {
                     let heat = self.cold.bump(key);
                     if let Some(v) = value {
                         if self.should_promote(key.len(), v.len(), heat) && self.promote(key, Some(v), heat, false)? {
-                            self.c.hot_writes.fetch_add(1, Ordering::Relaxed);
-                            self.user_bytes.fetch_add(user, Ordering::Relaxed);
+                            self.c.per_op.add(HOT_WRITES, 1);
+                            self.user_bytes.add(0, user);
                             return Ok(true);
                         }
                     }
@@ -686,7 +690,7 @@ impl Inner {
             let lops: Vec<(&[u8], Option<&[u8]>)> = enc.iter().map(|(k, v)| (*k, v.as_deref())).collect();
             let seq = self.next_seq();
             self.lsm.write(seq, &lops, any_hot)?;
-            self.c.cold_writes.fetch_add(ops.len() as u64, Ordering::Relaxed);
+            self.c.per_op.add(COLD_WRITES, ops.len() as u64);
             if any_hot {
                 // One update per hot key, its last operation: two halves written with the
                 // batch's one sequence number would tie at recovery.
@@ -716,7 +720,7 @@ impl Inner {
                     }
                 }
             }
-            self.user_bytes.fetch_add(user, Ordering::Relaxed);
+            self.user_bytes.add(0, user);
             // Groups whose files outgrew GroupSize.
             let mut due = Vec::new();
             for o in ops {
@@ -920,10 +924,10 @@ impl Inner {
             ("hot_overflow_entries".into(), figs.overflow),
             ("hot_buckets".into(), figs.buckets),
             ("heat_limit".into(), u64::from(heat_limit)),
-            ("hot_reads".into(), r(&c.hot_reads)),
-            ("cold_reads".into(), r(&c.cold_reads)),
-            ("hot_writes".into(), r(&c.hot_writes)),
-            ("cold_writes".into(), r(&c.cold_writes)),
+            ("hot_reads".into(), c.per_op.get(HOT_READS)),
+            ("cold_reads".into(), c.per_op.get(COLD_READS)),
+            ("hot_writes".into(), c.per_op.get(HOT_WRITES)),
+            ("cold_writes".into(), c.per_op.get(COLD_WRITES)),
             ("promotions".into(), r(&c.promotions)),
             ("promotions_refused".into(), r(&c.promotions_refused)),
             ("hot_overflows".into(), r(&c.hot_overflows)),
@@ -961,7 +965,7 @@ impl Inner {
         let design: Vec<(&str, u64)> = design.iter().map(|(k, v)| (k.as_str(), *v)).collect();
         let dram = hot_dram + self.lsm.mem_bytes() + self.cold.index_entries() * 48;
         let keys = self.live_keys().unwrap_or(0);
-        Stats::engine("hoakv", self.region.stats(), self.user_bytes.load(Ordering::Relaxed), keys, dram, &design)
+        Stats::engine("hoakv", self.region.stats(), self.user_bytes.get(0), keys, dram, &design)
     }
 }
 

@@ -338,8 +338,9 @@ pub struct PwbStore {
     flushed_cv: Condvar,
     flushed_mu: Mutex<()>,
     pub(crate) poisoned: Poison,
-    user_bytes: AtomicU64,
-    probes: AtomicU64,
+    user_bytes: crate::counters::Counters<1>,
+    /// PM leaf probes, counted per thread (every get may bump it).
+    probes: crate::counters::Counters<1>,
 }
 
 impl std::fmt::Debug for PwbStore {
@@ -604,8 +605,8 @@ impl PwbStore {
             flushed_cv: Condvar::new(),
             flushed_mu: Mutex::new(()),
             poisoned: Poison::default(),
-            user_bytes: AtomicU64::new(0),
-            probes: AtomicU64::new(0),
+            user_bytes: Default::default(),
+            probes: Default::default(),
             cfg,
         };
         s.stats.lock().image_rejected = image_rejected;
@@ -1440,7 +1441,7 @@ impl PwbStore {
             return Err(e);
         }
         let user: u64 = ops.iter().map(|o| (o.1.len() + o.2.len()) as u64).sum();
-        self.user_bytes.fetch_add(user, Ordering::Relaxed);
+        self.user_bytes.add(0, user);
         let queued = !st.flush_queue.is_empty();
         drop(st);
         if queued && self.cfg.background {
@@ -1518,7 +1519,7 @@ impl PwbStore {
                 break;
             }
         }
-        self.probes.fetch_add(probes, Ordering::Relaxed);
+        self.probes.add(0, probes);
         Ok(hit)
     }
 
@@ -1664,7 +1665,7 @@ impl PwbStore {
     pub fn stats(&self) -> StoreStats {
         let mut s = *self.stats.lock();
         s.segments = self.state.read().segs.len() as u64;
-        s.pm_leaf_probes = self.probes.load(Ordering::Relaxed);
+        s.pm_leaf_probes = self.probes.get(0);
         s
     }
 
@@ -1724,7 +1725,7 @@ impl PwbStore {
 
     /// User bytes written since open.
     pub fn user_bytes(&self) -> u64 {
-        self.user_bytes.load(Ordering::Relaxed)
+        self.user_bytes.get(0)
     }
 
     /// Verify every PM structure, table and index entry; returns the problems found.

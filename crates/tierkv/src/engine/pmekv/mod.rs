@@ -166,7 +166,7 @@ struct Inner {
     sb: Superblock,
     heap: Mutex<Heap>,
     state: RwLock<State>,
-    user_bytes: AtomicU64,
+    user_bytes: crate::counters::Counters<1>,
     checkpoints: AtomicU64,
     poisoned: crate::engine::Poison,
     bg_stop: Mutex<bool>,
@@ -306,8 +306,14 @@ impl Inner {
     }
 
     fn read_value(&self, key: &[u8], v: ValueRef) -> Result<Vec<u8>> {
+        self.value_slice(key, v).map(<[u8]>::to_vec)
+    }
+
+    /// The verified value bytes in PM (valid while the caller keeps the slot allocated:
+    /// under the state lock, as `get` does).
+    fn value_slice(&self, key: &[u8], v: ValueRef) -> Result<&[u8]> {
         let rec = self.region.slice_checked(v.addr, (layout::VALUE_HEADER + v.len as u64) as usize, "value record")?;
-        layout::value_verify(rec, key, v.len).map(<[u8]>::to_vec).map_err(|d| self.region.corruption(v.addr, d))
+        layout::value_verify(rec, key, v.len).map_err(|d| self.region.corruption(v.addr, d))
     }
 
     fn write_impl(&self, ops: &[BatchOp], cond: Cond) -> Result<bool> {
@@ -440,7 +446,7 @@ impl Inner {
             self.poison_on_err(r)?;
         }
         st.kv_log.clear();
-        self.user_bytes.fetch_add(ops.iter().map(op_user_bytes).sum(), Ordering::Relaxed);
+        self.user_bytes.add(0, ops.iter().map(op_user_bytes).sum());
 
         if st.key_log.used() > st.key_log.capacity() / 2 {
             if self.background {
@@ -695,6 +701,19 @@ impl Engine for Pmekv {
         }
     }
 
+    fn get_with(&self, key: &[u8], f: &mut dyn FnMut(&[u8])) -> Result<bool> {
+        // The state lock keeps the slot from being freed (a free happens under its write
+        // side) while `f` reads the value in place.
+        let st = self.inner.state.read();
+        match st.tree.get(key) {
+            Some(v) => {
+                f(self.inner.value_slice(key, *v)?);
+                Ok(true)
+            }
+            None => Ok(false),
+        }
+    }
+
     fn write(&self, ops: &[BatchOp], cond: Cond) -> Result<bool> {
         self.inner.write_impl(ops, cond)
     }
@@ -768,7 +787,7 @@ impl Engine for Pmekv {
         }
         Stats {
             preset: "pmekv".into(),
-            user_bytes_written: self.inner.user_bytes.load(Ordering::Relaxed),
+            user_bytes_written: self.inner.user_bytes.get(0),
             pm_bytes_written: pm.lines_persisted * crate::pm::LINE,
             pm,
             disk_bytes_written: 0,

@@ -295,7 +295,7 @@ fn recover(region: Region, sb: Superblock, capacity: usize, background: bool) ->
         sb,
         heap: Mutex::new(heap),
         state: RwLock::new(st),
-        user_bytes: AtomicU64::new(0),
+        user_bytes: Default::default(),
         checkpoints: AtomicU64::new(0),
         poisoned: crate::engine::Poison::default(),
         bg_stop: Mutex::new(false),

@@ -180,7 +180,7 @@ struct Inner {
     flushed_mu: Mutex<()>,
     leaf_cursor: Mutex<Vec<u8>>,
     poisoned: crate::engine::Poison,
-    user_bytes: AtomicU64,
+    user_bytes: crate::counters::Counters<1>,
     next_log_id: AtomicU64,
     counters: Counters,
 }
@@ -406,7 +406,7 @@ fn open_inner(ctx: &EngineCtx) -> Result<Inner> {
         flushed_mu: Mutex::new(()),
         leaf_cursor: Mutex::new(Vec::new()),
         poisoned: crate::engine::Poison::default(),
-        user_bytes: AtomicU64::new(0),
+        user_bytes: Default::default(),
         next_log_id: AtomicU64::new(rand::random::<u64>() | 1),
         counters: Counters::default(),
     })
@@ -547,7 +547,7 @@ impl Inner {
         }
         *seq += mops.len() as u64;
         let user: u64 = mops.iter().map(|o| (o.key.len() + o.value.len()) as u64).sum();
-        self.user_bytes.fetch_add(user, Ordering::Relaxed);
+        self.user_bytes.add(0, user);
         Ok(true)
     }
 
@@ -762,7 +762,7 @@ impl Inner {
             ("block_cache_bytes", self.cache.bytes()),
         ];
         // The index is in PM; DRAM holds the MemTables' volatile upper levels.
-        Stats::engine("slmdb", pm, ld(&self.user_bytes), keys, mem_index, &design)
+        Stats::engine("slmdb", pm, self.user_bytes.get(0), keys, mem_index, &design)
     }
 }
 

@@ -1,4 +1,8 @@
-//! Exact traffic counters without a locked read-modify-write on the persist path.
+//! Exact statistics counters without a locked read-modify-write on hot paths.
+//!
+//! A shared `AtomicU64` bumped with `fetch_add` by every reader and writer bounces its cache
+//! line between cores on each operation; these counters do not. Used for the PM traffic
+//! counters, the file-layer byte counters and the presets' per-operation counters.
 //!
 //! Each live thread owns one of [`SHARDS`] slots (process-wide, recycled when the thread
 //! exits). A counter has one cache-line-padded shard per slot; the owning thread updates
@@ -47,34 +51,32 @@ fn slot() -> usize {
     SLOT.try_with(|s| s.0).unwrap_or(SHARED)
 }
 
-#[derive(Default)]
 #[repr(align(64))]
-struct Shard {
-    v: [AtomicU64; COUNTERS],
+struct Shard<const N: usize> {
+    v: [AtomicU64; N],
 }
 
-/// Counters per region.
-pub const COUNTERS: usize = 4;
-
-/// [`COUNTERS`] counters (index 0..COUNTERS), sharded per thread.
-pub struct Counters {
-    shards: Box<[Shard]>,
+/// `N` counters (index `0..N`), sharded per thread. Each shard is cache-line aligned, so
+/// keep `N` at most 8 to fit one line. A set costs `(SHARDS + 1) * 64` bytes: one per
+/// store or component, not per object.
+pub struct Counters<const N: usize> {
+    shards: Box<[Shard<N>]>,
 }
 
-impl std::fmt::Debug for Counters {
+impl<const N: usize> std::fmt::Debug for Counters<N> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_list().entries((0..COUNTERS).map(|i| self.get(i))).finish()
+        f.debug_list().entries((0..N).map(|i| self.get(i))).finish()
     }
 }
 
-impl Default for Counters {
+impl<const N: usize> Default for Counters<N> {
     fn default() -> Self {
-        Counters { shards: (0..=SHARDS).map(|_| Shard::default()).collect() }
+        Counters { shards: (0..=SHARDS).map(|_| Shard { v: std::array::from_fn(|_| AtomicU64::new(0)) }).collect() }
     }
 }
 
-impl Counters {
-    /// Add `n` to counter `i` (0..COUNTERS).
+impl<const N: usize> Counters<N> {
+    /// Add `n` to counter `i` (`0..N`).
     #[inline]
     pub fn add(&self, i: usize, n: u64) {
         let s = slot();
@@ -99,7 +101,7 @@ mod tests {
 
     #[test]
     fn exact_under_many_threads_including_more_than_the_shards() {
-        let c = Arc::new(Counters::default());
+        let c = Arc::new(Counters::<3>::default());
         let threads: Vec<_> = (0..SHARDS + 16)
             .map(|_| {
                 let c = c.clone();
