@@ -40,6 +40,7 @@ pub mod manifest;
 pub mod options;
 pub mod options_file;
 pub mod pm;
+pub(crate) mod poison;
 pub mod repair;
 pub(crate) mod snapshot;
 pub mod sstable;

@@ -99,35 +99,6 @@ pub trait Engine: Send + Sync {
     fn close(&self) -> Result<()>;
 }
 
-/// A store's poisoned state: after a failure it cannot recover from in place (a failed
-/// write after a commit point, a background panic), every write is refused with
-/// [`crate::Error::Poisoned`] naming the first failure.
-#[derive(Debug, Default)]
-pub(crate) struct Poison(parking_lot::Mutex<Option<String>>);
-
-impl Poison {
-    /// Record `why`, unless an earlier failure is recorded already.
-    pub(crate) fn set(&self, why: String) {
-        let mut p = self.0.lock();
-        if p.is_none() {
-            *p = Some(why);
-        }
-    }
-
-    /// `Err(Poisoned)` once poisoned.
-    pub(crate) fn check(&self) -> Result<()> {
-        match &*self.0.lock() {
-            Some(why) => Err(crate::Error::Poisoned(why.clone())),
-            None => Ok(()),
-        }
-    }
-
-    /// True once poisoned.
-    pub(crate) fn is_set(&self) -> bool {
-        self.0.lock().is_some()
-    }
-}
-
 /// Open the PM region of a store: pool files under `pm_path` (default `<dir>/pm`), or the
 /// simulated device. An existing store whose first pool is missing is corruption (a changed
 /// `pm_path` or a wiped medium), never silently a new empty region.

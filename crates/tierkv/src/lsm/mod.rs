@@ -70,11 +70,11 @@ use std::thread::JoinHandle;
 
 use parking_lot::{Condvar, Mutex, RwLock};
 
-use crate::engine::Poison;
 use crate::error::{Error, Result};
 use crate::fs::{CountingFs, Fs, FsFile};
 use crate::iter::{BoxedIter, InternalIterator, MergingIterator};
 use crate::manifest::{Edit, FileMeta, Manifest, Version};
+use crate::poison::Poison;
 use crate::sstable::{BlockCache, Kind, Table, TableBuilder, TableCursor, TableIter};
 use level_iter::LevelIter;
 use mem::{Mem, MemIter};

@@ -157,12 +157,13 @@ use std::thread::JoinHandle;
 use parking_lot::{Condvar, Mutex, RwLock};
 
 use crate::batch::BatchOp;
-use crate::engine::{Cond, Engine, EngineCtx, Poison};
+use crate::engine::{Cond, Engine, EngineCtx};
 use crate::error::{Error, Result};
 use crate::iter::{BoxedIter, InternalIterator};
 use crate::lsm::{Lsm, LsmOptions};
 use crate::options::HoakvOptions;
 use crate::pm::Region;
+use crate::poison::Poison;
 use crate::stats::Stats;
 use cold::{ColdVlog, Group};
 use hot::{Hot, HotGet};

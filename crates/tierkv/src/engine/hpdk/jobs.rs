@@ -765,7 +765,7 @@ pub(crate) fn open_inner(ctx: &EngineCtx) -> Result<(Inner, Option<Vec<u64>>)> {
         work_cv: Condvar::new(),
         flushed_cv: Condvar::new(),
         flushed_mu: Mutex::new(()),
-        poisoned: crate::engine::Poison::default(),
+        poisoned: crate::poison::Poison::default(),
         user_bytes: Default::default(),
         counters: Counters::default(),
         dump: AtomicU64::new(dump_kept),

@@ -243,7 +243,7 @@ pub(crate) struct Inner {
     pub(crate) work_cv: Condvar,
     pub(crate) flushed_cv: Condvar,
     pub(crate) flushed_mu: Mutex<()>,
-    pub(crate) poisoned: crate::engine::Poison,
+    pub(crate) poisoned: crate::poison::Poison,
     pub(crate) user_bytes: crate::counters::Counters<1>,
     pub(crate) counters: Counters,
     /// Number of the recovery file that matches the committed version (the last one

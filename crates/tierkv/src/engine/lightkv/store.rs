@@ -81,7 +81,7 @@ use super::leaf::{
 };
 use super::pwb::{self, Kind};
 use super::view::{Pins, SortedView};
-use crate::engine::{Cond, Poison};
+use crate::engine::Cond;
 use crate::error::{Error, Result};
 use crate::format::crc;
 use crate::fs::Fs;
@@ -90,6 +90,7 @@ use crate::iter::{BoxedIter, InternalIterator};
 use crate::options::LightkvPlacement;
 use crate::pm::heap::{self, Heap};
 use crate::pm::Region;
+use crate::poison::Poison;
 use crate::sstable::{self, block_entries, BlockCache, Table, TableBuilder, TableCursor};
 
 /// Superblock address.

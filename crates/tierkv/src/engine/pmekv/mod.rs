@@ -168,7 +168,7 @@ struct Inner {
     state: RwLock<State>,
     user_bytes: crate::counters::Counters<1>,
     checkpoints: AtomicU64,
-    poisoned: crate::engine::Poison,
+    poisoned: crate::poison::Poison,
     bg_stop: Mutex<bool>,
     bg_cv: Condvar,
     background: bool,

@@ -297,7 +297,7 @@ fn recover(region: Region, sb: Superblock, capacity: usize, background: bool) ->
         state: RwLock::new(st),
         user_bytes: Default::default(),
         checkpoints: AtomicU64::new(0),
-        poisoned: crate::engine::Poison::default(),
+        poisoned: crate::poison::Poison::default(),
         bg_stop: Mutex::new(false),
         bg_cv: Condvar::new(),
         background,
