@@ -27,6 +27,7 @@
 mod counters;
 pub mod flush;
 pub mod heap;
+pub(crate) mod pins;
 pub mod sim;
 
 use std::fs::OpenOptions;

@@ -26,18 +26,7 @@ struct MemSource(Arc<Mem>);
 impl BatchSource for MemSource {
     type V = Addr;
     fn fill(&self, from: Bound<&[u8]>, forward: bool, n: usize, out: &mut Batch<Addr>) -> bool {
-        let map = self.0.map.read();
-        let before = out.len();
-        if forward {
-            for (k, a) in map.range::<[u8], _>((from, Bound::Unbounded)).take(n) {
-                out.push(k, addr_of(*a));
-            }
-        } else {
-            for (k, a) in map.range::<[u8], _>((Bound::Unbounded, from)).rev().take(n) {
-                out.push(k, addr_of(*a));
-            }
-        }
-        out.len() - before < n
+        crate::index::bplus::fill_from_map(&self.0.map.read(), from, forward, n, out, |a| addr_of(*a))
     }
 }
 

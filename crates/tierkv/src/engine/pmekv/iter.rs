@@ -1,8 +1,7 @@
-//! PMEKV's range reads: [`PmekvIter`], the cursor `Engine::iter` returns, and [`Pins`], which
-//! holds back the frees of values a live iterator may still read (design in the module
-//! docs of [`super`], "Range reads: the iterator").
+//! PMEKV's range reads: [`PmekvIter`], the cursor `Engine::iter` returns; the frees of
+//! values a live iterator may still read wait in [`crate::pm::pins::Pins`] (design in the
+//! module docs of [`super`], "Range reads: the iterator").
 
-use std::collections::{BTreeMap, VecDeque};
 use std::ops::Bound;
 use std::sync::Arc;
 
@@ -10,77 +9,6 @@ use super::{layout, Inner, ValueRef};
 use crate::error::Result;
 use crate::index::bplus::{Batch, BatchSource, ReadAhead};
 use crate::iter::InternalIterator;
-
-/// Live iterators and the value extents whose free waits for them.
-///
-/// # Invariants
-/// - `readers` counts the live iterators by the epoch they registered at; epochs grow.
-/// - A parked batch tagged `t` was taken out of the tree before the checkpoint that parked
-///   it, when `epoch` was `t`: only iterators registered at an epoch `<= t` can hold its
-///   addresses, so it is freed once every live iterator is newer than `t`.
-#[derive(Debug, Default)]
-pub(crate) struct Pins {
-    epoch: u64,
-    readers: BTreeMap<u64, usize>,
-    parked: VecDeque<(u64, Vec<(u64, u64)>)>,
-    ever_held: u64,
-}
-
-impl Pins {
-    fn register(&mut self) -> u64 {
-        self.epoch += 1;
-        *self.readers.entry(self.epoch).or_insert(0) += 1;
-        self.epoch
-    }
-
-    /// Deregister epoch `e`; returns the extents now free of readers.
-    fn deregister(&mut self, e: u64) -> Vec<(u64, u64)> {
-        if let Some(n) = self.readers.get_mut(&e) {
-            *n -= 1;
-            if *n == 0 {
-                self.readers.remove(&e);
-            }
-        }
-        let oldest = self.readers.keys().next().copied();
-        let mut out = Vec::new();
-        while let Some((t, _)) = self.parked.front() {
-            if oldest.is_some_and(|o| o <= *t) {
-                break;
-            }
-            if let Some((_, v)) = self.parked.pop_front() {
-                out.extend(v);
-            }
-        }
-        out
-    }
-
-    /// A checkpoint releases `frees` (value extents the tree no longer refers to): returns
-    /// those that may be freed now, and keeps the others until the iterators that may read
-    /// them are gone.
-    pub(crate) fn park(&mut self, frees: Vec<(u64, u64)>) -> Vec<(u64, u64)> {
-        if self.readers.is_empty() || frees.is_empty() {
-            return frees;
-        }
-        self.ever_held += frees.len() as u64;
-        self.parked.push_back((self.epoch, frees));
-        Vec::new()
-    }
-
-    /// Live iterators.
-    pub(crate) fn live(&self) -> usize {
-        self.readers.values().sum()
-    }
-
-    /// Extents held back now.
-    pub(crate) fn held(&self) -> usize {
-        self.parked.iter().map(|p| p.1.len()).sum()
-    }
-
-    /// Extents ever held back.
-    pub(crate) fn ever_held(&self) -> u64 {
-        self.ever_held
-    }
-}
 
 /// Value records prefetched ahead of the current entry.
 const PREFETCH: isize = 3;
@@ -100,7 +28,7 @@ impl BatchSource for TreeSource {
 pub(crate) struct PmekvIter {
     inner: Arc<Inner>,
     cur: ReadAhead<TreeSource>,
-    /// This iterator's registration in [`Pins`].
+    /// This iterator's registration in [`crate::pm::pins::Pins`].
     epoch: u64,
     /// Where the current value's bytes are (None: invalid).
     val: Option<(u64, usize)>,
@@ -128,7 +56,7 @@ impl Drop for PmekvIter {
 
 impl PmekvIter {
     /// A cursor over the store. Registers before reading any address, so every value it
-    /// can reach is either in the tree or held back by [`Pins`] while it lives.
+    /// can reach is either in the tree or held back by [`crate::pm::pins::Pins`] while it lives.
     pub(crate) fn new(inner: &Arc<Inner>) -> PmekvIter {
         let epoch = inner.pins.lock().register();
         PmekvIter { inner: inner.clone(), cur: ReadAhead::new(TreeSource(inner.clone())), epoch, val: None, ok: true }

@@ -80,7 +80,7 @@
 //!   verified (checksum over key, length and value) when the iterator moves onto it; no
 //!   value is copied. A value replaced or deleted after the batch was copied is freed only
 //!   at a checkpoint (the deferred frees); a checkpoint while an iterator registered
-//!   before it lives *parks* those frees (`iter::Pins`, epochs as in HPDK's value log) and
+//!   before it lives *parks* those frees (`pm::pins::Pins`, epochs as in HPDK's value log) and
 //!   the last such iterator to be dropped frees them. An iterator registered after the
 //!   checkpoint cannot reach them: they left the tree before it. Parking only delays the
 //!   DRAM heap's reuse of space that no durable state refers to, so crash consistency is
@@ -172,8 +172,8 @@ struct Inner {
     bg_stop: Mutex<bool>,
     bg_cv: Condvar,
     background: bool,
-    /// Live iterators and the value frees they hold back ([`iter::Pins`]).
-    pins: Mutex<iter::Pins>,
+    /// Live iterators and the value frees they hold back ([`crate::pm::pins::Pins`]).
+    pins: Mutex<crate::pm::pins::Pins>,
 }
 
 /// The PMEKV engine. See the module docs.
