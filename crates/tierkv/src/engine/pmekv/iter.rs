@@ -250,7 +250,7 @@ mod tests {
         let e = open(&o, &fs, true);
         for _ in 0..4 {
             churn(&e, &mut m, &mut rng, 600, 500, &mut ver);
-            let mut it = e.iter().unwrap().unwrap();
+            let mut it = e.iter().unwrap();
             full_walks(&mut *it, &m);
             random_moves(&mut *it, &m, &mut rng, 3000);
         }
@@ -258,13 +258,19 @@ mod tests {
         e.close().unwrap();
         drop(e);
         let e = open(&o, &fs, false);
-        let mut it = e.iter().unwrap().unwrap();
+        let mut it = e.iter().unwrap();
         full_walks(&mut *it, &m);
         random_moves(&mut *it, &m, &mut rng, 2000);
         let (lo, hi) = (key(100), key(300));
-        let got = e.scan_chunk(std::ops::Bound::Included(&lo), std::ops::Bound::Excluded(&hi), 40).unwrap();
+        let got = crate::iter::collect_range(
+            &mut *e.iter().unwrap(),
+            std::ops::Bound::Included(&lo),
+            std::ops::Bound::Excluded(&hi),
+            40,
+        )
+        .unwrap();
         let want: Vec<(Vec<u8>, Vec<u8>)> = m.range(lo..hi).take(40).map(|(k, v)| (k.clone(), v.clone())).collect();
-        assert_eq!(got, want, "scan_chunk");
+        assert_eq!(got, want, "bounded scan");
     }
 
     /// (b) Checkpoints that free the values an iterator holds addresses of (keys
@@ -281,7 +287,7 @@ mod tests {
         let mut m = Model::new();
         let mut ver = 0;
         churn(&e, &mut m, &mut rng, 800, 600, &mut ver);
-        let mut it = e.iter().unwrap().unwrap();
+        let mut it = e.iter().unwrap();
         it.seek(&key(250)).unwrap();
         e.flush().unwrap();
         crate::engine::hpdk::iter::check::continue_forward(&mut *it, &m, &key(250));
@@ -292,7 +298,7 @@ mod tests {
         let odd = |k: &[u8]| k.last().is_some_and(|b| (b - b'0') % 2 == 1);
         let stable: Vec<(Vec<u8>, Vec<u8>)> =
             m.iter().filter(|(k, _)| !odd(k)).map(|(k, v)| (k.clone(), v.clone())).collect();
-        let mut it = e.iter().unwrap().unwrap();
+        let mut it = e.iter().unwrap();
         it.seek_to_first().unwrap();
         let (mut got, mut rounds) = (Vec::new(), 0);
         while it.valid() {
@@ -375,7 +381,7 @@ mod tests {
             .collect();
         let want: Vec<(Vec<u8>, Vec<u8>)> = m.iter().map(|(k, v)| (k.clone(), v.clone())).collect();
         for pass in 0..6 {
-            let mut it = e.iter().unwrap().unwrap();
+            let mut it = e.iter().unwrap();
             let forward = pass % 2 == 0;
             if forward {
                 it.seek_to_first().unwrap();

@@ -475,7 +475,7 @@ mod tests {
     }
 
     fn check_all(e: &Slmdb, m: &Model, rng: &mut SmallRng, what: &str) {
-        let mut it = e.iter().unwrap().unwrap();
+        let mut it = e.iter().unwrap();
         let all = crate::iter::collect_forward(&mut *it).unwrap();
         let live: Vec<(Vec<u8>, Vec<u8>)> = all.into_iter().filter_map(|(k, v)| Some((k, v?))).collect();
         let want: Vec<(Vec<u8>, Vec<u8>)> = m.iter().map(|(k, v)| (k.clone(), v.clone())).collect();
@@ -546,7 +546,7 @@ mod tests {
         let (flushes, compactions) = (design(&e, "flushes"), design(&e, "compactions"));
 
         // Part 1: nothing written while it lives; a flush frees the MemTable it holds.
-        let mut it = e.iter().unwrap().unwrap();
+        let mut it = e.iter().unwrap();
         it.seek(&key(100)).unwrap();
         e.flush().unwrap();
         assert!(design(&e, "flushes") > flushes);
@@ -561,7 +561,7 @@ mod tests {
         let stable: Vec<(Vec<u8>, Vec<u8>)> =
             m.iter().filter(|(k, _)| !odd(k)).map(|(k, v)| (k.clone(), v.clone())).collect();
         let before = sst_files(&fs);
-        let mut it = e.iter().unwrap().unwrap();
+        let mut it = e.iter().unwrap();
         it.seek_to_first().unwrap();
         let mut got = Vec::new();
         let mut round = 0u64;
@@ -664,7 +664,7 @@ mod tests {
             .collect();
         let want: Vec<(Vec<u8>, Vec<u8>)> = m.iter().map(|(k, v)| (k.clone(), v.clone())).collect();
         for pass in 0..6 {
-            let mut it = e.iter().unwrap().unwrap();
+            let mut it = e.iter().unwrap();
             let forward = pass % 2 == 0;
             if forward {
                 it.seek_to_first().unwrap();
@@ -719,7 +719,7 @@ mod tests {
         let f = *sst_files(&fs).iter().next().unwrap();
         let path = PathBuf::from("/db").join(super::super::table_name(f));
         fs.poke(&path, 20, b"\xff\xff").unwrap();
-        let mut it = e.iter().unwrap().unwrap();
+        let mut it = e.iter().unwrap();
         let err = it.seek_to_first().unwrap_err();
         assert!(err.is_corruption(), "{err}");
         let msg = err.to_string();

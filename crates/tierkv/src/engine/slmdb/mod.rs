@@ -749,13 +749,8 @@ impl Engine for Slmdb {
         self.inner.write_impl(ops, cond)
     }
 
-    fn scan_chunk(&self, start: Bound<&[u8]>, end: Bound<&[u8]>, max: usize) -> Result<Vec<(Vec<u8>, Vec<u8>)>> {
-        let mut it = iter::SlmdbIter::new(&self.inner);
-        crate::engine::hpdk::scan_with(&mut it, start, end, max)
-    }
-
-    fn iter(&self) -> Result<Option<crate::iter::BoxedIter>> {
-        Ok(Some(Box::new(iter::SlmdbIter::new(&self.inner))))
+    fn iter(&self) -> Result<crate::iter::BoxedIter> {
+        Ok(Box::new(iter::SlmdbIter::new(&self.inner)))
     }
 
     fn flush(&self) -> Result<()> {
