@@ -9,7 +9,7 @@ use crate::batch::{BatchOp, WriteBatch};
 use crate::engine::{self, Cond, Engine, EngineCtx};
 use crate::error::{Error, Result};
 use crate::fs::{CountingFs, Fs, FsLock, RealFs};
-use crate::iter::{BoxedIter, ChunkIter, DbIterator, IterOptions, Scan};
+use crate::iter::{BoxedIter, DbIterator, IterOptions, Scan};
 use crate::options::Options;
 use crate::options_file::{OptionsRecord, RecordState, OPTIONS_FILE};
 use crate::snapshot::{Overlay, SnapshotRef};
@@ -300,11 +300,7 @@ impl Db {
     /// The preset's merged cursor. Made after the snapshot was registered, so every write
     /// it might see has recorded its undo first.
     fn engine_iter(&self) -> Result<BoxedIter> {
-        let e = self.engine()?;
-        Ok(match e.iter()? {
-            Some(it) => it,
-            None => Box::new(ChunkIter::new(self.engine.clone())),
-        })
+        self.engine()?.iter()
     }
 
     /// A consistent point-in-time view for reads: [`Snapshot::get`] and
@@ -418,10 +414,6 @@ impl Snapshot {
 
     /// An iterator over the snapshot limited to `opts`.
     pub fn iter_with(&self, opts: &IterOptions) -> Result<DbIterator> {
-        let e = match self.engine.iter()? {
-            Some(it) => it,
-            None => Box::new(ChunkIter::new(self.engine.clone())),
-        };
-        Ok(DbIterator::new(e, self.snap.another(), self.lock.clone(), opts))
+        Ok(DbIterator::new(self.engine.iter()?, self.snap.another(), self.lock.clone(), opts))
     }
 }

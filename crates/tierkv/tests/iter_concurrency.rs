@@ -14,8 +14,8 @@ use rand::rngs::SmallRng;
 use rand::{Rng, SeedableRng};
 use tierkv::fs::FaultFs;
 use tierkv::pm::sim::SimDevice;
-use tierkv::testing::{hoakv_small, hpdk_small, sim_options};
-use tierkv::{Db, HoakvOptions, HpdkOptions, PmekvOptions, Preset};
+use tierkv::testing::{hoakv_small, hpdk_small, sim_options, slmdb_small};
+use tierkv::{Db, HoakvOptions, HpdkOptions, PmekvOptions, Preset, SlmdbOptions};
 
 const N: u32 = 3000;
 
@@ -40,6 +40,7 @@ fn background_counter(p: Preset) -> &'static str {
         Preset::Hpdk => "flushes",
         Preset::Pmekv => "checkpoints",
         Preset::Hoakv => "flushes",
+        Preset::Slmdb => "flushes",
         other => panic!("no background counter named for {other}"),
     }
 }
@@ -54,7 +55,8 @@ fn run(preset: Preset) {
             key_log_size: 256 << 10,
             writeback_interval_ms: 1,
         })
-        .hoakv(HoakvOptions { background: true, ..hoakv_small() });
+        .hoakv(HoakvOptions { background: true, ..hoakv_small() })
+        .slmdb(SlmdbOptions { background: true, ..slmdb_small() });
     let db = Arc::new(Db::open("/db", o).unwrap());
     let mut rng = SmallRng::seed_from_u64(1);
     let mut stable = Vec::new();
@@ -176,4 +178,9 @@ fn pmekv_iterators_under_writers_and_background_work() {
 #[test]
 fn hoakv_iterators_under_writers_and_background_work() {
     run(Preset::Hoakv);
+}
+
+#[test]
+fn slmdb_iterators_under_writers_and_background_work() {
+    run(Preset::Slmdb);
 }

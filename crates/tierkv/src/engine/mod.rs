@@ -11,7 +11,6 @@ pub mod lightkv;
 pub mod pmekv;
 pub mod slmdb;
 
-use std::ops::Bound;
 use std::path::PathBuf;
 use std::sync::Arc;
 
@@ -71,8 +70,6 @@ pub trait Engine: Send + Sync {
     /// Apply `ops` atomically. With a condition (only for one op), returns false and writes
     /// nothing when it does not hold.
     fn write(&self, ops: &[BatchOp], cond: Cond) -> Result<bool>;
-    /// Up to `max` entries of `[start, end)` in key order, values included.
-    fn scan_chunk(&self, start: Bound<&[u8]>, end: Bound<&[u8]>, max: usize) -> Result<Vec<(Vec<u8>, Vec<u8>)>>;
     /// A cursor over the whole store: the preset's sources merged (see [`crate::iter`]).
     ///
     /// The contract [`crate::Db`]'s snapshot overlay relies on: every key that is not
@@ -80,12 +77,9 @@ pub trait Engine: Send + Sync {
     /// order, in both directions; a key written meanwhile may show any of its versions or
     /// none (the overlay supplies the snapshot's version). Tombstones may show as `None`.
     /// The iterator must not block writers or background work for its lifetime (no lock
-    /// held between calls) and must keep working when they run.
-    ///
-    /// `None` while a preset still serves ranges through [`Engine::scan_chunk`].
-    fn iter(&self) -> Result<Option<crate::iter::BoxedIter>> {
-        Ok(None)
-    }
+    /// held between calls) and must keep working when they run. Range reads of every kind
+    /// (`Db::scan`, `Db::iter`, snapshots) go through it.
+    fn iter(&self) -> Result<crate::iter::BoxedIter>;
     /// Finish pending background work that makes the state compact to recover (write-back,
     /// flush of memtables).
     fn flush(&self) -> Result<()>;

@@ -802,6 +802,30 @@ pub trait BatchSource: Send {
     fn fill(&self, from: Bound<&[u8]>, forward: bool, n: usize, out: &mut Batch<Self::V>) -> bool;
 }
 
+/// [`BatchSource::fill`] over an ordered map of key → `T` (a MemTable's index): pushes up to
+/// `n` entries beyond `from` in the direction asked, each handle made by `f`; true when the
+/// map had fewer.
+pub fn fill_from_map<T, W>(
+    map: &std::collections::BTreeMap<Vec<u8>, T>,
+    from: Bound<&[u8]>,
+    forward: bool,
+    n: usize,
+    out: &mut Batch<W>,
+    f: impl Fn(&T) -> W,
+) -> bool {
+    let before = out.len();
+    if forward {
+        for (k, v) in map.range::<[u8], _>((from, Bound::Unbounded)).take(n) {
+            out.push(k, f(v));
+        }
+    } else {
+        for (k, v) in map.range::<[u8], _>((Bound::Unbounded, from)).rev().take(n) {
+            out.push(k, f(v));
+        }
+    }
+    out.len() - before < n
+}
+
 /// First read-ahead after a seek (entries).
 const READ_AHEAD_FIRST: usize = 32;
 /// Largest read-ahead (entries); each refill in one direction doubles it up to this.

@@ -22,7 +22,6 @@ use std::ops::Bound;
 use std::sync::Arc;
 
 use super::{BoxedIter, InternalIterator};
-use crate::engine::Engine;
 use crate::error::Result;
 use crate::snapshot::SnapshotRef;
 
@@ -496,69 +495,6 @@ impl Iterator for Scan {
                 Some(Err(e))
             }
         }
-    }
-}
-
-/// A forward-only cursor over [`Engine::scan_chunk`], for presets that do not have their
-/// own [`Engine::iter`] yet: reads 64 entries per call, re-seeking after the last.
-pub(crate) struct ChunkIter {
-    engine: Arc<dyn Engine>,
-    buf: Vec<(Vec<u8>, Vec<u8>)>,
-    pos: usize,
-    more: bool,
-}
-
-const CHUNK: usize = 64;
-
-impl ChunkIter {
-    pub(crate) fn new(engine: Arc<dyn Engine>) -> ChunkIter {
-        ChunkIter { engine, buf: Vec::new(), pos: 0, more: false }
-    }
-
-    fn fill(&mut self, from: Bound<&[u8]>) -> Result<()> {
-        self.buf = self.engine.scan_chunk(from, Bound::Unbounded, CHUNK)?;
-        self.pos = 0;
-        self.more = self.buf.len() == CHUNK;
-        Ok(())
-    }
-
-    fn reverse_unsupported() -> crate::Error {
-        crate::Error::InvalidArgument("this preset does not iterate backwards yet".into())
-    }
-}
-
-impl InternalIterator for ChunkIter {
-    fn valid(&self) -> bool {
-        self.pos < self.buf.len()
-    }
-    fn seek(&mut self, key: &[u8]) -> Result<()> {
-        self.fill(Bound::Included(key))
-    }
-    fn seek_to_first(&mut self) -> Result<()> {
-        self.fill(Bound::Unbounded)
-    }
-    fn seek_to_last(&mut self) -> Result<()> {
-        Err(Self::reverse_unsupported())
-    }
-    fn next(&mut self) -> Result<()> {
-        self.pos += 1;
-        if self.pos >= self.buf.len() && self.more {
-            let last = self.buf.last().map(|e| e.0.clone()).unwrap_or_default();
-            self.fill(Bound::Excluded(&last))?;
-        }
-        Ok(())
-    }
-    fn prev(&mut self) -> Result<()> {
-        Err(Self::reverse_unsupported())
-    }
-    fn seek_for_prev(&mut self, _key: &[u8]) -> Result<()> {
-        Err(Self::reverse_unsupported())
-    }
-    fn key(&self) -> &[u8] {
-        self.buf.get(self.pos).map_or(&[], |e| e.0.as_slice())
-    }
-    fn value(&self) -> Option<&[u8]> {
-        self.buf.get(self.pos).map(|e| e.1.as_slice())
     }
 }
 

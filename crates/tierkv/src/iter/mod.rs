@@ -22,7 +22,6 @@ mod db_iter;
 mod merge;
 mod vec;
 
-pub(crate) use db_iter::ChunkIter;
 pub use db_iter::{prefix_end, DbIterator, IterOptions, Scan};
 pub use merge::MergingIterator;
 pub use vec::VecIter;
@@ -95,6 +94,45 @@ impl<T: InternalIterator + ?Sized> InternalIterator for Box<T> {
 
 /// A boxed source, as presets hand them around.
 pub type BoxedIter = Box<dyn InternalIterator>;
+
+/// Up to `max` live entries of `[start, end)` read through `it`, in key order, tombstones
+/// skipped: a bounded range scan over a preset's own iterator (tests).
+#[cfg(test)]
+pub(crate) fn collect_range(
+    it: &mut dyn InternalIterator,
+    start: std::ops::Bound<&[u8]>,
+    end: std::ops::Bound<&[u8]>,
+    max: usize,
+) -> Result<Vec<(Vec<u8>, Vec<u8>)>> {
+    use std::ops::Bound;
+    match start {
+        Bound::Unbounded => it.seek_to_first()?,
+        Bound::Included(k) => it.seek(k)?,
+        Bound::Excluded(k) => {
+            it.seek(k)?;
+            if it.valid() && it.key() == k {
+                it.next()?;
+            }
+        }
+    }
+    let mut out = Vec::new();
+    while it.valid() && out.len() < max {
+        let k = it.key();
+        let inside = match end {
+            Bound::Included(e) => k <= e,
+            Bound::Excluded(e) => k < e,
+            Bound::Unbounded => true,
+        };
+        if !inside {
+            break;
+        }
+        if let Some(v) = it.value() {
+            out.push((k.to_vec(), v.to_vec()));
+        }
+        it.next()?;
+    }
+    Ok(out)
+}
 
 /// Owned entries, tombstones as `None` (tests).
 #[cfg(test)]

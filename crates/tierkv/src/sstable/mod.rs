@@ -691,6 +691,69 @@ struct EntryAt {
     value: (u32, u32),
 }
 
+/// A verified data block decoded for stepping: its payload (shared with the block cache
+/// when read through it) and where each entry's key and value are. Keys and values borrow
+/// from it; holding it pins the block.
+#[derive(Debug, Default)]
+pub struct DecodedBlock {
+    data: Arc<Vec<u8>>,
+    ents: Vec<EntryAt>,
+}
+
+impl DecodedBlock {
+    /// Read block `h` of `t` (checksum verified; through the table's cache when `cached`)
+    /// and decode its entries. A malformed entry is `Corruption` naming the block.
+    pub fn read(t: &Table, h: Handle, cached: bool) -> Result<DecodedBlock> {
+        let data = if cached { t.read_block_cached(h)? } else { Arc::new(t.read_block(h)?) };
+        let base = data.as_ptr() as usize;
+        let at = |s: &[u8]| ((s.as_ptr() as usize - base) as u32, s.len() as u32);
+        let mut ents = Vec::new();
+        for e in block_entries(&data) {
+            let e = e.map_err(|d| Error::corruption(&t.path, h.offset, d))?;
+            ents.push(EntryAt { kind: e.kind, key: at(e.key), value: at(e.value) });
+        }
+        Ok(DecodedBlock { data, ents })
+    }
+
+    /// Entries in the block.
+    pub fn len(&self) -> usize {
+        self.ents.len()
+    }
+
+    /// True when the block holds no entry.
+    pub fn is_empty(&self) -> bool {
+        self.ents.is_empty()
+    }
+
+    fn slice(&self, (off, len): (u32, u32)) -> &[u8] {
+        self.data.get(off as usize..off as usize + len as usize).unwrap_or(&[])
+    }
+
+    /// Entry `i`'s key (empty past the end).
+    pub fn key(&self, i: usize) -> &[u8] {
+        self.ents.get(i).map_or(&[], |e| self.slice(e.key))
+    }
+
+    /// Entry `i`'s value; `None` for a tombstone or past the end.
+    pub fn value(&self, i: usize) -> Option<&[u8]> {
+        let e = self.ents.get(i)?;
+        match e.kind {
+            Kind::Put => Some(self.slice(e.value)),
+            Kind::Delete => None,
+        }
+    }
+
+    /// Entry `i`'s kind.
+    pub fn kind(&self, i: usize) -> Option<Kind> {
+        self.ents.get(i).map(|e| e.kind)
+    }
+
+    /// Index of the first entry whose key is `>= key` (`len()` when none).
+    pub fn lower_bound(&self, key: &[u8]) -> usize {
+        self.ents.partition_point(|e| self.slice(e.key) < key)
+    }
+}
+
 /// A bidirectional [`crate::iter::InternalIterator`] over one table: one verified block
 /// pinned at a time (shared with the block cache when `cached`), keys and values borrowed
 /// from it, tombstones reported as `None`. Holding the `Arc<Table>` keeps the file open, so
@@ -700,9 +763,8 @@ pub struct TableIter {
     cached: bool,
     /// Index of the loaded block (`index().len()` when none).
     block: usize,
-    data: Arc<Vec<u8>>,
-    ents: Vec<EntryAt>,
-    /// `ents.len()` when invalid.
+    blk: DecodedBlock,
+    /// `blk.len()` when invalid.
     pos: usize,
 }
 
@@ -716,7 +778,7 @@ impl TableIter {
     /// An unpositioned iterator over `t`; `cached` reads blocks through the table's cache.
     pub fn new(t: Arc<Table>, cached: bool) -> TableIter {
         let block = t.index.len();
-        TableIter { t, cached, block, data: Arc::new(Vec::new()), ents: Vec::new(), pos: 0 }
+        TableIter { t, cached, block, blk: DecodedBlock::default(), pos: 0 }
     }
 
     /// The table read.
@@ -725,48 +787,36 @@ impl TableIter {
     }
 
     fn invalidate(&mut self) {
-        self.ents.clear();
+        self.blk = DecodedBlock::default();
         self.pos = 0;
         self.block = self.t.index.len();
     }
 
     /// Load block `b` (decode its entry offsets); invalid past the last block.
     fn load(&mut self, b: usize) -> Result<()> {
-        self.ents.clear();
         self.pos = 0;
         self.block = b;
         let Some(&(_, h)) = self.t.index.get(b) else {
-            self.block = self.t.index.len();
+            self.invalidate();
             return Ok(());
         };
-        let data = if self.cached { self.t.read_block_cached(h) } else { self.t.read_block(h).map(Arc::new) };
-        let data = match data {
-            Ok(d) => d,
+        match DecodedBlock::read(&self.t, h, self.cached) {
+            Ok(blk) => {
+                self.blk = blk;
+                Ok(())
+            }
             Err(e) => {
                 self.invalidate();
-                return Err(e);
-            }
-        };
-        let base = data.as_ptr() as usize;
-        let at = |s: &[u8]| ((s.as_ptr() as usize - base) as u32, s.len() as u32);
-        for e in block_entries(&data) {
-            match e {
-                Ok(e) => self.ents.push(EntryAt { kind: e.kind, key: at(e.key), value: at(e.value) }),
-                Err(d) => {
-                    self.invalidate();
-                    return Err(Error::corruption(&self.t.path, h.offset, d));
-                }
+                Err(e)
             }
         }
-        self.data = data;
-        Ok(())
     }
 
     /// Load the first non-empty block at or after `b`, positioned at its first entry.
     fn forward_from(&mut self, mut b: usize) -> Result<()> {
         loop {
             self.load(b)?;
-            if !self.ents.is_empty() || self.block >= self.t.index.len() {
+            if !self.blk.is_empty() || self.block >= self.t.index.len() {
                 return Ok(());
             }
             b += 1;
@@ -778,7 +828,7 @@ impl TableIter {
         let mut b = b;
         while let Some(i) = b {
             self.load(i)?;
-            if let Some(last) = self.ents.len().checked_sub(1) {
+            if let Some(last) = self.blk.len().checked_sub(1) {
                 self.pos = last;
                 return Ok(());
             }
@@ -788,19 +838,15 @@ impl TableIter {
         Ok(())
     }
 
-    fn slice(&self, (off, len): (u32, u32)) -> &[u8] {
-        self.data.get(off as usize..off as usize + len as usize).unwrap_or(&[])
-    }
-
     /// The current entry's kind.
     pub fn kind(&self) -> Option<Kind> {
-        self.ents.get(self.pos).map(|e| e.kind)
+        self.blk.kind(self.pos)
     }
 }
 
 impl crate::iter::InternalIterator for TableIter {
     fn valid(&self) -> bool {
-        self.pos < self.ents.len()
+        self.pos < self.blk.len()
     }
 
     fn seek(&mut self, key: &[u8]) -> Result<()> {
@@ -809,8 +855,8 @@ impl crate::iter::InternalIterator for TableIter {
             return Ok(());
         };
         self.forward_from(b)?;
-        self.pos = self.ents.partition_point(|e| self.slice(e.key) < key);
-        if self.pos >= self.ents.len() && self.block < self.t.index.len() {
+        self.pos = self.blk.lower_bound(key);
+        if self.pos >= self.blk.len() && self.block < self.t.index.len() {
             // The index's last key said the block holds a key >= `key`; a later block does.
             self.forward_from(self.block + 1)?;
         }
@@ -827,7 +873,7 @@ impl crate::iter::InternalIterator for TableIter {
 
     fn next(&mut self) -> Result<()> {
         self.pos += 1;
-        if self.pos >= self.ents.len() {
+        if self.pos >= self.blk.len() {
             let b = self.block + 1;
             self.forward_from(b)?;
         }
@@ -845,15 +891,11 @@ impl crate::iter::InternalIterator for TableIter {
     }
 
     fn key(&self) -> &[u8] {
-        self.ents.get(self.pos).map_or(&[], |e| self.slice(e.key))
+        self.blk.key(self.pos)
     }
 
     fn value(&self) -> Option<&[u8]> {
-        let e = self.ents.get(self.pos)?;
-        match e.kind {
-            Kind::Put => Some(self.slice(e.value)),
-            Kind::Delete => None,
-        }
+        self.blk.value(self.pos)
     }
 }
 

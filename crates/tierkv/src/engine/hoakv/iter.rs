@@ -439,7 +439,7 @@ mod tests {
     }
 
     fn it(h: &Hoakv) -> BoxedIter {
-        h.iter().unwrap().expect("hoakv serves ranges through iter()")
+        h.iter().unwrap()
     }
 
     fn probe(r: &mut StdRng) -> Vec<u8> {
@@ -454,9 +454,10 @@ mod tests {
         let mut i = it(h);
         full_walks(&mut *i, m, |_| true);
         walk_model(&mut *i, m, rng, 400, probe, |_| true);
-        // scan_chunk is a loop over the iterator.
+        // A bounded scan over the iterator.
         let lo = key(rng.random_range(0..600));
-        let got = h.scan_chunk(Bound::Excluded(&lo), Bound::Unbounded, 37).unwrap();
+        let got =
+            crate::iter::collect_range(&mut *h.iter().unwrap(), Bound::Excluded(&lo), Bound::Unbounded, 37).unwrap();
         let want: Vec<_> = m
             .range::<Vec<u8>, _>((Bound::Excluded(&lo), Bound::Unbounded))
             .take(37)

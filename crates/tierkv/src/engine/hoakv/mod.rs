@@ -87,8 +87,8 @@
 //! HotStore lock per batch of hot keys; no lock for cold entries. Only hot entries are
 //! copied, and cold-vlog values are read (one positional read per value, into the reused
 //! buffer). A hot batch prefetches its PM records before it verifies and copies them (one
-//! cache miss per record, serially, was most of a scan's time). [`Engine::scan_chunk`] is
-//! a loop over the iterator.
+//! cache miss per record, serially, was most of a scan's time). Every range read (`Db::scan`,
+//! `Db::iter`, snapshots) goes through this iterator.
 //!
 //! # Durability and recovery
 //! Every write gets a sequence number; hot records and WAL batches carry it.
@@ -149,7 +149,6 @@ pub mod layout;
 pub(crate) mod salvage;
 
 use std::collections::{BTreeSet, HashMap, HashSet};
-use std::ops::Bound;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::thread::JoinHandle;
@@ -159,7 +158,7 @@ use parking_lot::{Condvar, Mutex, RwLock};
 use crate::batch::BatchOp;
 use crate::engine::{Cond, Engine, EngineCtx};
 use crate::error::{Error, Result};
-use crate::iter::{BoxedIter, InternalIterator};
+use crate::iter::BoxedIter;
 use crate::lsm::{Lsm, LsmOptions};
 use crate::options::HoakvOptions;
 use crate::pm::Region;
@@ -979,39 +978,8 @@ impl Engine for Hoakv {
         self.inner.write_impl(ops, cond)
     }
 
-    fn scan_chunk(&self, start: Bound<&[u8]>, end: Bound<&[u8]>, max: usize) -> Result<Vec<(Vec<u8>, Vec<u8>)>> {
-        let mut it = iter::HoaIter::new(self.inner.clone());
-        match start {
-            Bound::Unbounded => it.seek_to_first()?,
-            Bound::Included(k) => it.seek(k)?,
-            Bound::Excluded(k) => {
-                it.seek(k)?;
-                if it.valid() && it.key() == k {
-                    it.next()?;
-                }
-            }
-        }
-        let mut out = Vec::new();
-        while it.valid() && out.len() < max {
-            let k = it.key();
-            let inside = match end {
-                Bound::Included(e) => k <= e,
-                Bound::Excluded(e) => k < e,
-                Bound::Unbounded => true,
-            };
-            if !inside {
-                break;
-            }
-            if let Some(v) = it.value() {
-                out.push((k.to_vec(), v.to_vec()));
-            }
-            it.next()?;
-        }
-        Ok(out)
-    }
-
-    fn iter(&self) -> Result<Option<BoxedIter>> {
-        Ok(Some(Box::new(iter::HoaIter::new(self.inner.clone()))))
+    fn iter(&self) -> Result<BoxedIter> {
+        Ok(Box::new(iter::HoaIter::new(self.inner.clone())))
     }
 
     fn flush(&self) -> Result<()> {
@@ -1273,7 +1241,13 @@ mod tests {
             assert_eq!(h.get(format!("g{i:04}").as_bytes()).unwrap(), Some(vec![3; 1000]));
         }
         assert!(h.check().unwrap().is_empty());
-        let scanned = h.scan_chunk(Bound::Unbounded, Bound::Unbounded, 1000).unwrap();
+        let scanned = crate::iter::collect_range(
+            &mut *h.iter().unwrap(),
+            std::ops::Bound::Unbounded,
+            std::ops::Bound::Unbounded,
+            1000,
+        )
+        .unwrap();
         assert_eq!(scanned.len(), 200);
     }
 }

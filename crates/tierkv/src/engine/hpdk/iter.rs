@@ -26,18 +26,7 @@ struct MemSource(Arc<Mem>);
 impl BatchSource for MemSource {
     type V = Addr;
     fn fill(&self, from: Bound<&[u8]>, forward: bool, n: usize, out: &mut Batch<Addr>) -> bool {
-        let map = self.0.map.read();
-        let before = out.len();
-        if forward {
-            for (k, a) in map.range::<[u8], _>((from, Bound::Unbounded)).take(n) {
-                out.push(k, addr_of(*a));
-            }
-        } else {
-            for (k, a) in map.range::<[u8], _>((Bound::Unbounded, from)).rev().take(n) {
-                out.push(k, addr_of(*a));
-            }
-        }
-        out.len() - before < n
+        crate::index::bplus::fill_from_map(&self.0.map.read(), from, forward, n, out, |a| addr_of(*a))
     }
 }
 
@@ -553,16 +542,17 @@ mod tests {
             let e = open(&o, &fs, true);
             for round in 0..4 {
                 churn(&e, &mut m, &mut rng, 600, 300, &mut ver);
-                let mut it = e.iter().unwrap().unwrap();
+                let mut it = e.iter().unwrap();
                 let all = crate::iter::collect_forward(&mut *it).unwrap();
                 let live: Vec<(Vec<u8>, Vec<u8>)> = all.into_iter().filter_map(|(k, v)| Some((k, v?))).collect();
                 assert!(live.iter().eq(m.iter().map(|(k, v)| (k.clone(), v.clone())).collect::<Vec<_>>().iter()));
                 full_walks(&mut *it, &m);
                 random_moves(&mut *it, &m, &mut rng, 3000);
-                let got = super::super::scan_with(&mut *it, std::ops::Bound::Unbounded, std::ops::Bound::Unbounded, 50)
-                    .unwrap();
+                let got =
+                    crate::iter::collect_range(&mut *it, std::ops::Bound::Unbounded, std::ops::Bound::Unbounded, 50)
+                        .unwrap();
                 let want: Vec<(Vec<u8>, Vec<u8>)> = m.iter().take(50).map(|(k, v)| (k.clone(), v.clone())).collect();
-                assert_eq!(got, want, "{name} round {round}: scan_chunk");
+                assert_eq!(got, want, "{name} round {round}: collect_range");
             }
             if name == "hpdk" {
                 assert!(design(&e, "merges") > 0, "merges ran");
@@ -571,18 +561,24 @@ mod tests {
             e.close().unwrap();
             drop(e);
             let e = open(&o, &fs, false);
-            let mut it = e.iter().unwrap().unwrap();
+            let mut it = e.iter().unwrap();
             full_walks(&mut *it, &m);
             random_moves(&mut *it, &m, &mut rng, 2000);
-            // The chunked scan, as a thin loop over the iterator.
+            // A bounded scan, as a loop over the iterator.
             let lo = key(300);
             let hi = key(500);
-            let got = e.scan_chunk(std::ops::Bound::Excluded(&lo), std::ops::Bound::Included(&hi), 1000).unwrap();
+            let got = crate::iter::collect_range(
+                &mut *e.iter().unwrap(),
+                std::ops::Bound::Excluded(&lo),
+                std::ops::Bound::Included(&hi),
+                1000,
+            )
+            .unwrap();
             let want: Vec<(Vec<u8>, Vec<u8>)> = m
                 .range::<[u8], _>((std::ops::Bound::Excluded(&lo[..]), std::ops::Bound::Included(&hi[..])))
                 .map(|(k, v)| (k.clone(), v.clone()))
                 .collect();
-            assert_eq!(got, want, "{name}: scan_chunk after reopen");
+            assert_eq!(got, want, "{name}: bounded scan after reopen");
         }
     }
 
@@ -602,7 +598,7 @@ mod tests {
         let merges = design(&e, "merges");
         let freed = design(&e, "merge_input_tables");
         // Part 1: no writes while it lives; the flush and merge rewrite what it reads.
-        let mut it = e.iter().unwrap().unwrap();
+        let mut it = e.iter().unwrap();
         it.seek(&key(100)).unwrap();
         e.flush().unwrap();
         e.compact().unwrap();
@@ -617,7 +613,7 @@ mod tests {
         // values idle while the iterator holds their addresses (read ahead in a batch).
         let odd = |k: &[u8]| k.last().is_some_and(|b| (b - b'0') % 2 == 1);
         let stable: Model = m.iter().filter(|(k, _)| !odd(k)).map(|(k, v)| (k.clone(), v.clone())).collect();
-        let mut it = e.iter().unwrap().unwrap();
+        let mut it = e.iter().unwrap();
         it.seek_to_first().unwrap();
         let mut got = Vec::new();
         let mut seen_other: BTreeMap<Vec<u8>, Vec<u8>> = BTreeMap::new();
@@ -713,7 +709,7 @@ mod tests {
         let even = |k: &[u8]| k.last().is_some_and(|b| (b - b'0').is_multiple_of(2));
         let want: Vec<(Vec<u8>, Vec<u8>)> = m.iter().map(|(k, v)| (k.clone(), v.clone())).collect();
         for pass in 0..6 {
-            let mut it = e.iter().unwrap().unwrap();
+            let mut it = e.iter().unwrap();
             let mut got = Vec::new();
             let forward = pass % 2 == 0;
             if forward {

@@ -97,7 +97,7 @@
 //! - **Cost.** A seek: one descent of each source under its lock plus a batch copy of
 //!   keys; a `next`: amortised O(1) (a step in a batch, a comparison per source in the
 //!   merge, one checksum of the value read); no allocation per entry (batch buffers are
-//!   reused). `scan_chunk` is a loop over this iterator.
+//!   reused). Every range read (`Db::scan`, `Db::iter`, snapshots) goes through it.
 
 pub(crate) mod iter;
 pub mod jobs;
@@ -106,7 +106,6 @@ pub(crate) mod salvage;
 pub mod vlog;
 
 use std::collections::{BTreeMap, HashMap};
-use std::ops::Bound;
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
@@ -609,42 +608,6 @@ impl Inner {
     }
 }
 
-/// Up to `max` live entries of `[start, end)` read through `it` (deletes skipped).
-pub(crate) fn scan_with(
-    it: &mut dyn crate::iter::InternalIterator,
-    start: Bound<&[u8]>,
-    end: Bound<&[u8]>,
-    max: usize,
-) -> Result<Vec<(Vec<u8>, Vec<u8>)>> {
-    match start {
-        Bound::Unbounded => it.seek_to_first()?,
-        Bound::Included(k) => it.seek(k)?,
-        Bound::Excluded(k) => {
-            it.seek(k)?;
-            if it.valid() && it.key() == k {
-                it.next()?;
-            }
-        }
-    }
-    let mut out = Vec::new();
-    while it.valid() && out.len() < max {
-        let k = it.key();
-        let inside = match end {
-            Bound::Included(e) => k <= e,
-            Bound::Excluded(e) => k < e,
-            Bound::Unbounded => true,
-        };
-        if !inside {
-            break;
-        }
-        if let Some(v) = it.value() {
-            out.push((k.to_vec(), v.to_vec()));
-        }
-        it.next()?;
-    }
-    Ok(out)
-}
-
 impl Engine for Hpdk {
     fn get(&self, key: &[u8]) -> Result<Option<Vec<u8>>> {
         self.inner.get_impl(key)
@@ -654,13 +617,8 @@ impl Engine for Hpdk {
         self.inner.write_impl(ops, cond)
     }
 
-    fn scan_chunk(&self, start: Bound<&[u8]>, end: Bound<&[u8]>, max: usize) -> Result<Vec<(Vec<u8>, Vec<u8>)>> {
-        let mut it = iter::HpdkIter::new(&self.inner);
-        scan_with(&mut it, start, end, max)
-    }
-
-    fn iter(&self) -> Result<Option<crate::iter::BoxedIter>> {
-        Ok(Some(Box::new(iter::HpdkIter::new(&self.inner))))
+    fn iter(&self) -> Result<crate::iter::BoxedIter> {
+        Ok(Box::new(iter::HpdkIter::new(&self.inner)))
     }
 
     fn flush(&self) -> Result<()> {

@@ -68,46 +68,6 @@ pub(crate) fn open(store: &Arc<PwbStore>) -> Result<BoxedIter> {
     Ok(Box::new(MergingIterator::new(vec![Box::new(buffer), Box::new(tables)])))
 }
 
-/// Up to `max` live entries of `[start, end)` in key order, read through [`open`].
-pub(crate) fn scan(
-    store: &Arc<PwbStore>,
-    start: Bound<&[u8]>,
-    end: Bound<&[u8]>,
-    max: usize,
-) -> Result<Vec<(Vec<u8>, Vec<u8>)>> {
-    let mut out = Vec::new();
-    if max == 0 {
-        return Ok(out);
-    }
-    let mut it = open(store)?;
-    match start {
-        Bound::Included(k) => it.seek(k)?,
-        Bound::Excluded(k) => {
-            it.seek(k)?;
-            if it.valid() && it.key() == k {
-                it.next()?;
-            }
-        }
-        Bound::Unbounded => it.seek_to_first()?,
-    }
-    while it.valid() && out.len() < max {
-        let k = it.key();
-        let inside = match end {
-            Bound::Included(e) => k <= e,
-            Bound::Excluded(e) => k < e,
-            Bound::Unbounded => true,
-        };
-        if !inside {
-            break;
-        }
-        if let Some(v) = it.value() {
-            out.push((k.to_vec(), v.to_vec()));
-        }
-        it.next()?;
-    }
-    Ok(out)
-}
-
 /// An open iterator's pin ([`super::view`]): while it lives, no write-buffer extent freed
 /// after its creation is reused, and the flushes after it leave their sorted-view entries.
 struct Pin {
@@ -609,14 +569,17 @@ mod tests {
     }
 
     fn check(e: &Lightkv, m: &Model, rng: &mut SmallRng) {
-        let mut it = e.iter().unwrap().unwrap();
+        let mut it = e.iter().unwrap();
         assert_live(&walk_both_ways(&mut it), m);
         navigate(&mut it, m, rng, 400);
-        // scan_chunk is a loop over the same iterator.
+        // A bounded scan over the iterator.
         let lo = key(rng);
         let want: Vec<(Vec<u8>, Vec<u8>)> =
             m.range(lo.clone()..).take(7).map(|(k, v)| (k.clone(), v.clone())).collect();
-        assert_eq!(e.scan_chunk(Bound::Included(&lo), Bound::Unbounded, 7).unwrap(), want);
+        assert_eq!(
+            crate::iter::collect_range(&mut *e.iter().unwrap(), Bound::Included(&lo), Bound::Unbounded, 7).unwrap(),
+            want
+        );
     }
 
     /// (a) The model test: random writes with flushes and compactions (inline and on the
@@ -843,7 +806,7 @@ mod tests {
         let mut rng = SmallRng::seed_from_u64(99);
         let mut passes = 0;
         while passes < 20 || (e.store.stats().flushes < flushes + 20 && passes < 3000) {
-            let mut it = e.iter().unwrap().unwrap();
+            let mut it = e.iter().unwrap();
             let forward = passes % 2 == 0;
             let mut seen: Vec<(Vec<u8>, Vec<u8>)> = Vec::new();
             let mut last: Option<Vec<u8>> = None;
@@ -927,7 +890,8 @@ mod tests {
             m.insert(k(i), v);
             let from = k(rng.random_range(0..1500u32));
             let before = reads();
-            let got = scan(&s, Bound::Included(&from), Bound::Unbounded, 10).unwrap();
+            let got = crate::iter::collect_range(&mut *open(&s).unwrap(), Bound::Included(&from), Bound::Unbounded, 10)
+                .unwrap();
             per_scan.push(reads() - before);
             let want: Vec<(Vec<u8>, Vec<u8>)> =
                 m.range(from.clone()..).take(10).map(|(k, v)| (k.clone(), v.clone())).collect();

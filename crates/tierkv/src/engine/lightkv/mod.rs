@@ -95,7 +95,6 @@ pub(crate) mod salvage;
 pub mod store;
 pub(crate) mod view;
 
-use std::ops::Bound;
 use std::sync::Arc;
 use std::thread::JoinHandle;
 
@@ -242,12 +241,8 @@ impl Engine for Lightkv {
         self.store.write_batch(&pops, cond)
     }
 
-    fn scan_chunk(&self, start: Bound<&[u8]>, end: Bound<&[u8]>, max: usize) -> Result<Vec<(Vec<u8>, Vec<u8>)>> {
-        iter::scan(&self.store, start, end, max)
-    }
-
-    fn iter(&self) -> Result<Option<crate::iter::BoxedIter>> {
-        self.store.iter().map(Some)
+    fn iter(&self) -> Result<crate::iter::BoxedIter> {
+        self.store.iter()
     }
 
     fn flush(&self) -> Result<()> {

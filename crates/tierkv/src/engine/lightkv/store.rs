@@ -2330,10 +2330,17 @@ mod tests {
                 let max = [1, 3, 16, 100, 5000][round % 5];
                 let want: Vec<(Vec<u8>, Vec<u8>)> =
                     m.range::<[u8], _>((start, end)).take(max).map(|(k, v)| (k.clone(), v.clone())).collect();
-                let got = crate::engine::lightkv::iter::scan(&s, start, end, max).unwrap();
+                let got =
+                    crate::iter::collect_range(&mut *crate::engine::lightkv::iter::open(&s).unwrap(), start, end, max)
+                        .unwrap();
                 assert_eq!(got, want, "{placement:?} round {round}: {start:?}..{end:?} max {max}");
             }
-            let everything = crate::engine::lightkv::iter::scan(&s, Bound::Unbounded, Bound::Unbounded, usize::MAX);
+            let everything = crate::iter::collect_range(
+                &mut *crate::engine::lightkv::iter::open(&s).unwrap(),
+                Bound::Unbounded,
+                Bound::Unbounded,
+                usize::MAX,
+            );
             assert_eq!(everything.unwrap().len(), all.len());
             // Every key is found by get, in DRAM or PM leaves alike.
             for (k, v) in &m {

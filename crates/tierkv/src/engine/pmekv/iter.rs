@@ -1,8 +1,7 @@
-//! PMEKV's range reads: [`PmekvIter`], the cursor `Engine::iter` returns, and [`Pins`], which
-//! holds back the frees of values a live iterator may still read (design in the module
-//! docs of [`super`], "Range reads: the iterator").
+//! PMEKV's range reads: [`PmekvIter`], the cursor `Engine::iter` returns; the frees of
+//! values a live iterator may still read wait in [`crate::pm::pins::Pins`] (design in the
+//! module docs of [`super`], "Range reads: the iterator").
 
-use std::collections::{BTreeMap, VecDeque};
 use std::ops::Bound;
 use std::sync::Arc;
 
@@ -10,77 +9,6 @@ use super::{layout, Inner, ValueRef};
 use crate::error::Result;
 use crate::index::bplus::{Batch, BatchSource, ReadAhead};
 use crate::iter::InternalIterator;
-
-/// Live iterators and the value extents whose free waits for them.
-///
-/// # Invariants
-/// - `readers` counts the live iterators by the epoch they registered at; epochs grow.
-/// - A parked batch tagged `t` was taken out of the tree before the checkpoint that parked
-///   it, when `epoch` was `t`: only iterators registered at an epoch `<= t` can hold its
-///   addresses, so it is freed once every live iterator is newer than `t`.
-#[derive(Debug, Default)]
-pub(crate) struct Pins {
-    epoch: u64,
-    readers: BTreeMap<u64, usize>,
-    parked: VecDeque<(u64, Vec<(u64, u64)>)>,
-    ever_held: u64,
-}
-
-impl Pins {
-    fn register(&mut self) -> u64 {
-        self.epoch += 1;
-        *self.readers.entry(self.epoch).or_insert(0) += 1;
-        self.epoch
-    }
-
-    /// Deregister epoch `e`; returns the extents now free of readers.
-    fn deregister(&mut self, e: u64) -> Vec<(u64, u64)> {
-        if let Some(n) = self.readers.get_mut(&e) {
-            *n -= 1;
-            if *n == 0 {
-                self.readers.remove(&e);
-            }
-        }
-        let oldest = self.readers.keys().next().copied();
-        let mut out = Vec::new();
-        while let Some((t, _)) = self.parked.front() {
-            if oldest.is_some_and(|o| o <= *t) {
-                break;
-            }
-            if let Some((_, v)) = self.parked.pop_front() {
-                out.extend(v);
-            }
-        }
-        out
-    }
-
-    /// A checkpoint releases `frees` (value extents the tree no longer refers to): returns
-    /// those that may be freed now, and keeps the others until the iterators that may read
-    /// them are gone.
-    pub(crate) fn park(&mut self, frees: Vec<(u64, u64)>) -> Vec<(u64, u64)> {
-        if self.readers.is_empty() || frees.is_empty() {
-            return frees;
-        }
-        self.ever_held += frees.len() as u64;
-        self.parked.push_back((self.epoch, frees));
-        Vec::new()
-    }
-
-    /// Live iterators.
-    pub(crate) fn live(&self) -> usize {
-        self.readers.values().sum()
-    }
-
-    /// Extents held back now.
-    pub(crate) fn held(&self) -> usize {
-        self.parked.iter().map(|p| p.1.len()).sum()
-    }
-
-    /// Extents ever held back.
-    pub(crate) fn ever_held(&self) -> u64 {
-        self.ever_held
-    }
-}
 
 /// Value records prefetched ahead of the current entry.
 const PREFETCH: isize = 3;
@@ -100,7 +28,7 @@ impl BatchSource for TreeSource {
 pub(crate) struct PmekvIter {
     inner: Arc<Inner>,
     cur: ReadAhead<TreeSource>,
-    /// This iterator's registration in [`Pins`].
+    /// This iterator's registration in [`crate::pm::pins::Pins`].
     epoch: u64,
     /// Where the current value's bytes are (None: invalid).
     val: Option<(u64, usize)>,
@@ -128,7 +56,7 @@ impl Drop for PmekvIter {
 
 impl PmekvIter {
     /// A cursor over the store. Registers before reading any address, so every value it
-    /// can reach is either in the tree or held back by [`Pins`] while it lives.
+    /// can reach is either in the tree or held back by [`crate::pm::pins::Pins`] while it lives.
     pub(crate) fn new(inner: &Arc<Inner>) -> PmekvIter {
         let epoch = inner.pins.lock().register();
         PmekvIter { inner: inner.clone(), cur: ReadAhead::new(TreeSource(inner.clone())), epoch, val: None, ok: true }
@@ -322,7 +250,7 @@ mod tests {
         let e = open(&o, &fs, true);
         for _ in 0..4 {
             churn(&e, &mut m, &mut rng, 600, 500, &mut ver);
-            let mut it = e.iter().unwrap().unwrap();
+            let mut it = e.iter().unwrap();
             full_walks(&mut *it, &m);
             random_moves(&mut *it, &m, &mut rng, 3000);
         }
@@ -330,13 +258,19 @@ mod tests {
         e.close().unwrap();
         drop(e);
         let e = open(&o, &fs, false);
-        let mut it = e.iter().unwrap().unwrap();
+        let mut it = e.iter().unwrap();
         full_walks(&mut *it, &m);
         random_moves(&mut *it, &m, &mut rng, 2000);
         let (lo, hi) = (key(100), key(300));
-        let got = e.scan_chunk(std::ops::Bound::Included(&lo), std::ops::Bound::Excluded(&hi), 40).unwrap();
+        let got = crate::iter::collect_range(
+            &mut *e.iter().unwrap(),
+            std::ops::Bound::Included(&lo),
+            std::ops::Bound::Excluded(&hi),
+            40,
+        )
+        .unwrap();
         let want: Vec<(Vec<u8>, Vec<u8>)> = m.range(lo..hi).take(40).map(|(k, v)| (k.clone(), v.clone())).collect();
-        assert_eq!(got, want, "scan_chunk");
+        assert_eq!(got, want, "bounded scan");
     }
 
     /// (b) Checkpoints that free the values an iterator holds addresses of (keys
@@ -353,7 +287,7 @@ mod tests {
         let mut m = Model::new();
         let mut ver = 0;
         churn(&e, &mut m, &mut rng, 800, 600, &mut ver);
-        let mut it = e.iter().unwrap().unwrap();
+        let mut it = e.iter().unwrap();
         it.seek(&key(250)).unwrap();
         e.flush().unwrap();
         crate::engine::hpdk::iter::check::continue_forward(&mut *it, &m, &key(250));
@@ -364,7 +298,7 @@ mod tests {
         let odd = |k: &[u8]| k.last().is_some_and(|b| (b - b'0') % 2 == 1);
         let stable: Vec<(Vec<u8>, Vec<u8>)> =
             m.iter().filter(|(k, _)| !odd(k)).map(|(k, v)| (k.clone(), v.clone())).collect();
-        let mut it = e.iter().unwrap().unwrap();
+        let mut it = e.iter().unwrap();
         it.seek_to_first().unwrap();
         let (mut got, mut rounds) = (Vec::new(), 0);
         while it.valid() {
@@ -447,7 +381,7 @@ mod tests {
             .collect();
         let want: Vec<(Vec<u8>, Vec<u8>)> = m.iter().map(|(k, v)| (k.clone(), v.clone())).collect();
         for pass in 0..6 {
-            let mut it = e.iter().unwrap().unwrap();
+            let mut it = e.iter().unwrap();
             let forward = pass % 2 == 0;
             if forward {
                 it.seek_to_first().unwrap();

@@ -80,7 +80,7 @@
 //!   verified (checksum over key, length and value) when the iterator moves onto it; no
 //!   value is copied. A value replaced or deleted after the batch was copied is freed only
 //!   at a checkpoint (the deferred frees); a checkpoint while an iterator registered
-//!   before it lives *parks* those frees (`iter::Pins`, epochs as in HPDK's value log) and
+//!   before it lives *parks* those frees (`pm::pins::Pins`, epochs as in HPDK's value log) and
 //!   the last such iterator to be dropped frees them. An iterator registered after the
 //!   checkpoint cannot reach them: they left the tree before it. Parking only delays the
 //!   DRAM heap's reuse of space that no durable state refers to, so crash consistency is
@@ -93,7 +93,8 @@
 //!   length), so a walk overlaps the memory misses of consecutive values.
 //! - **Cost.** A seek: one descent under the shared lock and a batch copy of keys; `next`:
 //!   amortised O(1) (a step in the batch, one checksum of the value read); no allocation per
-//!   entry (batch buffers are reused). `scan_chunk` is a loop over this iterator.
+//!   entry (batch buffers are reused). Every range read (`Db::scan`, `Db::iter`,
+//!   snapshots) goes through it.
 //!
 //! # Parameters
 //! The paper gives no sizes; defaults are in [`crate::options::PmekvOptions`]. Values are
@@ -118,7 +119,6 @@ use crate::batch::BatchOp;
 use crate::engine::{Cond, Engine, EngineCtx};
 use crate::error::{Error, Result};
 use crate::index::bplus::{BPlusTree, LeafMeta, NodeId};
-use crate::iter::InternalIterator;
 use crate::pm::heap::Heap;
 use crate::pm::{Region, POOL_HEADER_LEN};
 use crate::stats::Stats;
@@ -172,8 +172,8 @@ struct Inner {
     bg_stop: Mutex<bool>,
     bg_cv: Condvar,
     background: bool,
-    /// Live iterators and the value frees they hold back ([`iter::Pins`]).
-    pins: Mutex<iter::Pins>,
+    /// Live iterators and the value frees they hold back ([`crate::pm::pins::Pins`]).
+    pins: Mutex<crate::pm::pins::Pins>,
 }
 
 /// The PMEKV engine. See the module docs.
@@ -718,39 +718,8 @@ impl Engine for Pmekv {
         self.inner.write_impl(ops, cond)
     }
 
-    fn scan_chunk(&self, start: Bound<&[u8]>, end: Bound<&[u8]>, max: usize) -> Result<Vec<(Vec<u8>, Vec<u8>)>> {
-        let mut it = iter::PmekvIter::new(&self.inner);
-        let mut out = Vec::new();
-        match start {
-            Bound::Unbounded => it.seek_to_first()?,
-            Bound::Included(k) => it.seek(k)?,
-            Bound::Excluded(k) => {
-                it.seek(k)?;
-                if it.valid() && it.key() == k {
-                    it.next()?;
-                }
-            }
-        }
-        while it.valid() && out.len() < max {
-            let k = it.key();
-            let inside = match end {
-                Bound::Included(e) => k <= e,
-                Bound::Excluded(e) => k < e,
-                Bound::Unbounded => true,
-            };
-            if !inside {
-                break;
-            }
-            if let Some(v) = it.value() {
-                out.push((k.to_vec(), v.to_vec()));
-            }
-            it.next()?;
-        }
-        Ok(out)
-    }
-
-    fn iter(&self) -> Result<Option<crate::iter::BoxedIter>> {
-        Ok(Some(Box::new(iter::PmekvIter::new(&self.inner))))
+    fn iter(&self) -> Result<crate::iter::BoxedIter> {
+        Ok(Box::new(iter::PmekvIter::new(&self.inner)))
     }
 
     fn flush(&self) -> Result<()> {

@@ -301,7 +301,7 @@ fn recover(region: Region, sb: Superblock, capacity: usize, background: bool) ->
         bg_stop: Mutex::new(false),
         bg_cv: Condvar::new(),
         background,
-        pins: Mutex::new(super::iter::Pins::default()),
+        pins: Mutex::new(crate::pm::pins::Pins::default()),
     };
     if saw_live {
         let mut st = inner.state.write();

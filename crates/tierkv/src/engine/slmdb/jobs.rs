@@ -386,7 +386,10 @@ impl Inner {
                 mem.imm = None;
             }
         }
-        self.heap.lock().free(imm.addr, imm.size);
+        // Iterators read the arena without a lock: one created before it left `mem` may
+        // still read its nodes, so the free waits for those (pins).
+        let now = self.pins.lock().park(vec![(imm.addr, imm.size)]);
+        self.free_pm(now);
         self.counters.flushes.fetch_add(1, Ordering::Relaxed);
         self.flushed_cv.notify_all();
         Ok(())

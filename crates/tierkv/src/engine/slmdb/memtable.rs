@@ -33,6 +33,7 @@ use parking_lot::RwLock;
 
 use crate::error::{Error, Result};
 use crate::format::{crc, Cursor};
+use crate::index::bplus::Batch;
 use crate::pm::Region;
 
 /// Arena header magic.
@@ -356,6 +357,13 @@ impl Memtable {
     pub fn range(&self, start: Bound<&[u8]>, end: Bound<&[u8]>, max: usize) -> Vec<(Vec<u8>, u64)> {
         let idx = self.index.read();
         idx.range::<[u8], _>((start, end)).take(max).map(|(k, s)| (k.clone(), s.newest)).collect()
+    }
+
+    /// Copy up to `n` keys beyond `from` with their newest node into `out`, under one short
+    /// read lock of the upper levels (a read-ahead cursor's refill, see
+    /// [`crate::index::bplus::BatchSource`]); true when the MemTable has no more.
+    pub fn fill(&self, from: Bound<&[u8]>, forward: bool, n: usize, out: &mut Batch<u64>) -> bool {
+        crate::index::bplus::fill_from_map(&self.index.read(), from, forward, n, out, |s| s.newest)
     }
 
     /// Every key's newest entry in order (for a flush): `(key, kind, value)`.

@@ -27,9 +27,9 @@
 //! - **Compaction log in PM** (§3.3, §5) — [`complog`]: `Moved(key, old file)` for every key
 //!   a job repoints, plus the job's inputs and outputs.
 //! - **Get** (§4): MemTable → Immutable MemTable → B+-tree → one block read. **Range query**:
-//!   B+-tree iterator merged with both MemTable iterators. `insert_if_absent` /
-//!   `update_if_present` look the key up the same way (the B+-tree answers existence without
-//!   disk I/O).
+//!   B+-tree iterator merged with both MemTable iterators ("Range reads", below).
+//!   `insert_if_absent` / `update_if_present` look the key up the same way (the B+-tree
+//!   answers existence without disk I/O).
 //!
 //! # Crash consistency
 //! PM holds a superblock, two root slots (MemTable arenas, compaction log, next MemTable
@@ -64,10 +64,55 @@
 //!   allocated but not yet linked at a crash is reclaimed.
 //! - Key-range overlap ratios need numbers; a key maps to the big-endian value of its first
 //!   8 bytes after the prefix the compared ranges share.
-//! - Readers hold the tree's read lock while reading a block, so a compaction can delete its
-//!   inputs once it has taken the write lock after its commit.
+//! - Point readers hold the tree's read lock while reading a block, so a compaction can
+//!   delete its inputs once it has taken the write lock after its commit. Iterators hold no
+//!   lock between calls: they keep the tables they read open instead (below).
+//!
+//! # Range reads: the iterator
+//! `Engine::iter` returns an `iter::SlmdbIter`: the paper's range query, three sources
+//! merged newest first by [`crate::iter::MergingIterator`] — the MemTable, the Immutable
+//! MemTable (when one exists at creation) and the B+-tree.
+//! - **MemTables.** A read-ahead cursor ([`crate::index::bplus::ReadAhead`]) copies a batch
+//!   of keys and newest-node addresses from the volatile upper levels under their read lock
+//!   (32 after a seek, doubling to 512) and re-positions by key between batches; writers
+//!   wait at most for one batch copy. The value is borrowed from the node in PM (nodes are
+//!   never modified once linked; trusted as `get` trusts them). A delete shows as a
+//!   tombstone and hides the older versions below it.
+//! - **B+-tree.** The same cursor over the tree ([`crate::index::pbtree::PTree::walk`]:
+//!   forward along the leaf chain, backward by descents below each leaf's lower bound),
+//!   records verified, copying keys and location objects — never a node address, so
+//!   splits and the frees of records and nodes by later writes cannot touch it. Values are
+//!   read from the SSTable block a location names, through the block cache, verified, and
+//!   the last decoded block is kept: the keys of one block follow each other in a walk (a
+//!   flushed or compacted file is written in key order), so a block is read once per visit,
+//!   not once per key (the paper's get reads a block per key). Keys a MemTable shadows are
+//!   still resolved by the tree cursor as it steps past them.
+//! - **Pinned.** (1) The MemTable `Arc`s taken at creation. A flush frees the Immutable
+//!   MemTable's PM arena after it left `mem`; an iterator registered before that
+//!   (`pm::pins::Pins`, as pmekv's value slots) may still read its nodes, so the free is
+//!   *parked* until the last such iterator drops. An iterator registered after the free
+//!   cannot have taken that MemTable (it registers first, then reads `mem`). (2) The
+//!   SSTables of the current tree batch, as `Arc<Table>` (open files, maps) taken under the
+//!   tree's read lock in the refill — a compaction drops a table from `tables` only under
+//!   the tree's write lock, after repointing its keys — and the table of the current block:
+//!   a compaction deleting those files does not disturb the walk. A batch's locations may
+//!   be stale by then; the old file still holds the same value (compaction moves values,
+//!   never changes them). The design figures `iterators_live`, `frees_held_for_iterators`
+//!   and `frees_ever_held_for_iterators` show the parking.
+//! - **Contract.** A key not written while the iterator lives keeps its newest version in
+//!   the source it was in at creation (a flush adds it to the tree before the Immutable
+//!   MemTable leaves `mem`, and the iterator holds that MemTable), so it is returned exactly
+//!   once with its value; a key written meanwhile may show any version or none.
+//! - **Sequentiality degree** (§3.3). The tree cursor counts the files of the entries it
+//!   visits in sub-ranges of `seq_subrange_keys`, restarted at each seek (a new range
+//!   query) and closed when the iterator drops; a sub-range with more than
+//!   `seq_degree_threshold` distinct files adds them to the candidates.
+//! - **Errors.** A damaged tree record, node, block or a location naming no table is
+//!   `Corruption` (the file and offset, or the PM pool and offset) from the move that met
+//!   it; the iterator is then invalid.
 
 pub mod complog;
+mod iter;
 mod jobs;
 pub mod layout;
 pub mod memtable;
@@ -183,6 +228,8 @@ struct Inner {
     user_bytes: crate::counters::Counters<1>,
     next_log_id: AtomicU64,
     counters: Counters,
+    /// Live iterators and the MemTable arenas whose free waits for them.
+    pins: Mutex<crate::pm::pins::Pins>,
 }
 
 /// The SLM-DB engine. See the module docs.
@@ -409,6 +456,7 @@ fn open_inner(ctx: &EngineCtx) -> Result<Inner> {
         user_bytes: Default::default(),
         next_log_id: AtomicU64::new(rand::random::<u64>() | 1),
         counters: Counters::default(),
+        pins: Mutex::new(crate::pm::pins::Pins::default()),
     })
 }
 
@@ -457,6 +505,18 @@ impl Inner {
         write_root(&self.region, slot, &r)?;
         *g = (r, slot);
         Ok(())
+    }
+
+    /// Return PM extents to the heap (MemTable arenas a live iterator may read wait in the
+    /// pins instead, see "Range reads: the iterator").
+    fn free_pm(&self, extents: Vec<(u64, u64)>) {
+        if extents.is_empty() {
+            return;
+        }
+        let mut heap = self.heap.lock();
+        for (a, l) in extents {
+            heap.free(a, l);
+        }
     }
 
     /// A new, empty memtable able to hold `need` bytes of nodes.
@@ -596,104 +656,6 @@ impl Inner {
         Ok(())
     }
 
-    /// Up to `max` live entries in the bounds: the B+-tree iterator merged with the two
-    /// MemTable iterators (newest wins, deletes hide older versions).
-    fn scan_impl(&self, start: Bound<&[u8]>, end: Bound<&[u8]>, max: usize) -> Result<Vec<(Vec<u8>, Vec<u8>)>> {
-        let mut out: Vec<(Vec<u8>, Vec<u8>)> = Vec::new();
-        let mut from: Bound<Vec<u8>> = owned(start);
-        let mut tree_files: Vec<u64> = Vec::new();
-        let mem = self.mem.read();
-        let tree = self.tree.read();
-        // Blocks whose checksum this call verified already; the table of the last entry.
-        let mut verified: std::collections::HashSet<(u64, u64)> = std::collections::HashSet::new();
-        let mut last_table: Option<(u64, Arc<Table>)> = None;
-        loop {
-            let n = (max - out.len()).max(16);
-            let fb = as_ref(&from);
-            let a = mem.active.range(fb, end, n);
-            let b = match &mem.imm {
-                Some(m) => m.range(fb, end, n),
-                None => Vec::new(),
-            };
-            let (tk, texcl) = match fb {
-                Bound::Unbounded => (&[][..], false),
-                Bound::Included(k) => (k, false),
-                Bound::Excluded(k) => (k, true),
-            };
-            let tend = match end {
-                Bound::Excluded(e) => Some(e),
-                _ => None,
-            };
-            let mut t = tree.range(&self.region, tk, texcl, tend, n)?;
-            if let Bound::Included(e) = end {
-                t.retain(|(k, _)| k.as_slice() <= e);
-            }
-            // Entries beyond the smallest last key of a source that filled its batch may be
-            // missing from the others: merge only up to there.
-            let horizon: Option<Vec<u8>> = [
-                (a.len() == n).then(|| a.last().map(|x| x.0.clone())).flatten(),
-                (b.len() == n).then(|| b.last().map(|x| x.0.clone())).flatten(),
-                (t.len() == n).then(|| t.last().map(|x| x.0.clone())).flatten(),
-            ]
-            .into_iter()
-            .flatten()
-            .min();
-            let within = |k: &[u8]| horizon.as_deref().is_none_or(|h| k <= h);
-            let mut merged: BTreeMap<Vec<u8>, Source> = BTreeMap::new();
-            for (k, l) in t.into_iter().filter(|(k, _)| within(k)) {
-                merged.insert(k, Source::Tree(l));
-            }
-            for (k, v) in b.into_iter().filter(|(k, _)| within(k)) {
-                merged.insert(k, Source::Mem(v));
-            }
-            for (k, v) in a.into_iter().filter(|(k, _)| within(k)) {
-                merged.insert(k, Source::Mem(v));
-            }
-            for (k, s) in merged {
-                let v = match s {
-                    Source::Mem(node) => match memtable::node_value(&self.region, node)? {
-                        Some(v) => v,
-                        None => continue,
-                    },
-                    Source::Tree(loc) => {
-                        tree_files.push(loc.file);
-                        let t = match &last_table {
-                            Some((f, t)) if *f == loc.file => t.clone(),
-                            _ => {
-                                let t = self.table(loc.file)?;
-                                last_table = Some((loc.file, t.clone()));
-                                t
-                            }
-                        };
-                        let h = Handle { offset: loc.offset, size: loc.size };
-                        let verify = verified.insert((loc.file, loc.offset));
-                        match t.block_ref(h, verify)? {
-                            Some(b) => value_in(&t, b, &k, loc)?,
-                            None => value_in(&t, &t.read_block_cached(h)?, &k, loc)?,
-                        }
-                    }
-                };
-                out.push((k, v));
-                if out.len() >= max {
-                    break;
-                }
-            }
-            if out.len() >= max {
-                break;
-            }
-            match horizon {
-                None => break,
-                Some(h) => from = Bound::Excluded(h),
-            }
-        }
-        drop(tree);
-        drop(mem);
-        if self.opts.enable_seq_degree {
-            self.note_sequentiality(&tree_files)?;
-        }
-        Ok(out)
-    }
-
     fn close_impl(&self) -> Result<()> {
         self.check_poisoned()?;
         // A clean shutdown leaves the MemTables in PM (they are persistent; no WAL to
@@ -736,6 +698,7 @@ impl Inner {
                 m.active.index_bytes() + imm.map_or(0, |i| i.index_bytes()),
             )
         };
+        let pins = self.pins.lock();
         let heap = self.heap.lock();
         let c = &self.counters;
         let ld = |a: &AtomicU64| a.load(Ordering::Relaxed);
@@ -760,6 +723,9 @@ impl Inner {
             ("pm_heap_bytes", heap.total()),
             ("pm_heap_free_bytes", heap.free_bytes()),
             ("block_cache_bytes", self.cache.bytes()),
+            ("iterators_live", pins.live() as u64),
+            ("frees_held_for_iterators", pins.held() as u64),
+            ("frees_ever_held_for_iterators", pins.ever_held()),
         ];
         // The index is in PM; DRAM holds the MemTables' volatile upper levels.
         Stats::engine("slmdb", pm, self.user_bytes.get(0), keys, mem_index, &design)
@@ -774,28 +740,6 @@ fn value_in(t: &Table, b: &[u8], key: &[u8], loc: Loc) -> Result<Vec<u8>> {
     }
 }
 
-/// Where a merged scan entry comes from: a MemTable node, or a location in an SSTable.
-enum Source {
-    Mem(u64),
-    Tree(Loc),
-}
-
-fn owned(b: Bound<&[u8]>) -> Bound<Vec<u8>> {
-    match b {
-        Bound::Included(k) => Bound::Included(k.to_vec()),
-        Bound::Excluded(k) => Bound::Excluded(k.to_vec()),
-        Bound::Unbounded => Bound::Unbounded,
-    }
-}
-
-fn as_ref(b: &Bound<Vec<u8>>) -> Bound<&[u8]> {
-    match b {
-        Bound::Included(k) => Bound::Included(k.as_slice()),
-        Bound::Excluded(k) => Bound::Excluded(k.as_slice()),
-        Bound::Unbounded => Bound::Unbounded,
-    }
-}
-
 impl Engine for Slmdb {
     fn get(&self, key: &[u8]) -> Result<Option<Vec<u8>>> {
         self.inner.get_impl(key)
@@ -805,8 +749,8 @@ impl Engine for Slmdb {
         self.inner.write_impl(ops, cond)
     }
 
-    fn scan_chunk(&self, start: Bound<&[u8]>, end: Bound<&[u8]>, max: usize) -> Result<Vec<(Vec<u8>, Vec<u8>)>> {
-        self.inner.scan_impl(start, end, max)
+    fn iter(&self) -> Result<crate::iter::BoxedIter> {
+        Ok(Box::new(iter::SlmdbIter::new(&self.inner)))
     }
 
     fn flush(&self) -> Result<()> {

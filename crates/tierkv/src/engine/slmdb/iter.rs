@@ -1,0 +1,729 @@
+//! SLM-DB's range reads: [`SlmdbIter`], the cursor `Engine::iter` returns — the paper's
+//! range query, the B+-tree iterator merged with the two MemTable iterators (design in the
+//! module docs of [`super`], "Range reads: the iterator").
+
+use std::cell::RefCell;
+use std::collections::{HashMap, HashSet};
+use std::ops::Bound;
+use std::sync::Arc;
+
+use super::memtable::{self, Memtable};
+use super::{path_of, Inner};
+use crate::error::{Error, Result};
+use crate::index::bplus::{Batch, BatchSource, ReadAhead};
+use crate::index::pbtree::Loc;
+use crate::iter::{BoxedIter, InternalIterator, MergingIterator};
+use crate::sstable::{DecodedBlock, Handle, Kind, Table};
+
+/// A MemTable's volatile upper levels, read by key under their read lock: key → newest node.
+struct MemSource(Arc<Memtable>);
+
+impl BatchSource for MemSource {
+    type V = u64;
+    fn fill(&self, from: Bound<&[u8]>, forward: bool, n: usize, out: &mut Batch<u64>) -> bool {
+        self.0.fill(from, forward, n, out)
+    }
+}
+
+/// One MemTable (the active one, shared with writers, or the Immutable one) in key order:
+/// keys copied in batches, each entry's node read in PM when the cursor moves onto it, the
+/// value borrowed from the node. The arena is pinned ([`crate::pm::pins::Pins`]) by the
+/// [`SlmdbIter`] that owns this cursor, so the node stays as written while it lives.
+struct MemCursor {
+    cur: ReadAhead<MemSource>,
+    inner: Arc<Inner>,
+    /// The current value's bytes in PM; `None` when invalid or a delete.
+    val: Option<(u64, usize)>,
+    /// False after a move failed (the cursor is then invalid).
+    ok: bool,
+}
+
+impl MemCursor {
+    fn new(inner: &Arc<Inner>, m: Arc<Memtable>) -> MemCursor {
+        MemCursor { cur: ReadAhead::new(MemSource(m)), inner: inner.clone(), val: None, ok: true }
+    }
+
+    /// After a move: read the current node (a put's value range, or a delete).
+    fn settle(&mut self) -> Result<()> {
+        self.val = None;
+        self.ok = true;
+        let Some(&addr) = self.cur.val() else { return Ok(()) };
+        // Nodes are trusted as in `get` (verified at recovery; `check` verifies them).
+        match memtable::read_node_trusted(&self.inner.region, addr) {
+            Ok(n) => {
+                if n.kind == memtable::KIND_PUT {
+                    self.val = Some((addr + memtable::NODE_HEADER + n.key.len() as u64, n.value.len()));
+                }
+                Ok(())
+            }
+            Err(e) => {
+                self.ok = false;
+                Err(e)
+            }
+        }
+    }
+}
+
+impl InternalIterator for MemCursor {
+    fn valid(&self) -> bool {
+        self.ok && self.cur.valid()
+    }
+    fn seek(&mut self, key: &[u8]) -> Result<()> {
+        self.cur.seek(key);
+        self.settle()
+    }
+    fn seek_to_first(&mut self) -> Result<()> {
+        self.cur.seek_to_first();
+        self.settle()
+    }
+    fn seek_to_last(&mut self) -> Result<()> {
+        self.cur.seek_to_last();
+        self.settle()
+    }
+    fn seek_for_prev(&mut self, key: &[u8]) -> Result<()> {
+        self.cur.seek_for_prev(key);
+        self.settle()
+    }
+    fn next(&mut self) -> Result<()> {
+        if !self.valid() {
+            return Ok(());
+        }
+        self.cur.next();
+        self.settle()
+    }
+    fn prev(&mut self) -> Result<()> {
+        if !self.valid() {
+            return Ok(());
+        }
+        self.cur.prev();
+        self.settle()
+    }
+    fn key(&self) -> &[u8] {
+        if self.ok {
+            self.cur.key()
+        } else {
+            &[]
+        }
+    }
+    fn value(&self) -> Option<&[u8]> {
+        if !self.valid() {
+            return None;
+        }
+        // `settle` read this node inside the region, and its arena is not freed while the
+        // owning iterator lives (pins): the bytes are the node's value.
+        match self.val? {
+            (_, 0) => Some(&[]),
+            (at, len) => self.inner.region.slice(at, len),
+        }
+    }
+}
+
+/// The persistent B+-tree, read by key under its read lock: key → location object. Each
+/// refill also takes the tables the batch points into.
+struct TreeSource {
+    inner: Arc<Inner>,
+    /// The tables of the current batch, taken under the tree's read lock: a compaction
+    /// drops a table from the store's map only under the tree's write lock, after it
+    /// repointed the table's keys, so every location a batch holds names a table that is
+    /// in the map then. Holding the `Arc` keeps the file open after the compaction deleted
+    /// its name.
+    tables: RefCell<HashMap<u64, Arc<Table>>>,
+    /// A failure of the last refill (a damaged tree record, an unknown table), for the
+    /// cursor to report: `BatchSource::fill` cannot return one.
+    err: RefCell<Option<Error>>,
+}
+
+impl BatchSource for TreeSource {
+    type V = Loc;
+    fn fill(&self, from: Bound<&[u8]>, forward: bool, n: usize, out: &mut Batch<Loc>) -> bool {
+        let tree = self.inner.tree.read();
+        let mut files: HashSet<u64> = HashSet::new();
+        let mut last = None;
+        let walked = tree.walk(&self.inner.region, from, forward, n, |k, loc| {
+            if last != Some(loc.file) {
+                files.insert(loc.file);
+                last = Some(loc.file);
+            }
+            out.push(k, loc);
+            true
+        });
+        let r = walked.and_then(|exhausted| {
+            let all = self.inner.tables.read();
+            let mut mine = self.tables.borrow_mut();
+            mine.clear();
+            for f in files {
+                let t = all.get(&f).ok_or_else(|| {
+                    Error::corruption(path_of(&self.inner.dir, f), 0, "B+-tree points at an unknown SSTable")
+                })?;
+                mine.insert(f, t.clone());
+            }
+            Ok(exhausted)
+        });
+        match r {
+            Ok(exhausted) => exhausted,
+            Err(e) => {
+                *self.err.borrow_mut() = Some(e);
+                true
+            }
+        }
+    }
+}
+
+/// The B+-tree in key order, each entry's value read from the SSTable block its location
+/// names. A walk meets the keys of one block one after another (a flushed or compacted
+/// file is written in key order), so the last decoded block is kept and serves them all:
+/// each block is read and verified once per visit, not once per key.
+struct TreeCursor {
+    cur: ReadAhead<TreeSource>,
+    /// The current entry's block, decoded and pinned with its table: (file, offset, table,
+    /// block).
+    block: Option<(u64, u64, Arc<Table>, DecodedBlock)>,
+    /// The current entry's index in `block`.
+    at: usize,
+    /// False after a move failed (the cursor is then invalid).
+    ok: bool,
+    /// Files of the entries visited since the last seek, up to one sub-range (§3.3,
+    /// sequentiality degree of range queries).
+    seq: Vec<u64>,
+}
+
+impl TreeCursor {
+    fn new(inner: &Arc<Inner>) -> TreeCursor {
+        let src = TreeSource { inner: inner.clone(), tables: RefCell::default(), err: RefCell::default() };
+        TreeCursor { cur: ReadAhead::new(src), block: None, at: 0, ok: true, seq: Vec::new() }
+    }
+
+    fn inner(&self) -> &Arc<Inner> {
+        &self.cur.source().inner
+    }
+
+    /// The sequentiality check of §3.3 over the sub-range just visited: more than
+    /// `seq_degree_threshold` distinct files in it make them compaction candidates.
+    fn end_subrange(&mut self) -> Result<()> {
+        if self.seq.is_empty() {
+            return Ok(());
+        }
+        let files = std::mem::take(&mut self.seq);
+        let distinct: HashSet<u64> = files.iter().copied().collect();
+        if distinct.len() > self.inner().opts.seq_degree_threshold {
+            self.inner().note_sequentiality(&files)?;
+        }
+        Ok(())
+    }
+
+    /// After a move (`seek`: a new range query begins): resolve the current entry's value.
+    fn settle(&mut self, seek: bool) -> Result<()> {
+        let r = self.resolve(seek);
+        self.ok = r.is_ok();
+        r
+    }
+
+    fn resolve(&mut self, seek: bool) -> Result<()> {
+        if let Some(e) = self.cur.source().err.borrow_mut().take() {
+            return Err(e);
+        }
+        if seek {
+            self.end_subrange()?;
+        }
+        let Some(&loc) = self.cur.val() else { return Ok(()) };
+        let inner = self.inner().clone();
+        if inner.opts.enable_seq_degree {
+            self.seq.push(loc.file);
+            if self.seq.len() >= inner.opts.seq_subrange_keys.max(1) {
+                self.end_subrange()?;
+            }
+        }
+        if !matches!(&self.block, Some((f, o, ..)) if *f == loc.file && *o == loc.offset) {
+            let t = self.cur.source().tables.borrow().get(&loc.file).cloned().ok_or_else(|| {
+                Error::corruption(path_of(&inner.dir, loc.file), loc.offset, "B+-tree points at an unknown SSTable")
+            })?;
+            self.block = None;
+            let b = DecodedBlock::read(&t, Handle { offset: loc.offset, size: loc.size }, true)?;
+            self.block = Some((loc.file, loc.offset, t, b));
+            self.at = 0;
+        }
+        let Some((_, _, t, b)) = &self.block else { return Ok(()) };
+        let key = self.cur.key();
+        // A walk steps to a neighbour of the last entry; a seek searches the block.
+        let i = [self.at.wrapping_add(1), self.at.wrapping_sub(1), self.at]
+            .into_iter()
+            .find(|&i| i < b.len() && b.key(i) == key)
+            .unwrap_or_else(|| b.lower_bound(key));
+        if b.key(i) != key || i >= b.len() || b.kind(i) != Some(Kind::Put) {
+            return Err(Error::corruption(t.path(), loc.offset, "the B+-tree points at a block without the key"));
+        }
+        self.at = i;
+        Ok(())
+    }
+}
+
+impl Drop for TreeCursor {
+    fn drop(&mut self) {
+        // The last, partial sub-range of the query (its candidates only; nothing to report).
+        let _ = self.end_subrange();
+    }
+}
+
+impl InternalIterator for TreeCursor {
+    fn valid(&self) -> bool {
+        self.ok && self.cur.valid()
+    }
+    fn seek(&mut self, key: &[u8]) -> Result<()> {
+        self.cur.seek(key);
+        self.settle(true)
+    }
+    fn seek_to_first(&mut self) -> Result<()> {
+        self.cur.seek_to_first();
+        self.settle(true)
+    }
+    fn seek_to_last(&mut self) -> Result<()> {
+        self.cur.seek_to_last();
+        self.settle(true)
+    }
+    fn seek_for_prev(&mut self, key: &[u8]) -> Result<()> {
+        self.cur.seek_for_prev(key);
+        self.settle(true)
+    }
+    fn next(&mut self) -> Result<()> {
+        if !self.valid() {
+            return Ok(());
+        }
+        self.cur.next();
+        self.settle(false)
+    }
+    fn prev(&mut self) -> Result<()> {
+        if !self.valid() {
+            return Ok(());
+        }
+        self.cur.prev();
+        self.settle(false)
+    }
+    fn key(&self) -> &[u8] {
+        if self.ok {
+            self.cur.key()
+        } else {
+            &[]
+        }
+    }
+    fn value(&self) -> Option<&[u8]> {
+        if !self.valid() {
+            return None;
+        }
+        self.block.as_ref().and_then(|(_, _, _, b)| b.value(self.at))
+    }
+}
+
+/// The store's entries: the MemTable, the Immutable MemTable (if any) and the B+-tree,
+/// merged newest first. Registered with the store's pins for its lifetime, so the
+/// MemTable arenas it reads are not reused under it.
+pub(crate) struct SlmdbIter {
+    inner: Arc<Inner>,
+    src: MergingIterator,
+    /// This iterator's registration in [`crate::pm::pins::Pins`].
+    epoch: u64,
+}
+
+impl std::fmt::Debug for SlmdbIter {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("SlmdbIter").field("epoch", &self.epoch).field("valid", &self.valid()).finish()
+    }
+}
+
+impl Drop for SlmdbIter {
+    fn drop(&mut self) {
+        let free = self.inner.pins.lock().deregister(self.epoch);
+        self.inner.free_pm(free);
+    }
+}
+
+impl SlmdbIter {
+    /// A cursor over the store as `inner` holds it now. Registers before it takes the
+    /// MemTables, so an arena a flush frees is either one it never saw or parked for it.
+    pub(crate) fn new(inner: &Arc<Inner>) -> SlmdbIter {
+        let epoch = inner.pins.lock().register();
+        let (active, imm) = {
+            let m = inner.mem.read();
+            (m.active.clone(), m.imm.clone())
+        };
+        let mut children: Vec<BoxedIter> = Vec::with_capacity(3);
+        for m in std::iter::once(active).chain(imm) {
+            children.push(Box::new(MemCursor::new(inner, m)));
+        }
+        children.push(Box::new(TreeCursor::new(inner)));
+        SlmdbIter { inner: inner.clone(), src: MergingIterator::new(children), epoch }
+    }
+}
+
+impl InternalIterator for SlmdbIter {
+    fn valid(&self) -> bool {
+        self.src.valid()
+    }
+    fn seek(&mut self, key: &[u8]) -> Result<()> {
+        self.src.seek(key)
+    }
+    fn seek_to_first(&mut self) -> Result<()> {
+        self.src.seek_to_first()
+    }
+    fn seek_to_last(&mut self) -> Result<()> {
+        self.src.seek_to_last()
+    }
+    fn seek_for_prev(&mut self, key: &[u8]) -> Result<()> {
+        self.src.seek_for_prev(key)
+    }
+    fn next(&mut self) -> Result<()> {
+        self.src.next()
+    }
+    fn prev(&mut self) -> Result<()> {
+        self.src.prev()
+    }
+    fn key(&self) -> &[u8] {
+        self.src.key()
+    }
+    fn value(&self) -> Option<&[u8]> {
+        self.src.value()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::collections::BTreeSet;
+    use std::path::PathBuf;
+    use std::sync::atomic::{AtomicBool, Ordering};
+    use std::sync::Arc;
+
+    use rand::rngs::SmallRng;
+    use rand::{Rng, SeedableRng};
+
+    use crate::batch::BatchOp;
+    use crate::engine::hpdk::iter::check::{continue_forward, full_walks, random_moves, Model};
+    use crate::engine::slmdb::Slmdb;
+    use crate::engine::{Cond, Engine, EngineCtx};
+    use crate::fs::{CountingFs, FaultFs, Fs};
+    use crate::iter::InternalIterator;
+    use crate::options::{Options, Preset, SlmdbOptions};
+    use crate::pm::sim::SimDevice;
+
+    fn opts(dev: &SimDevice, fs: &FaultFs, s: SlmdbOptions) -> Options {
+        crate::testing::sim_options(Preset::Slmdb, dev, fs).slmdb(s)
+    }
+
+    fn open(o: &Options, fs: &FaultFs, fresh: bool) -> Slmdb {
+        let dir = PathBuf::from("/db");
+        fs.create_dir_all(&dir).unwrap();
+        Slmdb::open(EngineCtx {
+            dir,
+            opts: o.clone(),
+            fs: CountingFs::new(Arc::new(fs.clone())),
+            db_id: 5,
+            fresh,
+            pm_health: Default::default(),
+            recovery: Default::default(),
+        })
+        .unwrap()
+    }
+
+    fn key(i: u32) -> Vec<u8> {
+        format!("k{i:05}").into_bytes()
+    }
+
+    /// A value that names its key and version (so a value under the wrong key is caught).
+    fn value(k: &[u8], ver: u64, rng: &mut SmallRng) -> Vec<u8> {
+        let mut v = format!("{}:{ver}:", String::from_utf8_lossy(k)).into_bytes();
+        let len = rng.random_range(20..300);
+        v.resize(len.max(v.len()), b'a' + (ver % 26) as u8);
+        v
+    }
+
+    fn design(e: &Slmdb, name: &str) -> u64 {
+        e.stats().design.get(name).copied().unwrap_or_else(|| panic!("no design figure {name}"))
+    }
+
+    fn sst_files(fs: &FaultFs) -> BTreeSet<u64> {
+        fs.list(&PathBuf::from("/db"))
+            .unwrap()
+            .iter()
+            .filter_map(|n| n.strip_suffix(".sst").and_then(|n| n.parse().ok()))
+            .collect()
+    }
+
+    /// Random puts, deletes and batches with flushes and compactions in between.
+    fn churn(e: &Slmdb, m: &mut Model, rng: &mut SmallRng, ops: usize, keys: u32, ver: &mut u64) {
+        for i in 0..ops {
+            let n = if rng.random_bool(0.2) { rng.random_range(2..8) } else { 1 };
+            let mut batch = Vec::new();
+            let mut after = m.clone();
+            for _ in 0..n {
+                let k = key(rng.random_range(0..keys));
+                *ver += 1;
+                if rng.random_bool(0.25) {
+                    after.remove(&k);
+                    batch.push(BatchOp::Delete { key: k });
+                } else {
+                    let v = value(&k, *ver, rng);
+                    after.insert(k.clone(), v.clone());
+                    batch.push(BatchOp::Put { key: k, value: v });
+                }
+            }
+            assert!(e.write(&batch, Cond::None).unwrap());
+            *m = after;
+            match i % 97 {
+                13 => e.flush().unwrap(),
+                61 => e.compact().unwrap(),
+                _ => {}
+            }
+        }
+    }
+
+    fn check_all(e: &Slmdb, m: &Model, rng: &mut SmallRng, what: &str) {
+        let mut it = e.iter().unwrap();
+        let all = crate::iter::collect_forward(&mut *it).unwrap();
+        let live: Vec<(Vec<u8>, Vec<u8>)> = all.into_iter().filter_map(|(k, v)| Some((k, v?))).collect();
+        let want: Vec<(Vec<u8>, Vec<u8>)> = m.iter().map(|(k, v)| (k.clone(), v.clone())).collect();
+        assert!(live == want, "{what}: forward collection differs from the model");
+        full_walks(&mut *it, m);
+        random_moves(&mut *it, m, rng, 2000);
+    }
+
+    /// (a) The iterator against a model: random writes and batches with flushes, selective
+    /// compactions and tree splits in between, then random interleavings of every move
+    /// (seek, seek_for_prev, both directions); again after a clean reopen and after a
+    /// crash (PM lines not persisted lost or evicted, unsynced file data dropped).
+    #[test]
+    fn iterator_matches_model() {
+        let (dev, fs) = (SimDevice::new(), FaultFs::new());
+        let o = opts(&dev, &fs, crate::testing::slmdb_small());
+        let mut rng = SmallRng::seed_from_u64(17);
+        let mut m = Model::new();
+        let mut ver = 0;
+        let e = open(&o, &fs, true);
+        for round in 0..4 {
+            churn(&e, &mut m, &mut rng, 700, 400, &mut ver);
+            check_all(&e, &m, &mut rng, &format!("round {round}"));
+        }
+        assert!(design(&e, "flushes") > 0, "flushes ran");
+        assert!(design(&e, "compactions") > 0, "compactions ran");
+        e.close().unwrap();
+        drop(e);
+        let e = open(&o, &fs, false);
+        check_all(&e, &m, &mut rng, "reopened");
+        churn(&e, &mut m, &mut rng, 300, 400, &mut ver);
+        // A crash: drop the engine without closing, keep what was durable.
+        drop(e);
+        let (dev2, fs2) = (dev.simulate_crash(3, 0.3), fs.crash());
+        let e = open(&opts(&dev2, &fs2, crate::testing::slmdb_small()), &fs2, false);
+        check_all(&e, &m, &mut rng, "after a crash");
+        assert!(e.check().unwrap().is_empty());
+    }
+
+    /// (b) An iterator stays valid, and returns the store as it was, while a flush frees
+    /// the MemTable arena it reads and a compaction deletes every SSTable it was created
+    /// over: the untouched (even) keys come back exactly, the keys written meanwhile as one
+    /// of their versions; the arena's free waits for the iterator and happens when it is
+    /// dropped.
+    #[test]
+    fn iterator_survives_flush_and_compaction_that_free_its_sources() {
+        let (dev, fs) = (SimDevice::new(), FaultFs::new());
+        let o = opts(&dev, &fs, crate::testing::slmdb_small());
+        let e = open(&o, &fs, true);
+        let mut rng = SmallRng::seed_from_u64(8);
+        let mut m = Model::new();
+        for i in 0..600u32 {
+            let k = key(i);
+            let v = value(&k, 0, &mut rng);
+            e.write(&[BatchOp::Put { key: k.clone(), value: v.clone() }], Cond::None).unwrap();
+            m.insert(k, v);
+        }
+        e.flush().unwrap();
+        // Some (odd) keys only in the MemTable the iterator takes.
+        for i in (5..600u32).step_by(10) {
+            let k = key(i);
+            let v = value(&k, 1, &mut rng);
+            e.write(&[BatchOp::Put { key: k.clone(), value: v.clone() }], Cond::None).unwrap();
+            m.insert(k, v);
+        }
+        let before = sst_files(&fs);
+        assert!(!before.is_empty());
+        let (flushes, compactions) = (design(&e, "flushes"), design(&e, "compactions"));
+
+        // Part 1: nothing written while it lives; a flush frees the MemTable it holds.
+        let mut it = e.iter().unwrap();
+        it.seek(&key(100)).unwrap();
+        e.flush().unwrap();
+        assert!(design(&e, "flushes") > flushes);
+        assert_eq!(design(&e, "frees_held_for_iterators"), 1, "the flushed MemTable's arena waits");
+        continue_forward(&mut *it, &m, &key(100));
+        full_walks(&mut *it, &m);
+        drop(it);
+        assert_eq!(design(&e, "frees_held_for_iterators"), 0, "freed with the iterator");
+
+        // Part 2: the odd keys are overwritten and deleted while the iterator walks; the
+        // files it was created over fall below the live-key ratio and are compacted away.
+        let stable: Vec<(Vec<u8>, Vec<u8>)> =
+            m.iter().filter(|(k, _)| !odd(k)).map(|(k, v)| (k.clone(), v.clone())).collect();
+        let before = sst_files(&fs);
+        let mut it = e.iter().unwrap();
+        it.seek_to_first().unwrap();
+        let mut got = Vec::new();
+        let mut round = 0u64;
+        while it.valid() {
+            let k = it.key().to_vec();
+            match it.value() {
+                Some(v) if !odd(&k) => got.push((k, v.to_vec())),
+                Some(v) => {
+                    let prefix = format!("{}:", String::from_utf8_lossy(&k));
+                    assert!(v.starts_with(prefix.as_bytes()), "a value that is no version of its key");
+                }
+                None => assert!(odd(&k), "an untouched key shows as deleted"),
+            }
+            it.next().unwrap();
+            if round < 3 {
+                round += 1;
+                for i in (1..600u32).step_by(2) {
+                    let k = key(i);
+                    let op = if rng.random_bool(0.3) {
+                        BatchOp::Delete { key: k }
+                    } else {
+                        BatchOp::Put { value: value(&k, 10 + round, &mut rng), key: k }
+                    };
+                    e.write(&[op], Cond::None).unwrap();
+                }
+                e.compact().unwrap();
+            }
+        }
+        assert!(got == stable, "untouched keys differ from the model");
+        assert!(design(&e, "compactions") > compactions, "compactions ran");
+        let after = sst_files(&fs);
+        assert!(
+            before.is_disjoint(&after),
+            "every file the iterator was created over was deleted: {before:?} {after:?}"
+        );
+        assert!(design(&e, "frees_ever_held_for_iterators") >= 2, "flushed arenas waited for the iterator");
+        assert_eq!(design(&e, "iterators_live"), 1);
+        // Walk the whole view again through the deleted files' open handles.
+        let mut back = Vec::new();
+        it.seek_to_last().unwrap();
+        while it.valid() {
+            if let (false, Some(v)) = (odd(it.key()), it.value()) {
+                back.push((it.key().to_vec(), v.to_vec()));
+            }
+            it.prev().unwrap();
+        }
+        back.reverse();
+        assert!(back == stable, "backward walk after the compaction differs");
+        drop(it);
+        assert_eq!(design(&e, "iterators_live"), 0);
+        assert_eq!(design(&e, "frees_held_for_iterators"), 0, "released with the last iterator");
+        assert!(e.check().unwrap().is_empty());
+    }
+
+    fn odd(k: &[u8]) -> bool {
+        k.last().is_some_and(|b| (b - b'0') % 2 == 1)
+    }
+
+    /// (c) Writers change a disjoint key set (background flushes and compactions) while
+    /// iterators walk both ways: every untouched key is returned exactly once, in order,
+    /// with its value.
+    #[test]
+    fn concurrent_writers_do_not_disturb_untouched_keys() {
+        let (dev, fs) = (SimDevice::new(), FaultFs::new());
+        let o = opts(
+            &dev,
+            &fs,
+            SlmdbOptions { background: true, memtable_size: 32 << 10, ..crate::testing::slmdb_small() },
+        );
+        let e = Arc::new(open(&o, &fs, true));
+        let mut rng = SmallRng::seed_from_u64(5);
+        let mut m = Model::new();
+        for i in (0..2000u32).step_by(2) {
+            let k = key(i);
+            let v = value(&k, 1, &mut rng);
+            e.write(&[BatchOp::Put { key: k.clone(), value: v.clone() }], Cond::None).unwrap();
+            m.insert(k, v);
+        }
+        let flushes = design(&e, "flushes");
+        let stop = Arc::new(AtomicBool::new(false));
+        let writers: Vec<_> = (0..2u64)
+            .map(|t| {
+                let (e, stop) = (e.clone(), stop.clone());
+                std::thread::spawn(move || {
+                    let mut rng = SmallRng::seed_from_u64(100 + t);
+                    let mut n = 0u64;
+                    while !stop.load(Ordering::Relaxed) || n < 2000 {
+                        let k = key(rng.random_range(0..1000u32) * 2 + 1);
+                        let op = if rng.random_bool(0.3) {
+                            BatchOp::Delete { key: k }
+                        } else {
+                            BatchOp::Put { value: value(&k, n + 2, &mut rng), key: k }
+                        };
+                        e.write(&[op], Cond::None).unwrap();
+                        n += 1;
+                    }
+                    n
+                })
+            })
+            .collect();
+        let want: Vec<(Vec<u8>, Vec<u8>)> = m.iter().map(|(k, v)| (k.clone(), v.clone())).collect();
+        for pass in 0..6 {
+            let mut it = e.iter().unwrap();
+            let forward = pass % 2 == 0;
+            if forward {
+                it.seek_to_first().unwrap();
+            } else {
+                it.seek_to_last().unwrap();
+            }
+            let mut got = Vec::new();
+            let mut last: Option<Vec<u8>> = None;
+            while it.valid() {
+                let k = it.key().to_vec();
+                if let Some(l) = &last {
+                    assert!(if forward { k > *l } else { k < *l }, "pass {pass}: keys out of order");
+                }
+                if !odd(&k) {
+                    got.push((k.clone(), it.value().map(<[u8]>::to_vec).unwrap_or_default()));
+                } else if let Some(v) = it.value() {
+                    let prefix = format!("{}:", String::from_utf8_lossy(&k));
+                    assert!(v.starts_with(prefix.as_bytes()), "pass {pass}: a value that is no version of its key");
+                }
+                last = Some(k);
+                if forward {
+                    it.next().unwrap();
+                } else {
+                    it.prev().unwrap();
+                }
+            }
+            if !forward {
+                got.reverse();
+            }
+            assert_eq!(got.len(), want.len(), "pass {pass}: untouched keys returned");
+            assert!(got == want, "pass {pass}: untouched keys differ");
+        }
+        stop.store(true, Ordering::Relaxed);
+        let written: u64 = writers.into_iter().map(|w| w.join().unwrap()).sum();
+        assert!(written >= 4000);
+        assert!(design(&e, "flushes") > flushes, "flushes ran during the walks");
+    }
+
+    /// (d) A damaged SSTable block the iterator reads is `Corruption` naming the file and
+    /// the block's offset, not a panic or a wrong value.
+    #[test]
+    fn a_damaged_block_is_corruption_naming_the_file() {
+        let (dev, fs) = (SimDevice::new(), FaultFs::new());
+        let o = opts(&dev, &fs, crate::testing::slmdb_small());
+        let e = open(&o, &fs, true);
+        let mut rng = SmallRng::seed_from_u64(2);
+        for i in 0..300u32 {
+            let k = key(i);
+            e.write(&[BatchOp::Put { value: value(&k, 0, &mut rng), key: k }], Cond::None).unwrap();
+        }
+        e.flush().unwrap();
+        let f = *sst_files(&fs).iter().next().unwrap();
+        let path = PathBuf::from("/db").join(super::super::table_name(f));
+        fs.poke(&path, 20, b"\xff\xff").unwrap();
+        let mut it = e.iter().unwrap();
+        let err = it.seek_to_first().unwrap_err();
+        assert!(err.is_corruption(), "{err}");
+        let msg = err.to_string();
+        assert!(msg.contains(&super::super::table_name(f)), "names the file: {msg}");
+        assert!(!it.valid());
+    }
+}
