@@ -436,3 +436,53 @@ fn damaged_block_in_a_mapped_sstable_is_corruption() {
     let problems = db.check().unwrap();
     assert!(problems.iter().any(|p| p.contains("checksum")), "{problems:?}");
 }
+
+/// §3.3: "once the range query operation is done, we find the sub-range with the maximum
+/// number of unique files" and only *those* files become candidates. A 60-key query whose
+/// first sub-range spans 9 files and whose second spans 10 other files adds the 10 files of
+/// the worst sub-range, not all 19.
+#[test]
+fn range_query_sequentiality_adds_only_the_worst_sub_range() {
+    let (dev, fs) = (SimDevice::new(), FaultFs::new());
+    let db = Db::open(dir(), opts(&dev, &fs, schemes(false, false, true))).unwrap();
+    let mut m = Model::new();
+    // Keys 0..30 spread over 9 files, keys 30..60 over 10 further files.
+    for (lo, hi, files) in [(0u32, 30u32, 9u32), (30, 60, 10)] {
+        for f in 0..files {
+            for i in (lo..hi).filter(|i| (i - lo) % files == f) {
+                let (k, v) = kv(i, 0);
+                db.put(&k, &v).unwrap();
+                m.insert(k, v);
+            }
+            db.flush().unwrap();
+        }
+    }
+    assert_eq!(sst_files(&fs).len(), 19);
+    assert_eq!(stat(&db, "candidates_seq_degree"), 0);
+    let got: Vec<_> = db.scan(b"k".as_slice()..).unwrap().take(60).map(|r| r.unwrap()).collect();
+    assert_eq!(got.len(), 60);
+    assert_eq!(stat(&db, "candidates_seq_degree"), 10, "only the worst sub-range's files");
+    assert_matches(&db, &m, "after the scan");
+}
+
+/// The sequentiality degree counts the files a range query *reads*: keys the MemTable
+/// serves (newer versions of keys whose older versions sit in scattered files) read no
+/// file, so a query over them adds no candidate.
+#[test]
+fn range_query_sequentiality_ignores_keys_served_by_the_memtable() {
+    let (dev, fs) = (SimDevice::new(), FaultFs::new());
+    let db = Db::open(dir(), opts(&dev, &fs, schemes(false, false, true))).unwrap();
+    let mut m = Model::new();
+    interleaved(&db, &mut m, 9, 10);
+    // The first 40 keys overwritten: their newest versions are in the MemTable.
+    for i in 0..40 {
+        let (k, v) = kv(i, 1);
+        db.put(&k, &v).unwrap();
+        m.insert(k, v);
+    }
+    let got: Vec<_> = db.scan(b"k".as_slice()..).unwrap().take(30).map(|r| r.unwrap()).collect();
+    assert_eq!(got.len(), 30);
+    assert!(got.iter().all(|(k, v)| m.get(k) == Some(v)));
+    assert_eq!(stat(&db, "candidates_seq_degree"), 0, "no file was read for these 30 keys");
+    assert_matches(&db, &m, "after the scan");
+}

@@ -703,6 +703,41 @@ mod tests {
         assert!(design(&e, "flushes") > flushes, "flushes ran during the walks");
     }
 
+    /// An empty store, a store of tombstones only and one key: every positioning move
+    /// lands where the model says (seek_to_last on an empty store is invalid, not a panic;
+    /// seek_for_prev at a key equal to an entry returns it).
+    #[test]
+    fn edge_positions_on_tiny_stores() {
+        let (dev, fs) = (SimDevice::new(), FaultFs::new());
+        let o = opts(&dev, &fs, crate::testing::slmdb_small());
+        let e = open(&o, &fs, true);
+        let mut it = e.iter().unwrap();
+        it.seek_to_last().unwrap();
+        assert!(!it.valid());
+        it.seek_for_prev(b"zzz").unwrap();
+        assert!(!it.valid());
+        it.seek(b"").unwrap();
+        assert!(!it.valid());
+        it.seek_to_first().unwrap();
+        assert!(!it.valid());
+        drop(it);
+        e.write(&[BatchOp::Put { key: key(1), value: b"v1".to_vec() }], Cond::None).unwrap();
+        e.flush().unwrap();
+        e.write(&[BatchOp::Delete { key: key(1) }], Cond::None).unwrap();
+        e.write(&[BatchOp::Put { key: key(2), value: b"v2".to_vec() }], Cond::None).unwrap();
+        let mut it = e.iter().unwrap();
+        it.seek_for_prev(&key(2)).unwrap();
+        assert!(it.valid() && it.key() == key(2).as_slice() && it.value() == Some(&b"v2"[..]));
+        it.prev().unwrap();
+        assert!(it.valid() && it.key() == key(1).as_slice() && it.value().is_none(), "the tombstone hides the tree");
+        it.prev().unwrap();
+        assert!(!it.valid());
+        it.seek_to_last().unwrap();
+        assert_eq!(it.key(), key(2).as_slice());
+        it.next().unwrap();
+        assert!(!it.valid());
+    }
+
     /// (d) A damaged SSTable block the iterator reads is `Corruption` naming the file and
     /// the block's offset, not a panic or a wrong value.
     #[test]
