@@ -2,7 +2,7 @@
 //! range query, the B+-tree iterator merged with the two MemTable iterators (design in the
 //! module docs of [`super`], "Range reads: the iterator").
 
-use std::cell::RefCell;
+use std::cell::{Cell, RefCell};
 use std::collections::{HashMap, HashSet};
 use std::ops::Bound;
 use std::sync::Arc;
@@ -182,31 +182,55 @@ struct TreeCursor {
     at: usize,
     /// False after a move failed (the cursor is then invalid).
     ok: bool,
-    /// Files of the entries visited since the last seek, up to one sub-range (§3.3,
-    /// sequentiality degree of range queries).
-    seq: Vec<u64>,
+    /// Files of the entries this cursor *served* (whose value the merge asked for; keys a
+    /// MemTable shadows read no file) in the current sub-range (§3.3, sequentiality degree
+    /// of range queries). Filled by `value`, hence the cell.
+    seq: RefCell<Vec<u64>>,
+    /// The current entry was counted in `seq` (reset by every move).
+    counted: Cell<bool>,
+    /// The distinct files of the worst sub-range of the current query (since the last
+    /// seek): §3.3 adds only those, once the query is done.
+    worst: Vec<u64>,
 }
 
 impl TreeCursor {
     fn new(inner: &Arc<Inner>) -> TreeCursor {
         let src = TreeSource { inner: inner.clone(), tables: RefCell::default(), err: RefCell::default() };
-        TreeCursor { cur: ReadAhead::new(src), block: None, at: 0, ok: true, seq: Vec::new() }
+        TreeCursor {
+            cur: ReadAhead::new(src),
+            block: None,
+            at: 0,
+            ok: true,
+            seq: RefCell::default(),
+            counted: Cell::new(false),
+            worst: Vec::new(),
+        }
     }
 
     fn inner(&self) -> &Arc<Inner> {
         &self.cur.source().inner
     }
 
-    /// The sequentiality check of §3.3 over the sub-range just visited: more than
-    /// `seq_degree_threshold` distinct files in it make them compaction candidates.
-    fn end_subrange(&mut self) -> Result<()> {
-        if self.seq.is_empty() {
-            return Ok(());
+    /// Close the current sub-range: its distinct files replace the query's worst so far
+    /// when there are more of them.
+    fn end_subrange(&mut self) {
+        let files = std::mem::take(&mut *self.seq.borrow_mut());
+        let mut distinct: Vec<u64> = files;
+        distinct.sort_unstable();
+        distinct.dedup();
+        if distinct.len() > self.worst.len() {
+            self.worst = distinct;
         }
-        let files = std::mem::take(&mut self.seq);
-        let distinct: HashSet<u64> = files.iter().copied().collect();
-        if distinct.len() > self.inner().opts.seq_degree_threshold {
-            self.inner().note_sequentiality(&files)?;
+    }
+
+    /// The sequentiality check of §3.3 once a range query is done (the next seek, or the
+    /// drop): the files of its worst sub-range become compaction candidates when there are
+    /// more than `seq_degree_threshold` of them.
+    fn end_query(&mut self) -> Result<()> {
+        self.end_subrange();
+        let worst = std::mem::take(&mut self.worst);
+        if worst.len() > self.inner().opts.seq_degree_threshold {
+            self.inner().note_sequentiality(&worst)?;
         }
         Ok(())
     }
@@ -219,20 +243,17 @@ impl TreeCursor {
     }
 
     fn resolve(&mut self, seek: bool) -> Result<()> {
+        self.counted.set(false);
+        if seek {
+            self.end_query()?;
+        } else if self.seq.borrow().len() >= self.inner().opts.seq_subrange_keys.max(1) {
+            self.end_subrange();
+        }
         if let Some(e) = self.cur.source().err.borrow_mut().take() {
             return Err(e);
         }
-        if seek {
-            self.end_subrange()?;
-        }
         let Some(&loc) = self.cur.val() else { return Ok(()) };
         let inner = self.inner().clone();
-        if inner.opts.enable_seq_degree {
-            self.seq.push(loc.file);
-            if self.seq.len() >= inner.opts.seq_subrange_keys.max(1) {
-                self.end_subrange()?;
-            }
-        }
         if !matches!(&self.block, Some((f, o, ..)) if *f == loc.file && *o == loc.offset) {
             let t = self.cur.source().tables.borrow().get(&loc.file).cloned().ok_or_else(|| {
                 Error::corruption(path_of(&inner.dir, loc.file), loc.offset, "B+-tree points at an unknown SSTable")
@@ -259,8 +280,8 @@ impl TreeCursor {
 
 impl Drop for TreeCursor {
     fn drop(&mut self) {
-        // The last, partial sub-range of the query (its candidates only; nothing to report).
-        let _ = self.end_subrange();
+        // The query is done (its candidates only; nothing to report).
+        let _ = self.end_query();
     }
 }
 
@@ -309,7 +330,15 @@ impl InternalIterator for TreeCursor {
         if !self.valid() {
             return None;
         }
-        self.block.as_ref().and_then(|(_, _, _, b)| b.value(self.at))
+        let v = self.block.as_ref().and_then(|(_, _, _, b)| b.value(self.at));
+        // The merge asks only the source whose entry it serves: count that entry's file once.
+        if !self.counted.get() && self.inner().opts.enable_seq_degree {
+            if let (Some(_), Some(loc)) = (v, self.cur.val()) {
+                self.seq.borrow_mut().push(loc.file);
+                self.counted.set(true);
+            }
+        }
+        v
     }
 }
 

@@ -104,9 +104,10 @@
 //!   MemTable leaves `mem`, and the iterator holds that MemTable), so it is returned exactly
 //!   once with its value; a key written meanwhile may show any version or none.
 //! - **Sequentiality degree** (§3.3). The tree cursor counts the files of the entries it
-//!   visits in sub-ranges of `seq_subrange_keys`, restarted at each seek (a new range
-//!   query) and closed when the iterator drops; a sub-range with more than
-//!   `seq_degree_threshold` distinct files adds them to the candidates.
+//!   serves (the merge asks it for their value; keys a MemTable shadows read no file) in
+//!   sub-ranges of `seq_subrange_keys`. A range query runs from a seek to the next seek or
+//!   the drop; when it is done, the files of its worst sub-range (most distinct files) are
+//!   added to the candidates if there are more than `seq_degree_threshold` of them.
 //! - **Errors.** A damaged tree record, node, block or a location naming no table is
 //!   `Corruption` (the file and offset, or the PM pool and offset) from the move that met
 //!   it; the iterator is then invalid.
