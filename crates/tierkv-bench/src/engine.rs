@@ -11,7 +11,7 @@ use tierkv::pm::{Backing, Region, RegionConfig, LINE, POOL_HEADER_LEN};
 use tierkv::{Db, HoakvOptions, HpdkOptions, LightkvOptions, LightkvPlacement, Options, Preset, SlmdbOptions};
 
 /// How to build engines for one run.
-#[derive(Debug, Clone)]
+#[derive(Debug, Clone, Default, serde::Serialize, serde::Deserialize)]
 pub struct EngineSpec {
     /// Engine name: a preset name, or `limit`.
     pub name: String,
@@ -19,8 +19,38 @@ pub struct EngineSpec {
     pub dir: PathBuf,
     /// Directory for PM pool files.
     pub pm_dir: PathBuf,
-    /// Power-loss durability: peers fsync every write, tierkv msyncs PM (`pm_sync`).
+    /// Power-loss durability ([`durability`]): peers fsync every write; tierkv presets
+    /// msync PM (`pm_sync`) and sync their WALs (`hpdk`'s and `hoakv`'s `sync_wal`);
+    /// `limit` msyncs what it persists.
     pub durable: bool,
+    /// PM capacity in bytes (`--pm-budget`): tierkv presets get `pm_capacity` and
+    /// `pm_preallocate` (every pool created and faulted at open), `limit` the same through
+    /// its region. `None`: PM grows without a bound, pools are created as needed.
+    #[serde(default)]
+    pub pm_budget: Option<u64>,
+    /// PM device profile (`--pm-profile`): `dram` (no added latency, the default) or
+    /// `optane`.
+    #[serde(default)]
+    pub pm_profile: Option<String>,
+}
+
+/// The peers' names (engines that keep everything on disk and have no PM).
+pub fn is_peer(name: &str) -> bool {
+    matches!(name, "leveldb" | "rocksdb")
+}
+
+/// The crash an engine's acknowledged writes survive, as the report states it: without
+/// `durable`, a process crash (peers: WAL written, not fsynced; tierkv: PM persisted by
+/// flush+fence, WALs written); with it, a power loss of the medium (peers fsync every
+/// write; tierkv msyncs PM and syncs its WALs) — emulated only when PM is on tmpfs, where
+/// msync has no medium to write to.
+pub fn durability(name: &str, durable: bool, pm_on_tmpfs: bool) -> String {
+    match (durable, is_peer(name), pm_on_tmpfs) {
+        (false, _, _) => "process-crash".into(),
+        (true, true, _) => "power-loss".into(),
+        (true, false, true) => "power-loss (emulated: PM on tmpfs)".into(),
+        (true, false, false) => "power-loss".into(),
+    }
 }
 
 /// Names `--engines` accepts: every preset this build hosts, `limit`, and the peers (when
@@ -38,7 +68,7 @@ pub fn known_engines() -> Vec<String> {
 /// Build the engine `spec.name`.
 pub fn open(spec: &EngineSpec) -> Result<Box<dyn BenchEngine>> {
     match spec.name.as_str() {
-        "limit" => return Ok(Box::new(Limit::open(&spec.pm_dir)?)),
+        "limit" => return Ok(Box::new(Limit::open(spec)?)),
         #[cfg(feature = "peers")]
         "leveldb" => return Ok(Box::new(crate::peers::LevelDb::open(&spec.dir, spec.durable)?)),
         #[cfg(feature = "peers")]
@@ -54,6 +84,10 @@ pub fn open(spec: &EngineSpec) -> Result<Box<dyn BenchEngine>> {
     if let Some(s) = schemes {
         apply_variant(&mut opts, preset, s)?;
     }
+    // Like for like with the peers' fsync: the designs' own WALs are synced too (after the
+    // variant, which replaces the design's options).
+    opts.hpdk.sync_wal = spec.durable;
+    opts.hoakv.sync_wal = spec.durable;
     Ok(Box::new(Tierkv::open(spec.name.clone(), opts, &spec.dir)?))
 }
 
@@ -281,12 +315,12 @@ impl std::fmt::Debug for Limit {
 }
 
 impl Limit {
-    fn open(pm_dir: &Path) -> Result<Limit> {
+    fn open(spec: &EngineSpec) -> Result<Limit> {
         let region = Region::open(RegionConfig {
-            backing: Backing::Dir(pm_dir.join("limit")),
+            backing: Backing::Dir(spec.pm_dir.join("limit")),
             pool_size: 1 << 30,
             db_id: 1,
-            sync: false,
+            sync: spec.durable,
             write_latency_ns: 0,
             write_bandwidth_mbps: 0,
             create: true,

@@ -25,9 +25,11 @@
 //! - the same seeded key and request streams are used for every engine.
 
 pub mod api;
+pub mod cgroup;
 pub mod child;
 pub mod cli;
 pub mod engine;
+pub mod job;
 #[cfg(feature = "peers")]
 pub mod peers;
 pub mod plot;
