@@ -323,6 +323,9 @@ impl Limit {
             sync: spec.durable,
             write_latency_ns: 0,
             write_bandwidth_mbps: 0,
+            read_latency_ns: 0,
+            capacity: 0,
+            preallocate: false,
             create: true,
             health: Default::default(),
         })

@@ -396,6 +396,21 @@ pub struct Options {
     pub pm_write_latency_ns: u64,
     /// Emulated PM write bandwidth cap in MB/s; 0 = unlimited. Default 0.
     pub pm_write_bandwidth_mbps: u64,
+    /// Emulated extra latency of every PM read access, in ns (Optane's random load costs
+    /// about 224 ns more than DRAM's, see [`crate::pm::profile`]). Default 0.
+    /// [`Options::pm_profile`] sets it with the two write knobs above.
+    pub pm_read_latency_ns: u64,
+    /// PM capacity: most bytes of PM pools the store may use (rounded down to whole pools,
+    /// at least one); a write that needs more fails with [`crate::Error::PmFull`].
+    /// 0 = no limit but the region's 4,096 pools. Default 0. May change
+    /// between opens (a store already larger keeps its pools but cannot grow).
+    pub pm_capacity: u64,
+    /// Reserve the whole [`Options::pm_capacity`] at open: pool files not created yet are
+    /// created and fully allocated as spares (`pool-NNNNNN.tmp`, docs/format/pm-pool.md),
+    /// so the PM device's pages are all allocated before the first write (what a real PM
+    /// namespace is) and growth never allocates on the write path. Requires `pm_capacity`
+    /// and pool files (ignored with a simulated device). Default `false`.
+    pub pm_preallocate: bool,
     /// Size of each PM pool file: a power of two from 1 MiB to 1 TiB (addresses split into
     /// pool and offset with a shift). *Creation-only.* Default 256 MiB. The region grows by
     /// adding pools; a single value must fit in one pool.
@@ -439,6 +454,9 @@ impl fmt::Debug for Options {
             .field("pm_sync", &self.pm_sync)
             .field("pm_write_latency_ns", &self.pm_write_latency_ns)
             .field("pm_write_bandwidth_mbps", &self.pm_write_bandwidth_mbps)
+            .field("pm_read_latency_ns", &self.pm_read_latency_ns)
+            .field("pm_capacity", &self.pm_capacity)
+            .field("pm_preallocate", &self.pm_preallocate)
             .field("pm_pool_size", &self.pm_pool_size)
             .field("max_key_size", &self.max_key_size)
             .field("max_value_size", &self.max_value_size)
@@ -465,6 +483,9 @@ impl Default for Options {
             pm_sync: false,
             pm_write_latency_ns: 0,
             pm_write_bandwidth_mbps: 0,
+            pm_read_latency_ns: 0,
+            pm_capacity: 0,
+            pm_preallocate: false,
             pm_pool_size: 256 << 20,
             max_key_size: MAX_KEY_SIZE,
             max_value_size: MAX_VALUE_SIZE,
@@ -524,6 +545,30 @@ impl Options {
     /// Set [`Options::pm_write_bandwidth_mbps`].
     pub fn pm_write_bandwidth_mbps(mut self, v: u64) -> Self {
         self.pm_write_bandwidth_mbps = v;
+        self
+    }
+    /// Set [`Options::pm_read_latency_ns`].
+    pub fn pm_read_latency_ns(mut self, v: u64) -> Self {
+        self.pm_read_latency_ns = v;
+        self
+    }
+    /// Emulate the media `profile`: sets [`Options::pm_read_latency_ns`],
+    /// [`Options::pm_write_latency_ns`] and [`Options::pm_write_bandwidth_mbps`] to its
+    /// figures ([`crate::pm::profile`]).
+    pub fn pm_profile(mut self, profile: crate::pm::PmProfile) -> Self {
+        self.pm_read_latency_ns = profile.read_latency_ns();
+        self.pm_write_latency_ns = profile.write_latency_ns();
+        self.pm_write_bandwidth_mbps = profile.write_bandwidth_mbps();
+        self
+    }
+    /// Set [`Options::pm_capacity`] (bytes).
+    pub fn pm_capacity(mut self, v: u64) -> Self {
+        self.pm_capacity = v;
+        self
+    }
+    /// Set [`Options::pm_preallocate`].
+    pub fn pm_preallocate(mut self, v: bool) -> Self {
+        self.pm_preallocate = v;
         self
     }
     /// Set [`Options::pm_pool_size`].
@@ -590,6 +635,9 @@ impl Options {
         }
         if self.pm_pool_size < (1 << 20) || self.pm_pool_size > (1 << 40) || !self.pm_pool_size.is_power_of_two() {
             return bad(format!("pm_pool_size {} must be a power of two between 1 MiB and 1 TiB", self.pm_pool_size));
+        }
+        if self.pm_preallocate && self.pm_capacity == 0 {
+            return bad("pm_preallocate needs pm_capacity (how much PM to reserve)".into());
         }
         let p = &self.pmekv;
         if !(4..=1024).contains(&p.node_capacity) {

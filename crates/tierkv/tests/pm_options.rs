@@ -61,3 +61,105 @@ fn pm_path_elsewhere() {
     let db = Db::open(t.path().join("db"), o()).unwrap();
     assert_eq!(db.get(b"k").unwrap(), Some(b"v".to_vec()));
 }
+
+/// Small pools and a PM capacity of `pools` of them.
+fn capped(pools: u64) -> Options {
+    opts().pm_sync(false).pm_write_latency_ns(0).pm_write_bandwidth_mbps(0).pm_capacity(pools << 20)
+}
+
+#[test]
+fn optane_profile_delays_every_pm_read_and_dram_none() {
+    let t = tempdir();
+    let o = opts().pm_profile(tierkv::pm::PmProfile::Optane);
+    assert_eq!((o.pm_read_latency_ns, o.pm_write_latency_ns, o.pm_write_bandwidth_mbps), (224, 0, 2300));
+    let db = Db::open(t.path().join("optane"), o).unwrap();
+    for i in 0..100u32 {
+        db.put(format!("k{i:03}").as_bytes(), [7u8; 100]).unwrap();
+    }
+    let before = db.stats().pm.delayed_reads;
+    for i in 0..100u32 {
+        assert_eq!(db.get(format!("k{i:03}").as_bytes()).unwrap(), Some(vec![7u8; 100]));
+    }
+    let read = db.stats().pm.delayed_reads - before;
+    assert!(read >= 100, "every get reads its value from PM through the delaying accessor: {read}");
+
+    let db = Db::open(t.path().join("dram"), opts().pm_profile(tierkv::pm::PmProfile::Dram)).unwrap();
+    db.put(b"k", b"v").unwrap();
+    assert_eq!(db.get(b"k").unwrap(), Some(b"v".to_vec()));
+    assert_eq!(db.stats().pm.delayed_reads, 0);
+}
+
+#[test]
+fn pm_capacity_is_a_clear_error_and_the_store_stays_usable() {
+    let t = tempdir();
+    let db = Db::open(t.path(), capped(2)).unwrap();
+    let mut m = Model::new();
+    let mut full = None;
+    for i in 0..4000u32 {
+        let k = format!("key{i:05}").into_bytes();
+        let v = vec![(i % 251) as u8; 1000];
+        match db.put(&k, &v) {
+            Ok(()) => {
+                m.insert(k, v);
+            }
+            Err(e) => {
+                full = Some((k, e));
+                break;
+            }
+        }
+    }
+    let (k, e) = full.expect("4 MB of values cannot fit in 2 MiB of PM");
+    assert!(matches!(e, tierkv::Error::PmFull(_)), "{e:?}");
+    assert_eq!(db.get(&k).unwrap(), None, "the refused write wrote nothing");
+    assert_eq!(db.stats().pm.pools, 2);
+    assert_matches(&db, &m, "after PmFull");
+    drop(db);
+    // A larger capacity lets the same store grow again.
+    let db = Db::open(t.path(), capped(3)).unwrap();
+    assert_matches(&db, &m, "reopened");
+    db.put(&k, b"fits now").unwrap();
+    assert_eq!(db.stats().pm.pools, 3);
+}
+
+#[test]
+fn pm_preallocate_reserves_the_capacity_and_growth_takes_the_spares() {
+    use std::os::unix::fs::MetadataExt;
+    let t = tempdir();
+    let pm = t.path().join("pm");
+    let o = || capped(4).pm_preallocate(true);
+    let db = Db::open(t.path(), o()).unwrap();
+    assert_eq!(db.stats().pm.pools, 1, "spares are not pools until taken");
+    let mut inodes = Vec::new();
+    for i in 1..4 {
+        let spare = pm.join(format!("pool-{i:06}.tmp"));
+        let md = std::fs::metadata(&spare).unwrap();
+        assert_eq!(md.len(), 1 << 20, "{}", spare.display());
+        assert!(md.blocks() * 512 >= 1 << 20, "{}: all blocks allocated ({} blocks)", spare.display(), md.blocks());
+        inodes.push(md.ino());
+    }
+    assert!(!pm.join("pool-000004.tmp").exists(), "nothing past the capacity");
+    let mut m = Model::new();
+    for i in 0..1500u32 {
+        let k = format!("key{i:05}").into_bytes();
+        let v = vec![(i % 251) as u8; 1000];
+        db.put(&k, &v).unwrap();
+        m.insert(k, v);
+    }
+    assert!(db.stats().pm.pools >= 2, "the values need a second pool");
+    db.close().unwrap();
+    drop(db);
+    // Growth (the writes, and the write-back at close) took spares: same files, renamed.
+    let pools = (0..5).take_while(|i| pm.join(format!("pool-{i:06}")).exists()).count() as u64;
+    assert!((2..=4).contains(&pools), "{pools} pools");
+    for i in 1..pools as usize {
+        let md = std::fs::metadata(pm.join(format!("pool-{i:06}"))).unwrap();
+        assert_eq!(md.ino(), inodes[i - 1], "pool {i} is the spare made at open, not a new file");
+        assert!(!pm.join(format!("pool-{i:06}.tmp")).exists());
+    }
+    // Spares left over are no pools: a reopen without preallocation sees the same store.
+    let db = Db::open(t.path(), capped(4)).unwrap();
+    assert_eq!(db.stats().pm.pools, pools);
+    assert_matches(&db, &m, "reopened with spares present");
+    drop(db);
+    assert!(matches!(Db::open(t.path(), opts().pm_preallocate(true)), Err(tierkv::Error::InvalidArgument(_))));
+}

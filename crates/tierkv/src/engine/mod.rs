@@ -141,6 +141,9 @@ pub(crate) fn open_region(ctx: &EngineCtx) -> Result<Region> {
         sync: o.pm_sync,
         write_latency_ns: o.pm_write_latency_ns,
         write_bandwidth_mbps: o.pm_write_bandwidth_mbps,
+        read_latency_ns: o.pm_read_latency_ns,
+        capacity: o.pm_capacity,
+        preallocate: o.pm_preallocate,
         create: ctx.fresh,
         health: ctx.pm_health.clone(),
     })

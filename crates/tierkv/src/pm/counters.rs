@@ -50,17 +50,20 @@ fn slot() -> usize {
 #[derive(Default)]
 #[repr(align(64))]
 struct Shard {
-    v: [AtomicU64; 3],
+    v: [AtomicU64; COUNTERS],
 }
 
-/// Three counters (index 0..3), sharded per thread.
+/// Counters per region.
+pub const COUNTERS: usize = 4;
+
+/// [`COUNTERS`] counters (index 0..COUNTERS), sharded per thread.
 pub struct Counters {
     shards: Box<[Shard]>,
 }
 
 impl std::fmt::Debug for Counters {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_list().entries((0..3).map(|i| self.get(i))).finish()
+        f.debug_list().entries((0..COUNTERS).map(|i| self.get(i))).finish()
     }
 }
 
@@ -71,7 +74,7 @@ impl Default for Counters {
 }
 
 impl Counters {
-    /// Add `n` to counter `i` (0..3).
+    /// Add `n` to counter `i` (0..COUNTERS).
     #[inline]
     pub fn add(&self, i: usize, n: u64) {
         let s = slot();

@@ -27,6 +27,7 @@
 mod counters;
 pub mod flush;
 pub mod heap;
+pub mod profile;
 pub mod sim;
 
 use std::fs::OpenOptions;
@@ -40,6 +41,7 @@ use parking_lot::Mutex;
 use crate::error::{Error, Result};
 use crate::format::crc;
 pub use flush::{FlushInstr, LINE};
+pub use profile::PmProfile;
 use sim::SimDevice;
 
 /// Bytes at the start of every pool reserved for the pool header.
@@ -73,6 +75,15 @@ pub struct RegionConfig {
     pub write_latency_ns: u64,
     /// Emulated bandwidth cap (MB/s, 0 = none).
     pub write_bandwidth_mbps: u64,
+    /// Emulated extra latency of every read access (ns), see [`profile`].
+    pub read_latency_ns: u64,
+    /// Most bytes of pools the region may hold (0 = up to [`MAX_POOLS`] pools); growing
+    /// past it is [`Error::PmFull`]. At least one pool is always allowed.
+    pub capacity: u64,
+    /// Reserve the whole `capacity` at open: every pool not yet created gets its file
+    /// created and fully allocated as a spare (`pool-NNNNNN.tmp`), which [`Region::grow`]
+    /// later takes instead of allocating. Pool-file backing only; needs `capacity`.
+    pub preallocate: bool,
     /// Create the first pool when none exists.
     pub create: bool,
     /// Where a failed msync is recorded (shared with the owning store).
@@ -155,6 +166,8 @@ pub struct PmStats {
     pub lines_persisted: u64,
     /// Fences (persist calls).
     pub persist_calls: u64,
+    /// Read accesses that paid an emulated read latency.
+    pub delayed_reads: u64,
     /// Pools in the region.
     pub pools: u64,
     /// Bytes of PM mapped.
@@ -188,10 +201,13 @@ pub struct Region {
     instr: FlushInstr,
     sync: bool,
     latency_ns: u64,
+    read_latency_ns: u64,
     bandwidth_bps: u64,
+    /// Most pools `grow` may reach (from `capacity`).
+    max_pools: usize,
     throttle: Mutex<Instant>,
     health: Arc<PmHealth>,
-    /// 0: bytes stored, 1: lines persisted, 2: persist calls (fences).
+    /// 0: bytes stored, 1: lines persisted, 2: persist calls (fences), 3: delayed reads.
     counters: counters::Counters,
 }
 
@@ -207,6 +223,11 @@ impl std::fmt::Debug for Region {
 
 fn pool_file(dir: &Path, i: usize) -> PathBuf {
     dir.join(format!("pool-{i:06}"))
+}
+
+/// Where pool `i` is prepared before it is renamed into place (also a preallocated spare).
+fn spare_file(dir: &Path, i: usize) -> PathBuf {
+    dir.join(format!("pool-{i:06}.tmp"))
 }
 
 /// Encode a pool header (64 bytes).
@@ -245,19 +266,48 @@ impl Region {
             instr,
             sync: cfg.sync,
             latency_ns: cfg.write_latency_ns,
+            read_latency_ns: cfg.read_latency_ns,
+            max_pools: MAX_POOLS,
             bandwidth_bps: cfg.write_bandwidth_mbps.saturating_mul(1_000_000),
             throttle: Mutex::new(Instant::now()),
             health: cfg.health.clone(),
             counters: counters::Counters::default(),
         };
         let existing = region.attach_existing(cfg.create)?;
+        // An existing region keeps its pool size, so the pool budget is computed after attach.
+        if cfg.capacity > 0 {
+            region.max_pools =
+                usize::try_from(cfg.capacity / region.pool_size).unwrap_or(MAX_POOLS).clamp(1, MAX_POOLS);
+        }
         if existing == 0 {
             if !cfg.create {
                 return Err(Error::InvalidArgument("PM region has no pools".into()));
             }
             region.grow()?;
         }
+        if cfg.preallocate {
+            if cfg.capacity == 0 {
+                return Err(Error::InvalidArgument("PM preallocation needs a PM capacity".into()));
+            }
+            region.reserve_spares()?;
+        }
         Ok(region)
+    }
+
+    /// Create (allocated, unmapped) spare files for every pool up to the capacity that does
+    /// not exist yet. Spares carry no header: [`Region::grow`] writes it when it takes one.
+    fn reserve_spares(&self) -> Result<()> {
+        let Backing::Dir(dir) = &self.backing else { return Ok(()) };
+        for i in self.pool_count()..self.max_pools {
+            let tmp = spare_file(dir, i);
+            let file = OpenOptions::new().read(true).write(true).create(true).truncate(false).open(&tmp)?;
+            if file.metadata()?.len() != self.pool_size {
+                file.set_len(0)?;
+            }
+            reserve(&file, self.pool_size)?;
+        }
+        crate::fs::sync_dir_path(dir)?;
+        Ok(())
     }
 
     /// Map every existing pool and verify its header. Returns how many there are.
@@ -383,16 +433,25 @@ impl Region {
     pub fn grow(&self) -> Result<usize> {
         let _g = self.grow_lock.lock();
         let i = self.npools.load(Ordering::Acquire);
-        if i >= MAX_POOLS {
-            return Err(Error::PmFull(format!("region already has {MAX_POOLS} pools")));
+        if i >= self.max_pools {
+            return Err(Error::PmFull(format!(
+                "region already has {i} pools of {} bytes, its capacity",
+                self.pool_size
+            )));
         }
         let pool = match &self.backing {
             Backing::Dir(dir) => {
                 std::fs::create_dir_all(dir)?;
                 let path = pool_file(dir, i);
-                let tmp = dir.join(format!("pool-{i:06}.tmp"));
+                let tmp = spare_file(dir, i);
                 let made = (|| -> Result<Mapping> {
-                    let file = OpenOptions::new().read(true).write(true).create(true).truncate(true).open(&tmp)?;
+                    // A spare of the right size (preallocated, or left by a crash inside
+                    // this function, which writes only the header below) is taken as it is:
+                    // its pages are already allocated and charged where they were made.
+                    let file = OpenOptions::new().read(true).write(true).create(true).truncate(false).open(&tmp)?;
+                    if file.metadata()?.len() != self.pool_size {
+                        file.set_len(0)?;
+                    }
                     reserve(&file, self.pool_size)?;
                     let map = map_file(&file, self.pool_size)?;
                     let header = encode_pool_header(i as u32, self.pool_size, self.db_id);
@@ -481,9 +540,11 @@ impl Region {
     }
 
     /// A read view of `[addr, addr+len)`, or `None` if the range is not inside one pool.
+    /// With an emulated read latency ([`profile`]) every call pays it once.
     #[inline]
     pub fn slice(&self, addr: u64, len: usize) -> Option<&[u8]> {
         let p = self.resolve(addr, len as u64)?;
+        self.read_delay();
         // SAFETY: `resolve` checked the range lies in a live mapping that outlives `&self`;
         // concurrent writers never touch bytes other threads read (module contract).
         Some(unsafe { std::slice::from_raw_parts(p, len) })
@@ -530,7 +591,18 @@ impl Region {
 
     /// Atomic 8-byte load, pairing with [`Region::store_u64_atomic`].
     pub fn load_u64_atomic(&self, addr: u64) -> Result<u64> {
-        Ok(self.atomic_ptr(addr)?.load(Ordering::Acquire))
+        let w = self.atomic_ptr(addr)?;
+        self.read_delay();
+        Ok(w.load(Ordering::Acquire))
+    }
+
+    /// The emulated extra latency of one read access (nothing on the `dram` profile).
+    #[inline]
+    fn read_delay(&self) {
+        if self.read_latency_ns > 0 {
+            self.counters.add(3, 1);
+            spin_for(Duration::from_nanos(self.read_latency_ns));
+        }
     }
 
     fn atomic_ptr(&self, addr: u64) -> Result<&AtomicU64> {
@@ -639,6 +711,7 @@ impl Region {
             bytes_stored: self.counters.get(0),
             lines_persisted: self.counters.get(1),
             persist_calls: self.counters.get(2),
+            delayed_reads: self.counters.get(3),
             pools: self.pool_count() as u64,
             capacity: self.pool_count() as u64 * self.pool_size,
         }

@@ -1959,6 +1959,9 @@ mod tests {
                 sync: false,
                 write_latency_ns: 0,
                 write_bandwidth_mbps: 0,
+                read_latency_ns: 0,
+                capacity: 0,
+                preallocate: false,
                 create,
                 health: Default::default(),
             })

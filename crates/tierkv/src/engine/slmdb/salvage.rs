@@ -235,6 +235,9 @@ fn open_pm(ctx: &EngineCtx, sink: &mut dyn SalvageSink) -> Result<Option<Pm>> {
         sync: false,
         write_latency_ns: 0,
         write_bandwidth_mbps: 0,
+        read_latency_ns: 0,
+        capacity: 0,
+        preallocate: false,
         create: true,
         health: Arc::default(),
     })?;
@@ -1351,6 +1354,9 @@ mod tests {
             sync: false,
             write_latency_ns: 0,
             write_bandwidth_mbps: 0,
+            read_latency_ns: 0,
+            capacity: 0,
+            preallocate: false,
             create: false,
             health: Arc::default(),
         })
