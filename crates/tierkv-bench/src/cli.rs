@@ -91,7 +91,7 @@ impl BenchArgs {
     /// `docs/design/bench.md`). Explicit flags override any of these.
     pub fn paper() -> BenchArgs {
         BenchArgs {
-            num: 2_000_000,
+            num: 2_100_000,
             reads: Some(100_000),
             time_cap: Some(300.0),
             dram_budget_mib: Some(256),
@@ -179,9 +179,7 @@ pub fn run(a: &BenchArgs) -> Result<Report, String> {
     if a.threads.is_empty() || a.threads.contains(&0) {
         return Err("--threads: give one or more counts, each at least 1".into());
     }
-    if !matches!(a.pm_profile.as_str(), "dram" | "optane") {
-        return Err(format!("--pm-profile: unknown profile `{}` (known: dram, optane)", a.pm_profile));
-    }
+    a.pm_profile.parse::<tierkv::pm::PmProfile>().map_err(|e| format!("--pm-profile: {e}"))?;
     let pm_on_tmpfs = cgroup::is_tmpfs(&pm_base);
     let has_pm = a.engines.iter().any(|e| !engine::is_peer(e));
     if a.durable && pm_on_tmpfs && has_pm {

@@ -18,6 +18,7 @@
 use std::path::{Path, PathBuf};
 
 use plotters::prelude::*;
+use plotters::style::text_anchor::{HPos, Pos, VPos};
 
 use crate::report::Report;
 use crate::run::Workload;
@@ -181,7 +182,7 @@ fn throughput(r: &Report, vs: usize, path: &Path) -> Result<(), String> {
         limit,
         ymax,
     };
-    let size = (40 * (b.series.len() as u32 + 1) * b.workloads.len().max(1) as u32 + 240, 520);
+    let size = (26 * (b.series.len() as u32 + 1) * b.workloads.len().max(1) as u32 + 300, 520);
     if path.extension().is_some_and(|x| x == "svg") {
         draw_bars(SVGBackend::new(path, size).into_drawing_area(), &b)
     } else {
@@ -195,6 +196,9 @@ where
 {
     let n = b.workloads.len().max(1);
     root.fill(&WHITE).map_err(e)?;
+    // The legend gets its own column on the right, so it never hides a bar.
+    let (w, _) = root.dim_in_pixel();
+    let (root, legend) = root.split_horizontally(w.saturating_sub(130));
     let mut chart = ChartBuilder::on(&root)
         .caption(&b.title, ("sans-serif", 22))
         .margin(10)
@@ -220,7 +224,7 @@ where
         .map_err(e)?;
     let width = 0.8 / b.series.len().max(1) as f64;
     let label_font = ("sans-serif", 11).into_font().transform(FontTransform::Rotate270).color(&BLACK);
-    for (ei, (eng, color, vals)) in b.series.iter().enumerate() {
+    for (ei, (_, color, vals)) in b.series.iter().enumerate() {
         let color = *color;
         let bars: Vec<Rectangle<(f64, f64)>> = vals
             .iter()
@@ -230,11 +234,7 @@ where
                 Some(Rectangle::new([(x0, 0.0), (x0 + width * 0.9, (*v)?)], color.filled()))
             })
             .collect();
-        chart
-            .draw_series(bars)
-            .map_err(e)?
-            .label(eng.clone())
-            .legend(move |(x, y)| Rectangle::new([(x, y - 5), (x + 10, y + 5)], color.filled()));
+        chart.draw_series(bars).map_err(e)?;
         // The ratio above each bar, written upwards.
         let labels: Vec<Text<(f64, f64), String>> = vals
             .iter()
@@ -257,36 +257,45 @@ where
                 Some(PathElement::new(vec![(wi as f64 + 0.05, y), (wi as f64 + 0.95, y)], BLACK.stroke_width(3)))
             })
             .collect();
-        chart
-            .draw_series(lines)
-            .map_err(e)?
-            .label("limit")
-            .legend(|(x, y)| PathElement::new(vec![(x, y), (x + 12, y)], BLACK.stroke_width(3)));
+        chart.draw_series(lines).map_err(e)?;
         let texts: Vec<Text<(f64, f64), String>> = limit
             .iter()
             .enumerate()
             .filter_map(|(wi, v)| {
                 let v = (*v)?;
-                let clipped = if v > top { " ^" } else { "" };
-                let y = v.min(top) + b.ymax * 0.012;
-                Some(Text::new(
-                    format!("limit {}{clipped}", ratio_label(v)),
-                    (wi as f64 + 0.1, y.min(b.ymax * 0.995)),
-                    ("sans-serif", 11).into_font().color(&BLACK),
-                ))
+                let clipped = if v > top { " (off scale)" } else { "" };
+                let y = v.min(top) + b.ymax * 0.004;
+                // Above the line (anchored at the text's bottom).
+                let style = ("sans-serif", 11).into_font().color(&BLACK).pos(Pos::new(HPos::Left, VPos::Bottom));
+                Some(Text::new(format!("limit {}{clipped}", ratio_label(v)), (wi as f64 + 0.1, y), style))
             })
             .collect();
         chart.draw_series(texts).map_err(e)?;
     }
-    chart.configure_series_labels().background_style(WHITE.mix(0.8)).border_style(BLACK).draw().map_err(e)?;
+    let mut entries: Vec<(String, RGBColor, bool)> = b.series.iter().map(|(n, c, _)| (n.clone(), *c, false)).collect();
+    if b.limit.is_some() {
+        entries.push(("limit".into(), BLACK, true));
+    }
+    for (i, (name, color, line)) in entries.iter().enumerate() {
+        let y = 60 + 22 * i as i32;
+        if *line {
+            legend.draw(&PathElement::new(vec![(4, y + 6), (20, y + 6)], color.stroke_width(3))).map_err(e)?;
+        } else {
+            legend.draw(&Rectangle::new([(4, y), (18, y + 12)], color.filled())).map_err(e)?;
+        }
+        legend.draw(&Text::new(name.clone(), (26, y), ("sans-serif", 14).into_font().color(&BLACK))).map_err(e)?;
+    }
     root.present().map_err(e)
 }
+
+/// An engine, its colour, and its (ns, percentile) points.
+type CdfLine = (String, RGBColor, Vec<(f64, f64)>);
 
 struct Cdf {
     title: String,
     xmax: f64,
     /// (engine, colour, (ns, percentile) points)
-    lines: Vec<(String, RGBColor, Vec<(f64, f64)>)>,
+    lines: Vec<CdfLine>,
 }
 
 /// Returns false when no engine ran `w` at `vs`.
@@ -346,4 +355,30 @@ where
         .draw()
         .map_err(e)?;
     root.present().map_err(e)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_engine_gets_its_own_colour_in_every_plot() {
+        let mut all: Vec<String> = ["pmekv", "slmdb", "hpdk", "lightkv", "hoakv", "limit", "leveldb", "rocksdb"]
+            .iter()
+            .map(|s| s.to_string())
+            .collect();
+        all.push("hpdk/nt".into());
+        let c = colors(&all);
+        for i in 0..c.len() {
+            for j in 0..i {
+                assert_ne!(c[i], c[j], "{} and {} share a colour", all[i], all[j]);
+            }
+        }
+        // Stable: an engine's colour does not depend on which others ran.
+        let some: Vec<String> = vec!["rocksdb".into(), "pmekv".into()];
+        assert_eq!(color_of(&some, "rocksdb"), color_of(&all, "rocksdb"));
+        assert_eq!(color_of(&all, "limit"), BLACK);
+        assert_eq!(prefix_for(Path::new("bench-results/results.json")), "");
+        assert_eq!(prefix_for(Path::new("bench-results/paper.json")), "paper-");
+    }
 }

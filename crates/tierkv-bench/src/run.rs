@@ -321,7 +321,7 @@ pub fn run_with_progress(
                 let mut rng = SmallRng::seed_from_u64(p.seed ^ 0x5752_4954_4552);
                 let buf = value(&mut rng, p.value_size);
                 let mut n = 0u64;
-                while !stop.load(Ordering::Relaxed) && !deadline.is_some_and(|d| Instant::now() >= d) {
+                while !stop.load(Ordering::Relaxed) && deadline.is_none_or(|d| Instant::now() < d) {
                     let r = e.put(&db_bench_key(rng.random_range(0..p.num), p.key_size), &buf);
                     writing.store(true, Ordering::Release);
                     r?;
@@ -451,7 +451,7 @@ fn worker(
     let mut capped = false;
     // True when the time cap has passed (checked every CAP_CHECK operations).
     let mut over = |done: u64| {
-        if done % CAP_CHECK == 0 && deadline.is_some_and(|d| Instant::now() >= d) {
+        if done.is_multiple_of(CAP_CHECK) && deadline.is_some_and(|d| Instant::now() >= d) {
             capped = true;
         }
         capped
