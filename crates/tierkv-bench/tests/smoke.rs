@@ -10,7 +10,7 @@ use tierkv_bench::run::Workload;
 #[test]
 fn every_engine_every_workload_tiny() {
     let t = tempfile::tempdir().unwrap();
-    let out = t.path().join("r.json");
+    let out = t.path().join("results.json");
     let a = BenchArgs {
         num: 400,
         value_sizes: vec![100, 1024],
