@@ -182,7 +182,7 @@ fn throughput(r: &Report, vs: usize, path: &Path) -> Result<(), String> {
         limit,
         ymax,
     };
-    let size = (26 * (b.series.len() as u32 + 1) * b.workloads.len().max(1) as u32 + 300, 520);
+    let size = (18 * (b.series.len() as u32 + 1) * b.workloads.len().max(1) as u32 + 300, 600);
     if path.extension().is_some_and(|x| x == "svg") {
         draw_bars(SVGBackend::new(path, size).into_drawing_area(), &b)
     } else {
