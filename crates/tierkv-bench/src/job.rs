@@ -187,7 +187,23 @@ pub fn spawn(exe: &Path, job: &Job) -> Result<JobRun, String> {
         for line in BufReader::new(out).lines() {
             let Ok(line) = line else { break };
             match serde_json::from_str::<Event>(&line) {
-                Ok(ev) => events.push(ev),
+                Ok(ev) => {
+                    // A line per finished workload: long confined runs show where they are
+                    // even when stderr is a log file (no progress bar is drawn there).
+                    if let Event::Outcome(o) = &ev {
+                        eprintln!(
+                            "{} {} B {}: {:.0} ops/s, {} ops in {:.1} s{}",
+                            o.engine,
+                            o.value_size,
+                            o.workload.name(),
+                            o.ops_per_sec,
+                            o.ops,
+                            o.seconds,
+                            if o.capped { " (capped)" } else { "" }
+                        );
+                    }
+                    events.push(ev)
+                }
                 // Whatever else an engine printed goes to stderr, not into the results.
                 Err(_) => eprintln!("{line}"),
             }
