@@ -87,13 +87,13 @@ impl BenchArgs {
     /// `--paper`: the papers' regime — data many times the DRAM budget (2,000,000 × 1 KiB
     /// db_bench records plus as many YCSB records, each 8× the 256 MiB budget), Optane's
     /// latencies, every engine, the db_bench and YCSB workloads, reads bounded and every
-    /// workload capped at 300 s. Sized to finish in about an hour on 2 cores (see
+    /// workload capped at 120 s. Sized to finish in about an hour on 2 cores (see
     /// `docs/design/bench.md`). Explicit flags override any of these.
     pub fn paper() -> BenchArgs {
         BenchArgs {
             num: 2_100_000,
             reads: Some(100_000),
-            time_cap: Some(300.0),
+            time_cap: Some(120.0),
             dram_budget_mib: Some(256),
             pm_budget_mib: Some(8192),
             pm_profile: "optane".into(),

@@ -46,7 +46,7 @@ struct Target {
 #[derive(clap::Args, Debug)]
 struct BenchFlags {
     /// Records, and operations per load or overwrite workload [default: 500000; --paper:
-    /// 2000000].
+    /// 2100000].
     #[arg(long)]
     num: Option<u64>,
     /// Operations per read, scan and YCSB run workload, separate from --num (scans:
@@ -55,7 +55,7 @@ struct BenchFlags {
     reads: Option<u64>,
     /// Stop a workload still running after this many seconds; its throughput is over the
     /// operations it completed and the table marks it `*capped` [default: none; --paper:
-    /// 300].
+    /// 120].
     #[arg(long)]
     time_cap: Option<f64>,
     /// DRAM budget in MiB per engine: each engine's workloads (and its recovery) run in a
@@ -74,9 +74,9 @@ struct BenchFlags {
     /// --paper: optane].
     #[arg(long)]
     pm_profile: Option<String>,
-    /// The papers' regime: data 8x the DRAM budget (--num 2000000 --value-size 1024
+    /// The papers' regime: data 8x the DRAM budget (--num 2100000 --value-size 1024
     /// --dram-budget 256), --pm-budget 8192 --pm-profile optane --reads 100000 --time-cap
-    /// 300, every engine, fillrandom, readrandom, seekrandom, overwrite, ycsb-load and
+    /// 120, every engine, fillrandom, readrandom, seekrandom, overwrite, ycsb-load and
     /// ycsb-a..f. Explicit flags override these.
     #[arg(long)]
     paper: bool,
