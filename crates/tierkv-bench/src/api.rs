@@ -6,7 +6,7 @@
 pub type Result<T> = std::result::Result<T, String>;
 
 /// Resource figures an engine reports after a workload.
-#[derive(Debug, Clone, Copy, Default, serde::Serialize)]
+#[derive(Debug, Clone, Copy, Default, serde::Serialize, serde::Deserialize)]
 pub struct Usage {
     /// Bytes written back to PM.
     pub pm_bytes_written: u64,

@@ -101,11 +101,16 @@ pub fn child_main(spec: &EngineSpec, _num: u64, key_size: usize, value_size: usi
 }
 
 /// Recovery after a crash, measured.
-#[derive(Debug, Clone, Copy, PartialEq)]
+#[derive(Debug, Clone, Copy, PartialEq, serde::Serialize, serde::Deserialize)]
 pub struct CrashRecovery {
-    /// Seconds from `open` to the first served read.
+    /// Seconds from `open` to the first served read, nothing else: the writer was killed
+    /// and reaped before the clock starts, and the check of the other keys runs after it
+    /// stops.
     pub seconds: f64,
-    /// Acknowledged keys verified after the reopen.
+    /// Writes the killed writer had acknowledged.
+    pub acknowledged: u64,
+    /// Acknowledged keys found after the reopen with their acknowledged values (equal to
+    /// `acknowledged`, or the measurement is [`CrashError::Lost`]).
     pub verified: u64,
 }
 
@@ -177,6 +182,13 @@ pub fn measure_with(
         .arg(value_size.to_string());
     if spec.durable {
         cmd.arg("--durable");
+    }
+    // The writer opens the store as the benchmark did: same PM capacity and profile.
+    if let Some(b) = spec.pm_budget {
+        cmd.arg("--pm-budget").arg(b.to_string());
+    }
+    if let Some(p) = &spec.pm_profile {
+        cmd.arg("--pm-profile").arg(p);
     }
     match hooks.drop_write {
         Some(i) => cmd.env(DROP_ENV, i.to_string()),
@@ -262,7 +274,11 @@ pub fn verify_after_open(
             show(&wrong)
         )));
     }
-    Ok(CrashRecovery { seconds: first.unwrap_or_else(|| t.elapsed().as_secs_f64()), verified: acked.len() as u64 })
+    Ok(CrashRecovery {
+        seconds: first.unwrap_or_else(|| t.elapsed().as_secs_f64()),
+        acknowledged: acked.len() as u64,
+        verified: (acked.len() - lost.len() - wrong.len()) as u64,
+    })
 }
 
 /// The in-process variant, for engines that can simulate a crash (the tierkv presets,

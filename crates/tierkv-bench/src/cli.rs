@@ -1,17 +1,30 @@
 //! `tierkv bench`: parse flags, run every engine × value size × workload, report.
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::time::Instant;
 
+use crate::cgroup::{self, MemCgroup};
 use crate::engine::{self, EngineSpec};
-use crate::report::{self, Recovery, Report};
-use crate::run::{self, Loaded, Params, Workload};
+use crate::job::{self, Event, Job, Phase};
+use crate::report::{self, EngineInfo, Failure, MemoryUse, Recovery, Report, Setup};
+use crate::run::{self, Loaded, Outcome, Params, Workload};
 
 /// Parsed `tierkv bench` flags.
 #[derive(Debug, Clone)]
 pub struct BenchArgs {
-    /// `--num`: records and operations per workload.
+    /// `--num`: records, and operations per load or overwrite workload.
     pub num: u64,
+    /// `--reads`: operations per read, scan and YCSB run workload (`None`: `num`).
+    pub reads: Option<u64>,
+    /// `--time-cap`: seconds after which a workload stops (reported as capped).
+    pub time_cap: Option<f64>,
+    /// `--dram-budget` in MiB: every engine runs in a child process confined to this much
+    /// memory (page cache included) by a memory cgroup ([`crate::job`]).
+    pub dram_budget_mib: Option<u64>,
+    /// `--pm-budget` in MiB: PM capacity per engine, preallocated at open.
+    pub pm_budget_mib: Option<u64>,
+    /// `--pm-profile`: `dram` (default) or `optane`.
+    pub pm_profile: String,
     /// `--value-size`: one run per size.
     pub value_sizes: Vec<usize>,
     /// `--key-size` (db_bench keys).
@@ -35,9 +48,10 @@ pub struct BenchArgs {
     pub threads: Vec<usize>,
     /// `--durable`: peers fsync every write; tierkv msyncs PM.
     pub durable: bool,
-    /// The `tierkv` executable, to run the crash child ([`crate::child`]). Without it, only
-    /// engines that can simulate a crash in-process (the tierkv presets) report recovery
-    /// after a crash.
+    /// The `tierkv` executable, to run the crash child ([`crate::child`]) and, under
+    /// `--dram-budget`, the job children ([`crate::job`]). Without it, only engines that
+    /// can simulate a crash in-process (the tierkv presets) report recovery after a crash,
+    /// and `--dram-budget` is an error.
     pub crash_exe: Option<PathBuf>,
 }
 
@@ -45,6 +59,11 @@ impl Default for BenchArgs {
     fn default() -> Self {
         BenchArgs {
             num: 500_000,
+            reads: None,
+            time_cap: None,
+            dram_budget_mib: None,
+            pm_budget_mib: None,
+            pm_profile: "dram".into(),
             value_sizes: vec![1024],
             key_size: 16,
             scan_len: 100,
@@ -62,6 +81,44 @@ impl Default for BenchArgs {
             crash_exe: None,
         }
     }
+}
+
+impl BenchArgs {
+    /// `--paper`: the papers' regime — data many times the DRAM budget (2,000,000 × 1 KiB
+    /// db_bench records plus as many YCSB records, each 8× the 256 MiB budget), Optane's
+    /// latencies, every engine, the db_bench and YCSB workloads, reads bounded and every
+    /// workload capped at 120 s. Sized to finish in about an hour on 2 cores (see
+    /// `docs/design/bench.md`). Explicit flags override any of these.
+    pub fn paper() -> BenchArgs {
+        BenchArgs {
+            num: 2_100_000,
+            reads: Some(100_000),
+            time_cap: Some(120.0),
+            dram_budget_mib: Some(256),
+            pm_budget_mib: Some(8192),
+            pm_profile: "optane".into(),
+            workloads: parse_workloads(PAPER_WORKLOADS).unwrap_or_default(),
+            ..BenchArgs::default()
+        }
+    }
+}
+
+/// The workloads of `--paper`.
+pub const PAPER_WORKLOADS: &str =
+    "fillrandom,readrandom,seekrandom,overwrite,ycsb-load,ycsb-a,ycsb-b,ycsb-c,ycsb-d,ycsb-e,ycsb-f";
+
+/// The progress bar of one workload (drawn on stderr when it is a terminal).
+pub fn progress_bar(p: &Params, w: Workload, name: &str, tag: &str) -> indicatif::ProgressBar {
+    let n = p.ops_of(w);
+    let bar =
+        indicatif::ProgressBar::new(if matches!(w, Workload::Seekrandom | Workload::YcsbScan) { n / 10 } else { n });
+    bar.set_style(
+        indicatif::ProgressStyle::with_template("{prefix:>28} [{bar:40}] {human_pos}/{human_len} eta {eta}")
+            .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar())
+            .progress_chars("=> "),
+    );
+    bar.set_prefix(format!("{name} {} B {}{tag}", p.value_size, w.name()));
+    bar
 }
 
 /// ` (N threads)` in a sweep's progress lines, nothing otherwise.
@@ -98,24 +155,75 @@ pub fn parse_engines(s: &str) -> Result<Vec<String>, String> {
         .collect()
 }
 
+/// What the engines of a run produced so far.
+#[derive(Default)]
+struct Acc {
+    outcomes: Vec<Outcome>,
+    recovery: Vec<Recovery>,
+    memory: Vec<MemoryUse>,
+    failures: Vec<Failure>,
+}
+
+/// Create `dir` (and its parents) if missing.
+fn ensure_dir(dir: &Path, flag: &str) -> Result<(), String> {
+    std::fs::create_dir_all(dir).map_err(|e| format!("{flag} {}: {e}", dir.display()))
+}
+
 /// Run the benchmark; prints the table and writes JSON if asked. Returns the report.
 pub fn run(a: &BenchArgs) -> Result<Report, String> {
-    let shm = std::path::Path::new("/dev/shm");
+    let shm = Path::new("/dev/shm");
     let disk_base = a.dir.clone().unwrap_or_else(std::env::temp_dir);
+    ensure_dir(&disk_base, "--dir")?;
     let pm_base = a.pm_dir.clone().unwrap_or_else(|| if shm.is_dir() { shm.to_path_buf() } else { disk_base.clone() });
-    let mut outcomes = Vec::new();
-    let mut recovery = Vec::new();
+    ensure_dir(&pm_base, "--pm-dir")?;
+    if a.threads.is_empty() || a.threads.contains(&0) {
+        return Err("--threads: give one or more counts, each at least 1".into());
+    }
+    a.pm_profile.parse::<tierkv::pm::PmProfile>().map_err(|e| format!("--pm-profile: {e}"))?;
+    let pm_on_tmpfs = cgroup::is_tmpfs(&pm_base);
+    let has_pm = a.engines.iter().any(|e| !engine::is_peer(e));
+    if a.durable && pm_on_tmpfs && has_pm {
+        eprintln!("PM on tmpfs: power loss is emulated only (msync is a no-op there)");
+    }
+    let mut setup = Setup {
+        dram_budget_bytes: a.dram_budget_mib.map(|m| m << 20),
+        pm_budget_bytes: a.pm_budget_mib.map(|m| m << 20),
+        pm_profile: a.pm_profile.clone(),
+        dir: disk_base.display().to_string(),
+        pm_dir: pm_base.display().to_string(),
+        pm_on_tmpfs,
+        durable: a.durable,
+        cgroup: None,
+    };
+    let confined = match a.dram_budget_mib {
+        None => None,
+        Some(0) => return Err("--dram-budget: give a size in MiB".into()),
+        Some(mib) => {
+            if cgroup::is_tmpfs(&disk_base) {
+                return Err(format!(
+                    "--dram-budget: --dir {} is on tmpfs, whose pages are DRAM the budget cannot reclaim; \
+                     put the data on a disk file system",
+                    disk_base.display()
+                ));
+            }
+            let exe = a.crash_exe.clone().ok_or("--dram-budget needs the tierkv executable to run job children")?;
+            // Fail before any work when the controller is missing.
+            let (_, version) = cgroup::parent()?;
+            setup.cgroup = Some(version);
+            Some((exe, mib << 20))
+        }
+    };
     let base = Params {
         num: a.num,
+        reads: a.reads,
+        time_cap_seconds: a.time_cap,
         value_size: a.value_sizes.first().copied().unwrap_or(0),
         key_size: a.key_size,
         scan_len: a.scan_len,
         seed: a.seed,
         threads: a.threads.first().copied().unwrap_or(1),
     };
-    if a.threads.is_empty() || a.threads.contains(&0) {
-        return Err("--threads: give one or more counts, each at least 1".into());
-    }
+    let mut acc = Acc::default();
     for &value_size in &a.value_sizes {
         for name in &a.engines {
             for (step, &threads) in a.threads.iter().enumerate() {
@@ -123,86 +231,57 @@ pub fn run(a: &BenchArgs) -> Result<Report, String> {
                 let disk = tempfile::Builder::new()
                     .prefix("tierkv-bench-")
                     .tempdir_in(&disk_base)
-                    .map_err(|e| e.to_string())?;
+                    .map_err(|e| format!("--dir {}: {e}", disk_base.display()))?;
                 let pm = tempfile::Builder::new()
                     .prefix("tierkv-bench-pm-")
                     .tempdir_in(&pm_base)
-                    .map_err(|e| e.to_string())?;
+                    .map_err(|e| format!("--pm-dir {}: {e}", pm_base.display()))?;
                 let spec = EngineSpec {
                     name: name.clone(),
                     dir: disk.path().join("db"),
                     pm_dir: pm.path().to_path_buf(),
                     durable: a.durable,
+                    pm_budget: a.pm_budget_mib.map(|m| m << 20),
+                    pm_profile: Some(a.pm_profile.clone()),
                 };
-                let mut e = engine::open(&spec)?;
-                let mut loaded = Loaded::default();
-                for &w in &a.workloads {
-                    let bar = indicatif::ProgressBar::new(a.num);
-                    bar.set_style(
-                        indicatif::ProgressStyle::with_template(
-                            "{prefix:>28} [{bar:40}] {human_pos}/{human_len} eta {eta}",
-                        )
-                        .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar())
-                        .progress_chars("=> "),
-                    );
-                    bar.set_prefix(format!("{name} {value_size} B {}{}", w.name(), thread_tag(&a.threads, threads)));
-                    let o = run::run_with_progress(e.as_ref(), w, &params, &mut loaded, &bar);
-                    bar.finish_and_clear();
-                    if let Some(o) = o? {
-                        outcomes.push(o);
-                    }
-                }
-                // Recovery is measured once per engine and value size (the sweep's first count).
-                if step == 0 && e.recovers() {
-                    let t = Instant::now();
-                    e.reopen().map_err(|err| format!("{name}: reopen after the workloads failed: {err}"))?;
-                    let seconds = t.elapsed().as_secs_f64();
-                    let crashed = match &a.crash_exe {
-                        Some(exe) => {
-                            drop(e);
-                            crate::child::measure(exe, &spec, a.num, a.key_size, value_size)
-                        }
-                        None => crate::child::measure_in_process(e.as_mut(), a.key_size, value_size),
-                    };
-                    let (after_crash_seconds, verified_keys) = match crashed {
-                        Ok(r) => (Some(r.seconds), Some(r.verified)),
-                        // An acknowledged write lost by a crash fails the run.
-                        Err(crate::child::CrashError::Lost(msg)) => {
-                            return Err(format!("recovery after a crash lost acknowledged writes: {msg}"))
-                        }
-                        Err(crate::child::CrashError::NotMeasured(err)) => {
-                            if a.crash_exe.is_some() {
-                                eprintln!("warning: {name}: recovery after a crash not measured: {err}");
-                            }
-                            (None, None)
-                        }
-                    };
-                    recovery.push(Recovery {
-                        engine: name.clone(),
-                        value_size,
-                        seconds,
-                        after_crash_seconds,
-                        verified_keys,
-                    });
+                match &confined {
+                    Some((exe, limit)) => run_confined(a, exe, &spec, &params, step == 0, *limit, &mut acc)?,
+                    None => run_in_process(a, &spec, &params, step == 0, &mut acc)?,
                 }
             }
         }
     }
     // Group by value size, then workload order, then engine order.
+    let mut outcomes = acc.outcomes;
     outcomes.sort_by_key(|o| {
         let wi = a.workloads.iter().position(|w| *w == o.workload).unwrap_or(usize::MAX);
         let ei = a.engines.iter().position(|e| *e == o.engine).unwrap_or(usize::MAX);
         let ti = a.threads.iter().position(|&t| t == o.threads).unwrap_or(usize::MAX);
         (o.value_size, wi, ti, ei)
     });
-    let rep = Report { schema: 1, params: base, outcomes, recovery };
+    let engines = a
+        .engines
+        .iter()
+        .map(|e| EngineInfo { engine: e.clone(), durability: engine::durability(e, a.durable, pm_on_tmpfs) })
+        .collect();
+    let rep = Report {
+        schema: report::SCHEMA,
+        params: base,
+        setup,
+        engines,
+        outcomes,
+        recovery: acc.recovery,
+        memory: acc.memory,
+        failures: acc.failures,
+    };
     print!("{}", report::table(&rep));
     if let Some(out) = &a.out {
+        let dir = out.parent().filter(|p| !p.as_os_str().is_empty()).unwrap_or(Path::new("."));
+        ensure_dir(dir, "--out")?;
         let json = serde_json::to_string_pretty(&rep).map_err(|e| e.to_string())?;
         std::fs::write(out, json).map_err(|e| format!("{}: {e}", out.display()))?;
         eprintln!("wrote {}", out.display());
-        let dir = out.parent().filter(|p| !p.as_os_str().is_empty()).unwrap_or(std::path::Path::new("."));
-        match crate::plot::write_all(&rep, dir) {
+        match crate::plot::write_all(&rep, dir, &crate::plot::prefix_for(out)) {
             Ok(files) => {
                 for f in files {
                     eprintln!("wrote {}", f.display());
@@ -213,4 +292,153 @@ pub fn run(a: &BenchArgs) -> Result<Report, String> {
         }
     }
     Ok(rep)
+}
+
+/// One engine × value size × thread count in this process (no `--dram-budget`).
+fn run_in_process(a: &BenchArgs, spec: &EngineSpec, params: &Params, first: bool, acc: &mut Acc) -> Result<(), String> {
+    let name = &spec.name;
+    let mut e = engine::open(spec)?;
+    let mut loaded = Loaded::default();
+    for &w in &a.workloads {
+        let bar = progress_bar(params, w, name, &thread_tag(&a.threads, params.threads));
+        let o = run::run_with_progress(e.as_ref(), w, params, &mut loaded, &bar);
+        bar.finish_and_clear();
+        if let Some(o) = o? {
+            acc.outcomes.push(o);
+        }
+    }
+    // Recovery is measured once per engine and value size (the sweep's first count).
+    if !first || !e.recovers() {
+        return Ok(());
+    }
+    let t = Instant::now();
+    e.reopen().map_err(|err| format!("{name}: reopen after the workloads failed: {err}"))?;
+    let seconds = t.elapsed().as_secs_f64();
+    let crashed = match &a.crash_exe {
+        Some(exe) => {
+            drop(e);
+            crate::child::measure(exe, spec, params.num, a.key_size, params.value_size)
+        }
+        None => crate::child::measure_in_process(e.as_mut(), a.key_size, params.value_size),
+    };
+    let crash = match crashed {
+        Ok(r) => Some(r),
+        // An acknowledged write lost by a crash fails the run.
+        Err(crate::child::CrashError::Lost(msg)) => {
+            return Err(format!("recovery after a crash lost acknowledged writes: {msg}"))
+        }
+        Err(crate::child::CrashError::NotMeasured(err)) => {
+            if a.crash_exe.is_some() {
+                eprintln!("warning: {name}: recovery after a crash not measured: {err}");
+            }
+            None
+        }
+    };
+    acc.recovery.push(recovery_row(spec, params, seconds, crash));
+    Ok(())
+}
+
+fn recovery_row(
+    spec: &EngineSpec,
+    params: &Params,
+    seconds: f64,
+    crash: Option<crate::child::CrashRecovery>,
+) -> Recovery {
+    Recovery {
+        engine: spec.name.clone(),
+        value_size: params.value_size,
+        seconds,
+        after_crash_seconds: crash.map(|c| c.seconds),
+        verified_keys: crash.map(|c| c.verified),
+        acknowledged_keys: crash.map(|c| c.acknowledged),
+    }
+}
+
+/// One engine × value size × thread count in job children confined to a memory cgroup of
+/// `limit` bytes ([`crate::job`]): the workloads, then (`first`) recovery after a crash.
+/// A child that fails (e.g. stopped by the OOM killer) is recorded in `acc.failures` and
+/// the run goes on; a lost acknowledged write fails the run.
+fn run_confined(
+    a: &BenchArgs,
+    exe: &Path,
+    spec: &EngineSpec,
+    params: &Params,
+    first: bool,
+    limit: u64,
+    acc: &mut Acc,
+) -> Result<(), String> {
+    let name = &spec.name;
+    // The guard removes the group on every way out of this function.
+    let cg = MemCgroup::create(limit)?;
+    let job = Job {
+        spec: spec.clone(),
+        params: params.clone(),
+        workloads: a.workloads.clone(),
+        procs: Some(cg.procs_file()),
+        phase: Phase::Workloads { reopen: first },
+        crash_exe: None,
+    };
+    let ran = job::spawn(exe, &job)?;
+    let (peak, major_faults) = (cg.peak(), cg.major_faults());
+    let fail = |what: &str, why: String, acc: &mut Acc| {
+        let oom = cg.oom_kills().unwrap_or(0) > 0;
+        let why = if oom { format!("{why} (the OOM killer stopped it at the DRAM budget)") } else { why };
+        eprintln!("warning: {name} {} B: {what} failed: {why}", params.value_size);
+        acc.failures.push(Failure {
+            engine: name.clone(),
+            value_size: params.value_size,
+            threads: params.threads,
+            what: format!("{what}: {why}"),
+        });
+    };
+    let mut reopen = None;
+    let mut disk_bytes_read = 0;
+    for ev in ran.events.iter().cloned() {
+        match ev {
+            Event::Outcome(o) => {
+                disk_bytes_read += o.disk_bytes_read;
+                acc.outcomes.push(*o);
+            }
+            Event::Reopen(s) => reopen = Some(s),
+            _ => {}
+        }
+    }
+    let failed = ran.failure();
+    if let Some(why) = failed.clone() {
+        fail("workloads", why, acc);
+    }
+    let mut recovery_peak = None;
+    if let (true, None, Some(seconds)) = (first, &failed, reopen) {
+        let reset = cg.reset_peak();
+        let rjob = Job { phase: Phase::Recovery, crash_exe: Some(exe.to_path_buf()), ..job };
+        let rec = job::spawn(exe, &rjob)?;
+        recovery_peak = if reset { cg.peak() } else { None };
+        let mut crash = None;
+        for ev in &rec.events {
+            match ev {
+                Event::Crash(r) => crash = Some(*r),
+                Event::Lost(m) => return Err(format!("recovery after a crash lost acknowledged writes: {m}")),
+                Event::CrashNotMeasured(m) => eprintln!("warning: {name}: recovery after a crash not measured: {m}"),
+                _ => {}
+            }
+        }
+        if let Some(why) = rec.failure() {
+            fail("recovery", why, acc);
+        }
+        acc.recovery.push(recovery_row(spec, params, seconds, crash));
+    }
+    acc.memory.push(MemoryUse {
+        engine: name.clone(),
+        value_size: params.value_size,
+        threads: params.threads,
+        limit_bytes: limit,
+        peak_bytes: peak,
+        recovery_peak_bytes: recovery_peak,
+        at_limit: peak.is_some_and(|p| p as f64 >= limit as f64 * 0.98),
+        pm_bytes: cgroup::allocated_bytes(&spec.pm_dir),
+        major_faults,
+        disk_bytes_read,
+        oom_kills: cg.oom_kills(),
+    });
+    Ok(())
 }

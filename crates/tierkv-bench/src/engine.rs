@@ -3,15 +3,16 @@
 //! All implement [`crate::api::BenchEngine`].
 
 use std::collections::HashMap;
+use std::hash::BuildHasherDefault;
 use std::path::{Path, PathBuf};
 
 use crate::api::{BenchEngine, Result, Usage};
 use parking_lot::{Mutex, RwLock};
-use tierkv::pm::{Backing, Region, RegionConfig, LINE, POOL_HEADER_LEN};
+use tierkv::pm::{Backing, PmProfile, Region, RegionConfig, LINE, POOL_HEADER_LEN};
 use tierkv::{Db, HoakvOptions, HpdkOptions, LightkvOptions, LightkvPlacement, Options, Preset, SlmdbOptions};
 
 /// How to build engines for one run.
-#[derive(Debug, Clone)]
+#[derive(Debug, Clone, Default, serde::Serialize, serde::Deserialize)]
 pub struct EngineSpec {
     /// Engine name: a preset name, or `limit`.
     pub name: String,
@@ -19,8 +20,45 @@ pub struct EngineSpec {
     pub dir: PathBuf,
     /// Directory for PM pool files.
     pub pm_dir: PathBuf,
-    /// Power-loss durability: peers fsync every write, tierkv msyncs PM (`pm_sync`).
+    /// Power-loss durability ([`durability`]): peers fsync every write; tierkv presets
+    /// msync PM (`pm_sync`) and sync their WALs (`hpdk`'s and `hoakv`'s `sync_wal`);
+    /// `limit` msyncs what it persists.
     pub durable: bool,
+    /// PM capacity in bytes (`--pm-budget`): tierkv presets get `pm_capacity` and
+    /// `pm_preallocate` (every pool created and faulted at open), `limit` the same through
+    /// its region. `None`: PM grows without a bound, pools are created as needed.
+    #[serde(default)]
+    pub pm_budget: Option<u64>,
+    /// PM device profile (`--pm-profile`): `dram` (no added latency, the default) or
+    /// `optane`.
+    #[serde(default)]
+    pub pm_profile: Option<String>,
+}
+
+impl EngineSpec {
+    /// The PM profile ([`EngineSpec::pm_profile`], default `dram`).
+    pub fn profile(&self) -> Result<PmProfile> {
+        self.pm_profile.as_deref().unwrap_or("dram").parse().map_err(|e: tierkv::Error| e.to_string())
+    }
+}
+
+/// The peers' names (engines that keep everything on disk and have no PM).
+pub fn is_peer(name: &str) -> bool {
+    matches!(name, "leveldb" | "rocksdb")
+}
+
+/// The crash an engine's acknowledged writes survive, as the report states it: without
+/// `durable`, a process crash (peers: WAL written, not fsynced; tierkv: PM persisted by
+/// flush+fence, WALs written); with it, a power loss of the medium (peers fsync every
+/// write; tierkv msyncs PM and syncs its WALs) — emulated only when PM is on tmpfs, where
+/// msync has no medium to write to.
+pub fn durability(name: &str, durable: bool, pm_on_tmpfs: bool) -> String {
+    match (durable, is_peer(name), pm_on_tmpfs) {
+        (false, _, _) => "process-crash".into(),
+        (true, true, _) => "power-loss".into(),
+        (true, false, true) => "power-loss (emulated: PM on tmpfs)".into(),
+        (true, false, false) => "power-loss".into(),
+    }
 }
 
 /// Names `--engines` accepts: every preset this build hosts, `limit`, and the peers (when
@@ -38,7 +76,7 @@ pub fn known_engines() -> Vec<String> {
 /// Build the engine `spec.name`.
 pub fn open(spec: &EngineSpec) -> Result<Box<dyn BenchEngine>> {
     match spec.name.as_str() {
-        "limit" => return Ok(Box::new(Limit::open(&spec.pm_dir)?)),
+        "limit" => return Ok(Box::new(Limit::open(spec)?)),
         #[cfg(feature = "peers")]
         "leveldb" => return Ok(Box::new(crate::peers::LevelDb::open(&spec.dir, spec.durable)?)),
         #[cfg(feature = "peers")]
@@ -53,6 +91,14 @@ pub fn open(spec: &EngineSpec) -> Result<Box<dyn BenchEngine>> {
     let mut opts = Options::new().preset(preset).pm_path(&spec.pm_dir).pm_sync(spec.durable);
     if let Some(s) = schemes {
         apply_variant(&mut opts, preset, s)?;
+    }
+    // Like for like with the peers' fsync: the designs' own WALs are synced too (after the
+    // variant, which replaces the design's options).
+    opts.hpdk.sync_wal = spec.durable;
+    opts.hoakv.sync_wal = spec.durable;
+    opts = opts.pm_profile(spec.profile()?);
+    if let Some(b) = spec.pm_budget {
+        opts = opts.pm_capacity(b).pm_preallocate(true);
     }
     Ok(Box::new(Tierkv::open(spec.name.clone(), opts, &spec.dir)?))
 }
@@ -263,16 +309,54 @@ fn dir_bytes(dir: &Path) -> u64 {
         .unwrap_or(0)
 }
 
-/// The physical limit: the work no design can avoid. A write appends the value to a PM
-/// region and persists it (one write-back per line, one fence); a read is a DRAM hash-map
-/// lookup plus a copy of the value out of PM. No ordering, no crash consistency, no index
-/// persistence: every real engine does at least this much.
+/// The physical limit: the work no design can avoid. A write appends the record (key
+/// length, key, value) to a PM region and persists it (one write-back per line, one
+/// fence); a read is a DRAM hash-map lookup plus one PM access that checks the key and
+/// copies the value out. No ordering, no crash consistency, no index persistence: every
+/// real engine does at least this much.
+///
+/// The DRAM index is as small as a hash index gets, so that `limit` fits the DRAM budgets
+/// of `--paper` like the designs must: 16 bytes per key (record address, record length,
+/// a 32-bit fingerprint) under the key's 64-bit hash. Two keys with one hash but different
+/// fingerprints go to a small overflow map of whole keys; one hash *and* fingerprint
+/// (96 bits) for two keys is taken as one key (odds about n²/2⁹⁷).
 pub struct Limit {
     region: Region,
     tail: Mutex<u64>,
-    index: RwLock<HashMap<Vec<u8>, (u64, u32)>>,
+    index: RwLock<HashMap<u64, Slot, BuildHasherDefault<IdHasher>>>,
+    overflow: RwLock<HashMap<Vec<u8>, Slot>>,
+    hasher: std::hash::RandomState,
     user_bytes: std::sync::atomic::AtomicU64,
 }
+
+/// Where a record lives, and its key's fingerprint.
+#[derive(Debug, Clone, Copy)]
+struct Slot {
+    addr: u64,
+    len: u32,
+    fingerprint: u32,
+}
+
+/// The identity hash for keys that are hashes already.
+#[derive(Debug, Default)]
+struct IdHasher(u64);
+
+impl std::hash::Hasher for IdHasher {
+    fn finish(&self) -> u64 {
+        self.0
+    }
+    fn write(&mut self, bytes: &[u8]) {
+        for &b in bytes {
+            self.0 = self.0.rotate_left(8) ^ u64::from(b);
+        }
+    }
+    fn write_u64(&mut self, v: u64) {
+        self.0 = v;
+    }
+}
+
+/// Bytes of the record header (the key length).
+const LIMIT_HEADER: u64 = 2;
 
 impl std::fmt::Debug for Limit {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -281,17 +365,19 @@ impl std::fmt::Debug for Limit {
 }
 
 impl Limit {
-    fn open(pm_dir: &Path) -> Result<Limit> {
+    fn open(spec: &EngineSpec) -> Result<Limit> {
+        // The same PM as the presets get: profile, capacity, preallocation, msync.
+        let profile = spec.profile()?;
         let region = Region::open(RegionConfig {
-            backing: Backing::Dir(pm_dir.join("limit")),
-            pool_size: 1 << 30,
+            backing: Backing::Dir(spec.pm_dir.join("limit")),
+            pool_size: 256 << 20,
             db_id: 1,
-            sync: false,
-            write_latency_ns: 0,
-            write_bandwidth_mbps: 0,
-            read_latency_ns: 0,
-            capacity: 0,
-            preallocate: false,
+            sync: spec.durable,
+            write_latency_ns: profile.write_latency_ns(),
+            write_bandwidth_mbps: profile.write_bandwidth_mbps(),
+            read_latency_ns: profile.read_latency_ns(),
+            capacity: spec.pm_budget.unwrap_or(0),
+            preallocate: spec.pm_budget.is_some(),
             create: true,
             health: Default::default(),
         })
@@ -299,9 +385,27 @@ impl Limit {
         Ok(Limit {
             region,
             tail: Mutex::new(POOL_HEADER_LEN),
-            index: RwLock::new(HashMap::new()),
+            index: RwLock::new(HashMap::default()),
+            overflow: RwLock::new(HashMap::new()),
+            hasher: std::hash::RandomState::new(),
             user_bytes: Default::default(),
         })
+    }
+
+    /// The key's 64-bit hash and 32-bit fingerprint (two independent hashes).
+    fn hashes(&self, key: &[u8]) -> (u64, u32) {
+        use std::hash::BuildHasher;
+        let h = self.hasher.hash_one(key);
+        (h, crc32c::crc32c(key))
+    }
+
+    fn find(&self, key: &[u8]) -> Option<Slot> {
+        let (h, fp) = self.hashes(key);
+        match self.index.read().get(&h) {
+            Some(s) if s.fingerprint == fp => Some(*s),
+            Some(_) => self.overflow.read().get(key).copied(),
+            None => None,
+        }
     }
 }
 
@@ -310,7 +414,8 @@ impl BenchEngine for Limit {
         "limit".into()
     }
     fn put(&self, key: &[u8], value: &[u8]) -> Result<()> {
-        let len = value.len() as u64;
+        let klen = u16::try_from(key.len()).map_err(|_| "limit: key longer than 64 KiB")?;
+        let len = LIMIT_HEADER + key.len() as u64 + value.len() as u64;
         let addr = {
             let mut tail = self.tail.lock();
             let pool = self.region.pool_size();
@@ -323,9 +428,25 @@ impl BenchEngine for Limit {
             at
         };
         // SAFETY: `addr..addr+len` was reserved above for this call alone.
-        unsafe { self.region.write(addr, value).map_err(|e| e.to_string())? };
+        unsafe {
+            self.region.write(addr, &klen.to_le_bytes()).map_err(|e| e.to_string())?;
+            self.region.write(addr + LIMIT_HEADER, key).map_err(|e| e.to_string())?;
+            self.region.write(addr + LIMIT_HEADER + key.len() as u64, value).map_err(|e| e.to_string())?;
+        }
         self.region.persist(addr, len);
-        self.index.write().insert(key.to_vec(), (addr, len as u32));
+        let slot = Slot { addr, len: len as u32, fingerprint: 0 };
+        let (h, fp) = self.hashes(key);
+        let mut index = self.index.write();
+        match index.get_mut(&h) {
+            Some(s) if s.fingerprint == fp => *s = Slot { fingerprint: fp, ..slot },
+            Some(_) => {
+                self.overflow.write().insert(key.to_vec(), slot);
+            }
+            None => {
+                index.insert(h, Slot { fingerprint: fp, ..slot });
+            }
+        }
+        drop(index);
         self.user_bytes.fetch_add((key.len() + value.len()) as u64, std::sync::atomic::Ordering::Relaxed);
         Ok(())
     }
@@ -333,8 +454,15 @@ impl BenchEngine for Limit {
         Ok(self.get_value(key)?.map(|v| v.len()))
     }
     fn get_value(&self, key: &[u8]) -> Result<Option<Vec<u8>>> {
-        let Some((addr, len)) = self.index.read().get(key).copied() else { return Ok(None) };
-        Ok(Some(self.region.slice(addr, len as usize).ok_or("limit: value outside region")?.to_vec()))
+        let Some(s) = self.find(key) else { return Ok(None) };
+        // One PM access: the key is checked and the value copied from the same record.
+        let rec = self.region.slice(s.addr, s.len as usize).ok_or("limit: record outside region")?;
+        let stored = rec.get(LIMIT_HEADER as usize..LIMIT_HEADER as usize + key.len());
+        let klen = rec.get(..2).map(|b| u16::from_le_bytes([b[0], b[1]]) as usize);
+        if klen != Some(key.len()) || stored != Some(key) {
+            return Err("limit: the record under a key holds another key".into());
+        }
+        Ok(rec.get(LIMIT_HEADER as usize + key.len()..).map(<[u8]>::to_vec))
     }
     fn scan(&self, _start: &[u8], _n: usize) -> Result<usize> {
         Err("limit has no ordered index".into())
@@ -345,7 +473,8 @@ impl BenchEngine for Limit {
             pm_bytes_written: s.lines_persisted * LINE,
             disk_bytes_written: 0,
             user_bytes_written: self.user_bytes.load(std::sync::atomic::Ordering::Relaxed),
-            dram_index_bytes: 0,
+            // hashbrown: the slot (8-byte hash + 16-byte slot) and one control byte per bucket.
+            dram_index_bytes: self.index.read().capacity() as u64 * 25,
             pm_space: s.capacity,
         }
     }

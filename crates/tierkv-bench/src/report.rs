@@ -8,17 +8,105 @@ use std::fmt::Write;
 
 use crate::run::{Outcome, Params};
 
+/// Schema version of the JSON report: 2 added `engines`, `memory`, `failures`, `setup`,
+/// the outcomes' `planned_ops`, `capped` and `disk_bytes_read`, and the recoveries'
+/// `acknowledged_keys`.
+pub const SCHEMA: u32 = 2;
+
 /// Everything a run produced.
 #[derive(Debug, Clone, serde::Serialize)]
 pub struct Report {
-    /// Schema version of this JSON (bump on incompatible changes).
+    /// Schema version of this JSON ([`SCHEMA`]; bumped on incompatible changes).
     pub schema: u32,
     /// Parameters (value size varies per outcome).
     pub params: Params,
+    /// The regime: budgets, PM profile, where the files lived.
+    pub setup: Setup,
+    /// Per engine: its durability level and configuration.
+    pub engines: Vec<EngineInfo>,
     /// One entry per engine × workload × value size.
     pub outcomes: Vec<Outcome>,
     /// Recovery time (clean close + reopen after the run) per engine and value size.
     pub recovery: Vec<Recovery>,
+    /// Under `--dram-budget`: what each engine's memory cgroup saw.
+    pub memory: Vec<MemoryUse>,
+    /// Engines (or phases) that failed without failing the run (under `--dram-budget`,
+    /// e.g. a child the OOM killer stopped); what they finished before is in `outcomes`.
+    pub failures: Vec<Failure>,
+}
+
+/// The regime of a run.
+#[derive(Debug, Clone, Default, serde::Serialize)]
+pub struct Setup {
+    /// `--dram-budget` in bytes (memory cgroup limit per engine, page cache included).
+    pub dram_budget_bytes: Option<u64>,
+    /// `--pm-budget` in bytes (PM capacity per engine, preallocated).
+    pub pm_budget_bytes: Option<u64>,
+    /// `--pm-profile`.
+    pub pm_profile: String,
+    /// Directory of the disk files.
+    pub dir: String,
+    /// Directory of the PM pools.
+    pub pm_dir: String,
+    /// The PM directory is on tmpfs (DRAM standing in for PM; msync writes nothing).
+    pub pm_on_tmpfs: bool,
+    /// `--durable`.
+    pub durable: bool,
+    /// The cgroup interface used (`v1`, `v2`), under `--dram-budget`.
+    pub cgroup: Option<crate::cgroup::Version>,
+}
+
+/// One engine of the run.
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct EngineInfo {
+    /// Engine name.
+    pub engine: String,
+    /// The crash its acknowledged writes survive: `process-crash`, `power-loss`, or
+    /// `power-loss (emulated: PM on tmpfs)` ([`crate::engine::durability`]).
+    pub durability: String,
+}
+
+/// What an engine's memory cgroup saw (`--dram-budget`).
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct MemoryUse {
+    /// Engine.
+    pub engine: String,
+    /// Value size.
+    pub value_size: usize,
+    /// Client threads.
+    pub threads: usize,
+    /// The cgroup limit in bytes: the DRAM budget (heap, page cache, kernel memory).
+    pub limit_bytes: u64,
+    /// Peak charge during the workloads (v1 `memory.max_usage_in_bytes`, v2
+    /// `memory.peak`); `None` when the kernel does not record it.
+    pub peak_bytes: Option<u64>,
+    /// Peak charge during the recovery phase (v1: the peak is reset before it; v2 kernels
+    /// that cannot reset report the lifetime peak again).
+    pub recovery_peak_bytes: Option<u64>,
+    /// The peak reached the limit (within 2%): the engine ran under memory pressure.
+    pub at_limit: bool,
+    /// PM bytes the engine's pools occupy (allocated blocks of the pool files) — charged
+    /// outside the budget, to the harness.
+    pub pm_bytes: u64,
+    /// Major page faults in the group (its `memory.stat`), the workloads' phase.
+    pub major_faults: Option<u64>,
+    /// Bytes read from disk by the workloads (sum of the outcomes' `disk_bytes_read`).
+    pub disk_bytes_read: u64,
+    /// Processes the OOM killer stopped in the group.
+    pub oom_kills: Option<u64>,
+}
+
+/// An engine, or one phase of it, that failed.
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct Failure {
+    /// Engine.
+    pub engine: String,
+    /// Value size.
+    pub value_size: usize,
+    /// Client threads.
+    pub threads: usize,
+    /// What failed and why.
+    pub what: String,
 }
 
 /// Time to close cleanly and reopen a loaded store.
@@ -28,7 +116,7 @@ pub struct Recovery {
     pub engine: String,
     /// Value size.
     pub value_size: usize,
-    /// Seconds for close + open.
+    /// Seconds for a clean close + open after the workloads.
     pub seconds: f64,
     /// Seconds from `open` to the first served read after a crash: a child process wrote
     /// fresh keys to the store and was killed with SIGKILL at a random moment (without the `tierkv` executable, e.g. in tests: a simulated crash, for
@@ -37,6 +125,9 @@ pub struct Recovery {
     /// Keys the crashed writer had acknowledged that were verified (present, with their
     /// values) after the reopen; `None` when recovery after a crash was not measured.
     pub verified_keys: Option<u64>,
+    /// Writes the crashed writer had acknowledged; `verified_keys` must equal it (a lost
+    /// acknowledged write fails the run).
+    pub acknowledged_keys: Option<u64>,
 }
 
 fn fmt_ns(ns: f64) -> String {
@@ -54,7 +145,7 @@ pub fn table(r: &Report) -> String {
     let mut out = String::new();
     let _ = writeln!(
         out,
-        "{:<16} {:>7} {:<10} {:>3} {:>12} {:>9} {:>8} {:>9} {:>9} {:>9} {:>9} {:>7} {:>7}",
+        "{:<16} {:>7} {:<10} {:>3} {:>12} {:>9} {:>8} {:>9} {:>9} {:>9} {:>9} {:>7} {:>7} {:>9}",
         "workload",
         "value",
         "engine",
@@ -67,7 +158,8 @@ pub fn table(r: &Report) -> String {
         "p99",
         "p99.9",
         "WA pm",
-        "WA disk"
+        "WA disk",
+        "disk rd"
     );
     let mut last: Option<(&str, usize, usize)> = None;
     for o in &r.outcomes {
@@ -93,14 +185,15 @@ pub fn table(r: &Report) -> String {
             }
         };
         let wa = |x: f64| if o.usage.user_bytes_written > 0 { format!("{x:.2}") } else { "-".into() };
+        let ops = if o.capped { format!("{:.0}*capped", o.ops_per_sec) } else { format!("{:.0}", o.ops_per_sec) };
         let _ = writeln!(
             out,
-            "{:<16} {:>7} {:<10} {:>3} {:>12.0} {:>9} {:>8} {:>9} {:>9} {:>9} {:>9} {:>7} {:>7}",
+            "{:<16} {:>7} {:<10} {:>3} {:>12} {:>9} {:>8} {:>9} {:>9} {:>9} {:>9} {:>7} {:>7} {:>9}",
             o.workload.name(),
             o.value_size,
             o.engine,
             o.threads,
-            o.ops_per_sec,
+            ops,
             relative("leveldb"),
             relative("limit"),
             fmt_ns(o.latency.mean_ns),
@@ -109,7 +202,23 @@ pub fn table(r: &Report) -> String {
             fmt_ns(o.latency.p999_ns as f64),
             wa(o.write_amp_pm),
             wa(o.write_amp_disk),
+            fmt_bytes(o.disk_bytes_read),
         );
+    }
+    if r.outcomes.iter().any(|o| o.capped) {
+        let cap = r.params.time_cap_seconds.unwrap_or(0.0);
+        let _ = writeln!(out, "\n*capped: stopped by --time-cap {cap} s; ops/s over the operations completed:");
+        for o in r.outcomes.iter().filter(|o| o.capped) {
+            let _ = writeln!(
+                out,
+                "  {:<16} {:<10} {} of {} operations in {:.0} s",
+                o.workload.name(),
+                o.engine,
+                o.ops,
+                o.planned_ops,
+                o.seconds
+            );
+        }
     }
     out.push_str(&sweep(r));
     for o in r.outcomes.iter().filter(|o| o.background_writes > 0) {
@@ -122,12 +231,78 @@ pub fn table(r: &Report) -> String {
     if !r.recovery.is_empty() {
         let _ = writeln!(
             out,
-            "\nrecovery after the run: clean close + reopen | reopen after a crash (writer process killed with SIGKILL)"
+            "\nrecovery: clean close + reopen | after SIGKILL of a writer process: open to first served read, \
+             keys recovered / acknowledged"
         );
         for rec in &r.recovery {
-            let crash = rec.after_crash_seconds.map_or("not measured".to_string(), |s| format!("{s:.3} s"));
+            let crash = match (rec.after_crash_seconds, rec.verified_keys, rec.acknowledged_keys) {
+                (Some(s), Some(v), Some(a)) => format!("{s:.3} s, {v} / {a} keys"),
+                (Some(s), _, _) => format!("{s:.3} s"),
+                _ => "not measured".to_string(),
+            };
             let _ = writeln!(out, "  {:<10} value {:>6}: {:.3} s | {crash}", rec.engine, rec.value_size, rec.seconds);
         }
+    }
+    out.push_str(&memory(r));
+    if !r.engines.is_empty() {
+        let _ = writeln!(out, "\ndurability (what an acknowledged write survives):");
+        for e in &r.engines {
+            let _ = writeln!(out, "  {:<10} {}", e.engine, e.durability);
+        }
+    }
+    for f in &r.failures {
+        let _ = writeln!(out, "\nFAILED: {} value {} threads {}: {}", f.engine, f.value_size, f.threads, f.what);
+    }
+    out
+}
+
+/// Bytes in KiB/MiB/GiB.
+pub fn fmt_bytes(b: u64) -> String {
+    let b = b as f64;
+    if b >= (1u64 << 30) as f64 {
+        format!("{:.1}G", b / (1u64 << 30) as f64)
+    } else if b >= (1u64 << 20) as f64 {
+        format!("{:.1}M", b / (1u64 << 20) as f64)
+    } else if b >= 1024.0 {
+        format!("{:.0}K", b / 1024.0)
+    } else {
+        format!("{b:.0}")
+    }
+}
+
+/// The memory section (`--dram-budget`): per engine, the cgroup's limit and peak, PM apart.
+pub fn memory(r: &Report) -> String {
+    let mut out = String::new();
+    if r.memory.is_empty() {
+        return out;
+    }
+    let _ = writeln!(
+        out,
+        "\nmemory: DRAM budget per engine (memory cgroup {}, page cache included); PM pools charged outside it",
+        r.setup.cgroup.map_or("-", |v| if v == crate::cgroup::Version::V1 { "v1" } else { "v2" })
+    );
+    let _ = writeln!(
+        out,
+        "  {:<10} {:>7} {:>3} {:>9} {:>9} {:>9} {:>8} {:>9} {:>11} {:>9} {:>4}",
+        "engine", "value", "thr", "limit", "peak", "rec peak", "at lim", "PM", "maj faults", "disk rd", "oom"
+    );
+    for m in &r.memory {
+        let opt = |x: Option<u64>| x.map_or("-".to_string(), fmt_bytes);
+        let _ = writeln!(
+            out,
+            "  {:<10} {:>7} {:>3} {:>9} {:>9} {:>9} {:>8} {:>9} {:>11} {:>9} {:>4}",
+            m.engine,
+            m.value_size,
+            m.threads,
+            fmt_bytes(m.limit_bytes),
+            opt(m.peak_bytes),
+            opt(m.recovery_peak_bytes),
+            if m.at_limit { "yes" } else { "no" },
+            fmt_bytes(m.pm_bytes),
+            m.major_faults.map_or("-".to_string(), |x| x.to_string()),
+            fmt_bytes(m.disk_bytes_read),
+            m.oom_kills.map_or("-".to_string(), |x| x.to_string()),
+        );
     }
     out
 }

@@ -11,7 +11,7 @@ use crate::api::{BenchEngine, Result, Usage};
 use crate::workload::{db_bench_key, scan_len, ycsb_key, Latest, ScrambledZipfian};
 
 /// The workloads, named as in db_bench and YCSB.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 #[serde(rename_all = "kebab-case")]
 pub enum Workload {
     /// `num` puts of sequential keys.
@@ -20,11 +20,11 @@ pub enum Workload {
     Fillrandom,
     /// `num` puts of uniformly random keys over existing data.
     Overwrite,
-    /// `num` gets of uniformly random keys.
+    /// `num` (or `--reads`) gets of uniformly random keys.
     Readrandom,
     /// One pass over the whole store in key order.
     Readseq,
-    /// `num / 10` range reads of `scan_len` entries from random keys.
+    /// `num / 10` (or `--reads / 10`) range reads of `scan_len` entries from random keys.
     Seekrandom,
     /// YCSB load: `num` inserts of hashed `user…` keys.
     YcsbLoad,
@@ -122,16 +122,32 @@ impl Workload {
         )
     }
 
+    /// Whether the workload's operation count is `--reads` (when given) rather than `--num`:
+    /// every workload that does not load or overwrite the key space.
+    pub fn is_read_phase(self) -> bool {
+        !matches!(
+            self,
+            Workload::Fillseq | Workload::Fillrandom | Workload::Overwrite | Workload::YcsbLoad | Workload::Readseq
+        )
+    }
+
     fn needs_scan(self) -> bool {
         matches!(self, Workload::Readseq | Workload::Seekrandom | Workload::YcsbE | Workload::YcsbScan)
     }
 }
 
 /// Parameters shared by every workload of a run.
-#[derive(Debug, Clone, serde::Serialize)]
+#[derive(Debug, Clone, serde::Serialize, serde::Deserialize)]
 pub struct Params {
-    /// Records (and operations per workload).
+    /// Records (and operations per load or overwrite workload).
     pub num: u64,
+    /// Operations of each read, scan and YCSB run workload (`--reads`); `None`: `num`.
+    #[serde(default)]
+    pub reads: Option<u64>,
+    /// Per-workload time cap in seconds (`--time-cap`): a workload still running then
+    /// stops, and its throughput is over the operations it completed (marked `capped`).
+    #[serde(default)]
+    pub time_cap_seconds: Option<f64>,
     /// Value size in bytes.
     pub value_size: usize,
     /// db_bench key size in bytes.
@@ -144,8 +160,19 @@ pub struct Params {
     pub threads: usize,
 }
 
+impl Params {
+    /// Operations workload `w` is to do before scans count a tenth: `reads` for read phases
+    /// when given, `num` otherwise.
+    pub fn ops_of(&self, w: Workload) -> u64 {
+        match self.reads {
+            Some(r) if w.is_read_phase() => r,
+            _ => self.num,
+        }
+    }
+}
+
 /// Latency summary in nanoseconds.
-#[derive(Debug, Clone, Copy, Default, serde::Serialize)]
+#[derive(Debug, Clone, Copy, Default, serde::Serialize, serde::Deserialize)]
 pub struct Latency {
     /// Mean.
     pub mean_ns: f64,
@@ -160,7 +187,7 @@ pub struct Latency {
 }
 
 /// The measurement of one workload on one engine.
-#[derive(Debug, Clone, serde::Serialize)]
+#[derive(Debug, Clone, serde::Serialize, serde::Deserialize)]
 pub struct Outcome {
     /// Engine name.
     pub engine: String,
@@ -170,6 +197,14 @@ pub struct Outcome {
     pub value_size: usize,
     /// Operations performed (a scan counts once).
     pub ops: u64,
+    /// Operations the workload was to do (`num`, or `--reads` for read phases; scans: a
+    /// tenth). Less than that in `ops` only when `capped`.
+    #[serde(default)]
+    pub planned_ops: u64,
+    /// The workload ran into `--time-cap` and was stopped: `ops_per_sec` is over the
+    /// operations it completed.
+    #[serde(default)]
+    pub capped: bool,
     /// Wall time of the whole workload.
     pub seconds: f64,
     /// Operations per second.
@@ -193,9 +228,14 @@ pub struct Outcome {
     pub write_amp_pm: f64,
     /// Disk bytes written / user bytes written during the workload.
     pub write_amp_disk: f64,
+    /// Bytes the benchmark process read from storage during the workload (`read_bytes` of
+    /// `/proc/self/io`: page-cache misses, mapped-file faults and readahead). Near 0 while
+    /// the data fits the page cache; under `--dram-budget` it shows what the budget costs.
+    #[serde(default)]
+    pub disk_bytes_read: u64,
     /// The design's own figures after the workload (tierkv presets: promotions, flushes,
     /// merges, …; counters are totals since open).
-    #[serde(skip_serializing_if = "std::collections::BTreeMap::is_empty")]
+    #[serde(default, skip_serializing_if = "std::collections::BTreeMap::is_empty")]
     pub design: std::collections::BTreeMap<String, u64>,
 }
 
@@ -265,6 +305,9 @@ pub fn run_with_progress(
     }
     let threads = if w == Workload::Readseq { 1 } else { p.threads.max(1) };
     let before = e.usage();
+    let read0 = crate::cgroup::process_read_bytes();
+    let total = p.ops_of(w);
+    let deadline = p.time_cap_seconds.map(|s| Instant::now() + std::time::Duration::from_secs_f64(s.max(0.0)));
     let inserted = AtomicU64::new(loaded.ycsb);
     let stop = AtomicBool::new(false);
     // readwhilewriting: the readers start once the writer's first write is done, so that
@@ -278,7 +321,7 @@ pub fn run_with_progress(
                 let mut rng = SmallRng::seed_from_u64(p.seed ^ 0x5752_4954_4552);
                 let buf = value(&mut rng, p.value_size);
                 let mut n = 0u64;
-                while !stop.load(Ordering::Relaxed) {
+                while !stop.load(Ordering::Relaxed) && deadline.is_none_or(|d| Instant::now() < d) {
                     let r = e.put(&db_bench_key(rng.random_range(0..p.num), p.key_size), &buf);
                     writing.store(true, Ordering::Release);
                     r?;
@@ -288,7 +331,7 @@ pub fn run_with_progress(
             })
         });
         // Thread t does `ops` operations; sequential workloads give it keys first..first+ops.
-        let share = |t: u64| p.num / threads as u64 + u64::from(t < p.num % threads as u64);
+        let share = |t: u64| total / threads as u64 + u64::from(t < total % threads as u64);
         let handles: Vec<_> = (0..threads)
             .map(|t| {
                 let first = (0..t as u64).map(share).sum::<u64>();
@@ -298,7 +341,8 @@ pub fn run_with_progress(
                     while !writing.load(Ordering::Acquire) {
                         std::thread::yield_now();
                     }
-                    worker(e, w, p, t, first..first + ops, inserted, bar)
+                    let range = first..first + ops;
+                    worker(e, w, p, t, range, inserted, bar, deadline)
                 })
             })
             .collect();
@@ -311,18 +355,33 @@ pub fn run_with_progress(
     let seconds = start.elapsed().as_secs_f64();
     let background_writes = background.transpose()?.unwrap_or(0);
     let mut hist = Histogram::<u64>::new_with_bounds(1, 60_000_000_000, 3).map_err(|e| e.to_string())?;
-    let (mut ops, mut found) = (0u64, 0u64);
+    let (mut ops, mut found, mut capped) = (0u64, 0u64, false);
+    // YCSB load: the records inserted without a gap (a capped thread leaves one).
+    let (mut prefix, mut gapless) = (0u64, true);
     for r in results {
         let r = r?;
         ops += r.ops;
         found += r.found;
+        capped |= r.capped;
+        if gapless {
+            prefix += r.ops;
+            gapless = !r.capped;
+        }
         hist.add(&r.hist).map_err(|e| e.to_string())?;
     }
     match w {
         Workload::Fillseq | Workload::Fillrandom | Workload::Overwrite => loaded.db_bench = loaded.db_bench.max(p.num),
-        Workload::YcsbLoad => loaded.ycsb = loaded.ycsb.max(p.num),
+        Workload::YcsbLoad => loaded.ycsb = loaded.ycsb.max(prefix),
         _ => loaded.ycsb = inserted.load(Ordering::Relaxed),
     }
+    let planned_ops = match w {
+        Workload::Readseq => ops,
+        Workload::Seekrandom | Workload::YcsbScan => (0..threads as u64)
+            .map(|t| (total / threads as u64 + u64::from(t < total % threads as u64)) / 10)
+            .map(|n| n.max(1))
+            .sum(),
+        _ => total,
+    };
     let after = e.usage();
     let usage = Usage {
         pm_bytes_written: after.pm_bytes_written.saturating_sub(before.pm_bytes_written),
@@ -338,6 +397,8 @@ pub fn run_with_progress(
         workload: w,
         value_size: p.value_size,
         ops,
+        planned_ops,
+        capped,
         seconds,
         ops_per_sec: if seconds > 0.0 { ops as f64 / seconds } else { 0.0 },
         latency: Latency {
@@ -358,6 +419,7 @@ pub fn run_with_progress(
         space_bytes: e.space(),
         write_amp_pm: ratio(usage.pm_bytes_written),
         write_amp_disk: ratio(usage.disk_bytes_written),
+        disk_bytes_read: crate::cgroup::process_read_bytes().saturating_sub(read0),
         design: e.design(),
         usage,
     }))
@@ -367,9 +429,15 @@ struct Worked {
     ops: u64,
     found: u64,
     hist: Histogram<u64>,
+    /// Stopped by the time cap.
+    capped: bool,
 }
 
-/// One client thread's share (`ops` operations) of workload `w`.
+/// Operations between checks of the time cap.
+const CAP_CHECK: u64 = 64;
+
+/// One client thread's share (`ops` operations) of workload `w`, until `deadline`.
+#[allow(clippy::too_many_arguments)]
 fn worker(
     e: &dyn BenchEngine,
     w: Workload,
@@ -378,7 +446,16 @@ fn worker(
     range: std::ops::Range<u64>,
     inserted: &AtomicU64,
     bar: &indicatif::ProgressBar,
+    deadline: Option<Instant>,
 ) -> Result<Worked> {
+    let mut capped = false;
+    // True when the time cap has passed (checked every CAP_CHECK operations).
+    let mut over = |done: u64| {
+        if done.is_multiple_of(CAP_CHECK) && deadline.is_some_and(|d| Instant::now() >= d) {
+            capped = true;
+        }
+        capped
+    };
     let seed = p.seed ^ (w as u64).wrapping_mul(0x9e37_79b9_7f4a_7c15) ^ (t as u64).wrapping_mul(0xbf58_476d_1ce4_e5b9);
     let mut rng = SmallRng::seed_from_u64(seed);
     let buf = value(&mut rng, p.value_size);
@@ -391,6 +468,9 @@ fn worker(
     match w {
         Workload::Fillseq | Workload::Fillrandom | Workload::Overwrite => {
             for i in 0..ops {
+                if over(done) {
+                    break;
+                }
                 let k = if w == Workload::Fillseq { key_db(first + i) } else { key_db(rng.random_range(0..n)) };
                 m.time(|| e.put(&k, &buf))?;
                 done += 1;
@@ -398,6 +478,9 @@ fn worker(
         }
         Workload::Readrandom | Workload::Readwhilewriting => {
             for _ in 0..ops {
+                if over(done) {
+                    break;
+                }
                 let k = key_db(rng.random_range(0..n));
                 found += u64::from(m.time(|| e.get(&k))?.is_some());
                 done += 1;
@@ -409,6 +492,9 @@ fn worker(
         }
         Workload::Seekrandom => {
             for _ in 0..(ops / 10).max(1) {
+                if over(done) {
+                    break;
+                }
                 let k = key_db(rng.random_range(0..n));
                 found += m.time(|| e.scan(&k, p.scan_len))? as u64;
                 done += 1;
@@ -416,6 +502,9 @@ fn worker(
         }
         Workload::YcsbLoad => {
             for i in 0..ops {
+                if over(done) {
+                    break;
+                }
                 let k = ycsb_key(first + i);
                 m.time(|| e.insert(&k, &buf))?;
                 done += 1;
@@ -428,6 +517,9 @@ fn worker(
             // Scans are counted like seekrandom's: a tenth of the operations.
             let ops = if w == Workload::YcsbScan { (ops / 10).max(1) } else { ops };
             for _ in 0..ops {
+                if over(done) {
+                    break;
+                }
                 let r: f64 = rng.random();
                 let pick = |rng: &mut SmallRng, z: &ScrambledZipfian| ycsb_key(z.next(rng));
                 match w {
@@ -485,5 +577,5 @@ fn worker(
             }
         }
     }
-    Ok(Worked { ops: done, found, hist: m.hist })
+    Ok(Worked { ops: done, found, hist: m.hist, capped })
 }

@@ -356,6 +356,8 @@ pub fn run(a: &ServerArgs) -> Result<ServerReport> {
         scan_len: 100,
         seed: a.seed,
         threads: a.threads.max(1),
+        reads: None,
+        time_cap_seconds: None,
     };
     for t in &a.targets {
         let name = t.name();

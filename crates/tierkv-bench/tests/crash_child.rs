@@ -15,7 +15,7 @@ fn loaded(t: &tempfile::TempDir, preset: &str, tag: &str) -> EngineSpec {
         name: preset.into(),
         dir: t.path().join(format!("{preset}-{tag}")).join("db"),
         pm_dir: t.path().join(format!("{preset}-{tag}-pm")),
-        durable: false,
+        ..Default::default()
     };
     std::fs::create_dir_all(&s.pm_dir).unwrap();
     let e = engine::open(&s).unwrap();

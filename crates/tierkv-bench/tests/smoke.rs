@@ -10,7 +10,7 @@ use tierkv_bench::run::Workload;
 #[test]
 fn every_engine_every_workload_tiny() {
     let t = tempfile::tempdir().unwrap();
-    let out = t.path().join("r.json");
+    let out = t.path().join("results.json");
     let a = BenchArgs {
         num: 400,
         value_sizes: vec![100, 1024],
@@ -61,12 +61,30 @@ fn every_engine_every_workload_tiny() {
         }
     }
     let json: serde_json::Value = serde_json::from_slice(&std::fs::read(&out).unwrap()).unwrap();
-    assert_eq!(json["schema"], 1);
+    assert_eq!(json["schema"], 2);
+    // Every engine states its durability level; without --durable, a process crash.
+    let engines = json["engines"].as_array().unwrap();
+    assert_eq!(engines.len(), known_engines().len());
+    for e in engines {
+        assert_eq!(e["durability"], "process-crash", "{e}");
+    }
+    assert!(json["setup"]["pm_on_tmpfs"].is_boolean() && json["memory"].as_array().is_some_and(|m| m.is_empty()));
     assert_eq!(json["params"]["num"], 400);
     let first = &json["outcomes"][0];
-    for field in
-        ["engine", "workload", "value_size", "ops", "seconds", "ops_per_sec", "found", "write_amp_pm", "write_amp_disk"]
-    {
+    for field in [
+        "engine",
+        "workload",
+        "value_size",
+        "ops",
+        "planned_ops",
+        "capped",
+        "seconds",
+        "ops_per_sec",
+        "found",
+        "write_amp_pm",
+        "write_amp_disk",
+        "disk_bytes_read",
+    ] {
         assert!(!first[field].is_null(), "JSON outcome lacks `{field}`");
     }
     for field in ["mean_ns", "p50_ns", "p99_ns", "p999_ns", "max_ns"] {

@@ -45,12 +45,44 @@ struct Target {
 
 #[derive(clap::Args, Debug)]
 struct BenchFlags {
-    /// Records, and operations per workload.
-    #[arg(long, default_value_t = 500_000)]
-    num: u64,
-    /// Value sizes in bytes, comma separated (one full run per size).
-    #[arg(long, value_delimiter = ',', default_value = "1024")]
-    value_size: Vec<usize>,
+    /// Records, and operations per load or overwrite workload [default: 500000; --paper:
+    /// 2100000].
+    #[arg(long)]
+    num: Option<u64>,
+    /// Operations per read, scan and YCSB run workload, separate from --num (scans:
+    /// a tenth) [default: --num; --paper: 100000].
+    #[arg(long)]
+    reads: Option<u64>,
+    /// Stop a workload still running after this many seconds; its throughput is over the
+    /// operations it completed and the table marks it `*capped` [default: none; --paper:
+    /// 120].
+    #[arg(long)]
+    time_cap: Option<f64>,
+    /// DRAM budget in MiB per engine: each engine's workloads (and its recovery) run in a
+    /// child process confined to this much memory, page cache included, by a memory
+    /// cgroup (v2 memory.max or v1 memory.limit_in_bytes; root or a delegated group
+    /// needed). PM pools are faulted before the child joins, outside the budget. Data goes
+    /// to --dir, which must not be tmpfs [default: none; --paper: 256].
+    #[arg(long)]
+    dram_budget: Option<u64>,
+    /// PM capacity in MiB per engine: tierkv presets and `limit` get at most this much PM,
+    /// preallocated (and faulted) at open [default: grow as needed; --paper: 8192].
+    #[arg(long)]
+    pm_budget: Option<u64>,
+    /// PM device profile: `dram` (no added latency) or `optane` (first-generation Optane
+    /// DC PM's added read latency, write latency and write bandwidth limit) [default: dram;
+    /// --paper: optane].
+    #[arg(long)]
+    pm_profile: Option<String>,
+    /// The papers' regime: data 8x the DRAM budget (--num 2100000 --value-size 1024
+    /// --dram-budget 256), --pm-budget 8192 --pm-profile optane --reads 100000 --time-cap
+    /// 120, every engine, fillrandom, readrandom, seekrandom, overwrite, ycsb-load and
+    /// ycsb-a..f. Explicit flags override these.
+    #[arg(long)]
+    paper: bool,
+    /// Value sizes in bytes, comma separated (one full run per size) [default: 1024].
+    #[arg(long, value_delimiter = ',')]
+    value_size: Option<Vec<usize>>,
     /// db_bench key size in bytes.
     #[arg(long, default_value_t = 16)]
     key_size: usize,
@@ -259,7 +291,15 @@ enum Cmd {
         value_size: usize,
         #[arg(long)]
         durable: bool,
+        #[arg(long)]
+        pm_budget: Option<u64>,
+        #[arg(long)]
+        pm_profile: Option<String>,
     },
+    /// (Internal to `tierkv bench --dram-budget`.) Run one engine's benchmark job, read as
+    /// JSON from stdin, inside a memory cgroup; report events as JSON lines on stdout.
+    #[command(name = "bench-job", hide = true)]
+    BenchJob,
 }
 
 enum Outcome {
@@ -318,7 +358,7 @@ fn run(cli: Cli) -> Result<Outcome, Error> {
                 requests: f.requests,
                 clients: f.clients,
                 pipelines: vec![1, 16],
-                value_size: f.value_size.first().copied().unwrap_or(1024),
+                value_size: f.value_size.as_ref().and_then(|v| v.first().copied()).unwrap_or(1024),
                 ycsb_num: f.ycsb_num,
                 threads: f.threads.first().copied().unwrap_or(1).max(1),
                 seed: f.seed,
@@ -334,23 +374,41 @@ fn run(cli: Cli) -> Result<Outcome, Error> {
             }
         }
         Cmd::Bench(f) => {
-            let mut a = tierkv_bench::cli::BenchArgs {
-                num: f.num,
-                value_sizes: f.value_size,
-                key_size: f.key_size,
-                scan_len: f.scan_len,
-                seed: f.seed,
-                dir: f.dir,
-                pm_dir: f.pm_dir,
-                out: f.out,
-                threads: f.threads.iter().map(|&t| t.max(1)).collect(),
-                durable: f.durable,
-                ..Default::default()
-            };
+            let mut a = if f.paper { tierkv_bench::cli::BenchArgs::paper() } else { Default::default() };
+            a.key_size = f.key_size;
+            a.scan_len = f.scan_len;
+            a.seed = f.seed;
+            a.dir = f.dir;
+            a.pm_dir = f.pm_dir;
+            a.out = f.out;
+            a.threads = f.threads.iter().map(|&t| t.max(1)).collect();
+            a.durable = f.durable;
             a.crash_exe = std::env::current_exe().ok();
             if f.full {
                 a.value_sizes = vec![100, 1024, 4096, 16384];
                 a.workloads = tierkv_bench::run::Workload::ALL.to_vec();
+            }
+            // Explicit flags override the presets.
+            if let Some(n) = f.num {
+                a.num = n;
+            }
+            if let Some(v) = f.value_size {
+                a.value_sizes = v;
+            }
+            if f.reads.is_some() {
+                a.reads = f.reads;
+            }
+            if f.time_cap.is_some() {
+                a.time_cap = f.time_cap;
+            }
+            if f.dram_budget.is_some() {
+                a.dram_budget_mib = f.dram_budget;
+            }
+            if f.pm_budget.is_some() {
+                a.pm_budget_mib = f.pm_budget;
+            }
+            if let Some(p) = f.pm_profile {
+                a.pm_profile = p;
             }
             if let Some(e) = f.engines {
                 a.engines = tierkv_bench::cli::parse_engines(&e).map_err(Error::InvalidArgument)?;
@@ -409,8 +467,11 @@ fn run(cli: Cli) -> Result<Outcome, Error> {
             tierkv_bench::soak::stress_main(&dir, preset, keys, threads, seed)
                 .map_err(|e| Error::InvalidArgument(format!("soak stress: {e}")))?;
         }
-        Cmd::BenchCrashChild { engine, dir, pm_dir, num, key_size, value_size, durable } => {
-            let spec = tierkv_bench::engine::EngineSpec { name: engine, dir, pm_dir, durable };
+        Cmd::BenchJob => {
+            tierkv_bench::job::job_main().map_err(|e| Error::InvalidArgument(format!("bench job: {e}")))?;
+        }
+        Cmd::BenchCrashChild { engine, dir, pm_dir, num, key_size, value_size, durable, pm_budget, pm_profile } => {
+            let spec = tierkv_bench::engine::EngineSpec { name: engine, dir, pm_dir, durable, pm_budget, pm_profile };
             tierkv_bench::child::child_main(&spec, num, key_size, value_size)
                 .map_err(|e| Error::InvalidArgument(format!("bench child: {e}")))?;
         }
