@@ -225,6 +225,8 @@ struct Inner {
     flushed_mu: Mutex<()>,
     leaf_cursor: Mutex<Vec<u8>>,
     poisoned: crate::poison::Poison,
+    /// Set by `close`/drop before the worker is joined; compactions check it.
+    cancel: crate::jobs::Cancel,
     user_bytes: crate::counters::Counters<1>,
     next_log_id: AtomicU64,
     counters: Counters,
@@ -268,6 +270,7 @@ impl Slmdb {
     }
 
     fn stop_worker(&self) {
+        self.inner.cancel.cancel();
         self.inner.work.lock().stop = true;
         self.inner.work_cv.notify_all();
         if let Some(h) = self.worker.lock().take() {
@@ -315,6 +318,8 @@ fn worker_loop(inner: Arc<Inner>) {
         }));
         match r {
             Ok(Ok(())) => {}
+            // Stopped by close at a safe point, its partial work discarded: not a failure.
+            Ok(Err(e)) if inner.cancel.is_cancellation(&e) => {}
             Ok(Err(e)) => inner.poison(format!("background flush/compaction failed: {e}")),
             Err(_) => inner.poison("background flush/compaction panicked".into()),
         }
@@ -453,6 +458,7 @@ fn open_inner(ctx: &EngineCtx) -> Result<Inner> {
         flushed_mu: Mutex::new(()),
         leaf_cursor: Mutex::new(Vec::new()),
         poisoned: crate::poison::Poison::default(),
+        cancel: crate::jobs::Cancel::new(ctx.opts.job_probe.clone()),
         user_bytes: Default::default(),
         next_log_id: AtomicU64::new(rand::random::<u64>() | 1),
         counters: Counters::default(),
@@ -720,6 +726,7 @@ impl Inner {
             ("candidates_seq_degree", ld(&c.cand_seq_degree)),
             ("write_stalls", ld(&c.write_stalls)),
             ("flushes_during_compaction", ld(&c.flushes_in_compaction)),
+            ("jobs_cancelled", self.cancel.jobs_cancelled()),
             ("pm_heap_bytes", heap.total()),
             ("pm_heap_free_bytes", heap.free_bytes()),
             ("block_cache_bytes", self.cache.bytes()),
