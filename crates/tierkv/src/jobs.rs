@@ -103,6 +103,16 @@ impl Cancel {
         }
     }
 
+    /// Poison the store with `what`'s failure `r`, unless it is a cancellation (which is
+    /// not a failure).
+    pub(crate) fn poison_failure<T>(&self, poison: &crate::poison::Poison, what: &str, r: &Result<T>) {
+        if let Err(e) = r {
+            if !self.is_cancellation(e) {
+                poison.set(format!("{what} failed: {e}"));
+            }
+        }
+    }
+
     /// Jobs cancelled so far.
     pub(crate) fn jobs_cancelled(&self) -> u64 {
         self.cancelled.load(Ordering::Relaxed)

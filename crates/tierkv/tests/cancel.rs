@@ -35,7 +35,6 @@ fn close_mid_job(name: &str, opts: impl Fn(&SimDevice, &FaultFs) -> Options, pau
     let db = Db::open(dir(), opts(&dev, &fs).job_probe(probe.clone())).unwrap();
     let mut m = Model::new();
     load(&db, &mut m);
-    eprintln!("{name}: before compact: {:?}", db.stats().design);
     let before = probe.safe_points();
     probe.pause_at(pause);
     let compacted = std::thread::scope(|s| {
@@ -69,10 +68,10 @@ fn kv(i: u32, round: u32) -> (Vec<u8>, Vec<u8>) {
     (format!("k{i:05}").into_bytes(), format!("v{i}-{round}-{}", "x".repeat(80 + (i % 7) as usize)).into_bytes())
 }
 
-/// `keys` keys written, flushed; then 40 % of them overwritten and 10 % deleted, flushed
-/// again: tables that keep most entries live but fall under the live-ratio thresholds, so
-/// a compaction or merge has many entries to move.
-fn partial(keys: u32) -> impl Fn(&Db, &mut Model) {
+/// `keys` keys written, flushed; then `over` in 10 of them overwritten and 1 in 10
+/// deleted, flushed again: tables that keep many entries live but fall under the
+/// live-ratio thresholds, so a compaction or merge has entries to move.
+fn partial(keys: u32, over: u32) -> impl Fn(&Db, &mut Model) {
     move |db, m| {
         for i in 0..keys {
             let (k, v) = kv(i, 0);
@@ -85,7 +84,7 @@ fn partial(keys: u32) -> impl Fn(&Db, &mut Model) {
             if i % 10 == 9 {
                 db.delete(&k).unwrap();
                 m.remove(&k);
-            } else if i % 5 < 2 {
+            } else if i % 10 < over {
                 db.put(&k, &v).unwrap();
                 m.insert(k, v);
             }
@@ -98,12 +97,12 @@ fn partial(keys: u32) -> impl Fn(&Db, &mut Model) {
 fn slmdb_compaction_cancelled_after_some_outputs_is_rolled_back() {
     // Outputs of 4 KiB (~40 entries): the 6th safe point is well inside the merge, with
     // outputs already applied to the B+-tree, which the discard points back at the inputs.
-    close_mid_job("slmdb", |d, f| sim_options(Preset::Slmdb, d, f), 6, partial(1500));
+    close_mid_job("slmdb", |d, f| sim_options(Preset::Slmdb, d, f), 6, partial(1500, 4));
 }
 
 #[test]
 fn slmdb_compaction_cancelled_at_its_first_safe_point() {
-    close_mid_job("slmdb first", |d, f| sim_options(Preset::Slmdb, d, f), 1, partial(1500));
+    close_mid_job("slmdb first", |d, f| sim_options(Preset::Slmdb, d, f), 1, partial(1500, 4));
 }
 
 #[test]
@@ -118,7 +117,7 @@ fn slmdb_background_compaction_is_cancelled_by_drop() {
     let probe = JobProbe::new();
     let db = Db::open(dir(), opts(&probe)).unwrap();
     let mut m = Model::new();
-    partial(1500)(&db, &mut m);
+    partial(1500, 4)(&db, &mut m);
     for i in 0..1500 {
         let (k, v) = kv(i, 2);
         if i % 3 == 0 {
@@ -135,4 +134,9 @@ fn slmdb_background_compaction_is_cancelled_by_drop() {
     let db = Db::open(dir(), opts(&JobProbe::new())).unwrap();
     assert_matches(&db, &m, "slmdb after drop");
     assert_eq!(db.check().unwrap(), Vec::<String>::new());
+}
+
+#[test]
+fn hpdk_merge_cancelled_while_reading_its_inputs_leaves_no_merge_log() {
+    close_mid_job("hpdk", |d, f| sim_options(Preset::Hpdk, d, f), 3, partial(1500, 7));
 }

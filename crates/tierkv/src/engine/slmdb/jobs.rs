@@ -287,11 +287,7 @@ impl Inner {
     pub(super) fn poison_on_error(&self, what: &str, job: impl FnOnce() -> Result<()>) -> Result<()> {
         self.check_poisoned()?;
         let r = job();
-        if let Err(e) = &r {
-            if !self.cancel.is_cancellation(e) {
-                self.poison(format!("{what} failed: {e}"));
-            }
-        }
+        self.cancel.poison_failure(&self.poisoned, what, &r);
         r
     }
 
