@@ -140,3 +140,10 @@ fn slmdb_background_compaction_is_cancelled_by_drop() {
 fn hpdk_merge_cancelled_while_reading_its_inputs_leaves_no_merge_log() {
     close_mid_job("hpdk", |d, f| sim_options(Preset::Hpdk, d, f), 3, partial(1500, 7));
 }
+
+#[test]
+fn hoakv_lsm_compaction_cancelled_between_outputs_deletes_them() {
+    // 4 KiB LSM tables: the 4th safe point of `compact()` is inside a compaction that has
+    // written output tables not yet in the MANIFEST.
+    close_mid_job("hoakv", |d, f| sim_options(Preset::Hoakv, d, f), 4, partial(1500, 4));
+}
