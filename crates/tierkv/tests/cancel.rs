@@ -147,3 +147,8 @@ fn hoakv_lsm_compaction_cancelled_between_outputs_deletes_them() {
     // written output tables not yet in the MANIFEST.
     close_mid_job("hoakv", |d, f| sim_options(Preset::Hoakv, d, f), 4, partial(1500, 4));
 }
+
+#[test]
+fn lightkv_partition_compaction_cancelled_mid_merge_deletes_its_table() {
+    close_mid_job("lightkv", |d, f| sim_options(Preset::Lightkv, d, f), 2, partial(6000, 9));
+}

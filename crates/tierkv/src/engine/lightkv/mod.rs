@@ -131,6 +131,7 @@ impl Lightkv {
             block_size: o.block_size,
             block_cache: o.block_cache_size,
             background: o.background,
+            job_probe: ctx.opts.job_probe.clone(),
         };
         let region = Arc::new(open_region(&ctx)?);
         let store = Arc::new(PwbStore::open(region, Arc::new(ctx.fs.clone()), &ctx.dir, ctx.fresh, cfg)?);
@@ -145,6 +146,7 @@ impl Lightkv {
     }
 
     fn stop_workers(&self) {
+        self.store.cancel.cancel();
         self.store.work.lock().stop = true;
         self.store.work_cv.notify_all();
         for h in self.workers.lock().drain(..) {
@@ -217,8 +219,7 @@ fn worker_loop(s: Arc<PwbStore>, compactor: bool) {
             }
         }));
         match r {
-            Ok(Ok(())) => {}
-            Ok(Err(e)) => s.poisoned.set(format!("background {what} failed: {e}")),
+            Ok(r) => s.cancel.poison_failure(&s.poisoned, &format!("background {what}"), &r),
             Err(_) => s.poisoned.set(format!("background {what} panicked")),
         }
         s.notify_flushed();
@@ -275,6 +276,7 @@ impl Engine for Lightkv {
             ("image_rejected", c.image_rejected),
             ("write_stalls", c.write_stalls),
             ("pm_leaf_probes", c.pm_leaf_probes),
+            ("jobs_cancelled", s.cancel.jobs_cancelled()),
         ];
         let shape = s.shape();
         let figure = |name: &str| shape.iter().find(|x| x.0 == name).map_or(0, |x| x.1);
