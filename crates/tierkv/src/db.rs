@@ -317,7 +317,10 @@ impl Db {
         self.guarded(|e| e.flush())
     }
 
-    /// Force compaction / garbage collection now.
+    /// Force compaction / garbage collection now. A `compact()` racing [`Db::close`] (or
+    /// the handle's drop) is cancelled like the background jobs: it stops at its job's next
+    /// safe point, discards the job's partial work and returns [`Error::Closed`]
+    /// (`docs/design/background-work.md`).
     pub fn compact(&self) -> Result<()> {
         self.guarded(|e| e.compact())
     }

@@ -48,6 +48,13 @@
 //! the table's index, of the block); a step is O(1) amortised per source plus the merge's
 //! linear pass over the sources; no entry is copied.
 //!
+//! # Shutdown
+//! [`Lsm::stop`] (and drop) set the owner's [`crate::jobs::Cancel`] before joining the
+//! worker. A compaction checks it before each output table and every 256 merged entries;
+//! nothing names the outputs before the MANIFEST edit, so a cancelled one deletes them,
+//! restores the level's compaction pointer and leaves the version untouched. Flushes are
+//! not cancelled (close flushes the MemTable anyway).
+//!
 //! # Recovery
 //! The MANIFEST gives the tables (with levels) and the last flushed WAL generation; newer
 //! WALs are read by [`Lsm::open`] and handed to the caller, which filters them (HoaKV drops
@@ -71,9 +78,9 @@ use std::thread::JoinHandle;
 use parking_lot::{Condvar, Mutex, RwLock};
 
 use crate::error::{Error, Result};
-use crate::jobs::Cancel;
 use crate::fs::{CountingFs, Fs, FsFile};
 use crate::iter::{BoxedIter, InternalIterator, MergingIterator};
+use crate::jobs::Cancel;
 use crate::manifest::{Edit, FileMeta, Manifest, Version};
 use crate::poison::Poison;
 use crate::sstable::{BlockCache, Kind, Table, TableBuilder, TableCursor, TableIter};
@@ -1125,8 +1132,7 @@ mod tests {
         if fresh {
             cfs.create_dir_all(d).unwrap();
         }
-        let (l, b) =
-            Lsm::open(cfs, d, small(), fresh, Arc::new(Poison::default()), Arc::default(), &|| true).unwrap();
+        let (l, b) = Lsm::open(cfs, d, small(), fresh, Arc::new(Poison::default()), Arc::default(), &|| true).unwrap();
         (Arc::new(l), b)
     }
 

@@ -121,6 +121,14 @@
 //!   group table is rewritten before the pointers change); old files are removed only
 //!   after the pointer batch is synced. Files no group lists are removed at open.
 //!
+//! # Shutdown
+//! `close()` and drop set the store's [`crate::jobs::Cancel`], shared with the ColdStore
+//! LSM, before joining the workers. LSM compactions check it as [`crate::lsm`] describes.
+//! Value-group maintenance checks it every 256 records while it finds the live values and
+//! while it copies them, and last before its relocation files are synced and listed; a
+//! cancelled one leaves its group sealed (a committed step: the new appender file is
+//! listed) and removes the relocation files no group lists. `jobs_cancelled` counts both.
+//!
 //! # Choices where the paper is silent or we differ
 //! - The paper keeps the HotStore "on disk"; here the hot vlog is in PM (SPEC), and each
 //!   slot has two halves for the crash-safe in-place update, so a hot record takes twice
@@ -303,8 +311,8 @@ impl Hoakv {
         let inflight = region.load_u64_atomic(layout::INFLIGHT_ADDR)? != 0;
         let (lsm, batches) =
             Lsm::open(ctx.fs.clone(), &ctx.dir, lsm_options(&ctx), ctx.fresh, poison.clone(), cancel.clone(), &|| {
-            inflight
-        })?;
+                inflight
+            })?;
         let lsm = Arc::new(lsm);
         let r2 = region.clone();
         lsm.set_commit_hook(Arc::new(move |on| {

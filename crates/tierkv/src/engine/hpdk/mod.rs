@@ -35,6 +35,14 @@
 //! - **Range reads**: the two MemTables merged with the B+-tree; values read from the log
 //!   (below).
 //!
+//! # Shutdown
+//! `close()` and drop set the store's [`crate::jobs::Cancel`] before joining the workers.
+//! A merge checks it before each input table, every 256 items read, filtered or added to
+//! the output, and last before the output is placed in PM; from the placement on (the
+//! tree points at the new table) it runs to its commit. A cancelled merge has written
+//! only its merge log, which it removes: the store is as before the merge
+//! (`jobs_cancelled`). Flushes are not cancelled (close flushes the MemTables anyway).
+//!
 //! # Choices where the paper is silent or we differ
 //! - The value log and the tables share one PM heap ([`crate::pm::heap`]); a two-level
 //!   directory in pool 0 (docs/format/hpdk.md) names each value pool's extent and

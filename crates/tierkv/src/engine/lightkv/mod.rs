@@ -79,6 +79,14 @@
 //! buffered keys plus about 56 bytes each (`sorted_view_bytes`, counted in the DRAM index
 //! figure).
 //!
+//! # Shutdown
+//! `close()` and drop set the store's [`crate::jobs::Cancel`] before joining the workers.
+//! A partition compaction checks it at its first merged entry and every 256 after, and
+//! before each further compaction of a chain; the output leaf and the chain record (the
+//! commit) come after the table is written, so a cancelled compaction has made only its
+//! table, which it deletes (`jobs_cancelled`). Leaf flushes are not cancelled (one
+//! segment each, and close flushes anyway).
+//!
 //! # Choices where the paper is silent
 //! See docs/design/lightkv.md. In short: deletes index a tombstone record (dropped when a
 //! compaction reaches the partition's oldest table); a batch is one write-buffer record in

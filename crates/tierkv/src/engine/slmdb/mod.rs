@@ -50,6 +50,17 @@
 //! 5. flushes a leftover Immutable MemTable, deletes SSTables no version references and,
 //!    after a rollback, recounts every file's live keys from the tree.
 //!
+//! # Shutdown
+//! `close()` and drop set the store's [`crate::jobs::Cancel`] before joining the worker. A
+//! compaction checks it before each output file and every 256 merged entries (the flush
+//! in its middle and flushes themselves are not cancelled: one MemTable, and close needs
+//! it flushed anyway). A cancelled compaction stops with its shipped outputs applied to the
+//! tree and logged; it then does what recovery does after a crash, without the restart:
+//! keys moved into its outputs point back at their blocks in the inputs, the inputs lose
+//! the live keys flushes moved on meanwhile (one MANIFEST edit), the compaction log is
+//! released and every output file is deleted. The store is as if it never ran
+//! (`jobs_cancelled` counts it); a crash during that undo is recovered from the log.
+//!
 //! # Choices where the paper is silent
 //! - Flushes are serialised and compactions are serialised; in background mode a flush runs
 //!   in the middle of a compaction when a MemTable fills (as LevelDB flushes inside a long
