@@ -318,8 +318,9 @@ impl Db {
     }
 
     /// Force compaction / garbage collection now. A `compact()` racing [`Db::close`] (or
-    /// the handle's drop) is cancelled like the background jobs: it stops at its job's next
-    /// safe point, discards the job's partial work and returns [`Error::Closed`]
+    /// the handle's drop) is cancelled like the background jobs: a job in flight stops at
+    /// its next safe point, discards its partial work and the call returns
+    /// [`Error::Closed`]; between jobs it starts no new one and returns `Ok`
     /// (`docs/design/background-work.md`).
     pub fn compact(&self) -> Result<()> {
         self.guarded(|e| e.compact())

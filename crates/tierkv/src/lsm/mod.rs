@@ -826,6 +826,10 @@ impl Lsm {
         // from the same version — the second would re-add a table the first moved, or
         // rewrite tables the first removed, leaving overlapping tables in one level.
         let mut pointers = self.job.lock();
+        // No new compaction once cancelled (close's own flushes end up here too).
+        if self.cancel.is_cancelled() {
+            return Ok(false);
+        }
         let cur = self.current.read().clone();
         match self.pick(&cur, &pointers) {
             Some(j) => {

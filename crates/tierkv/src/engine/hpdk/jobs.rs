@@ -208,7 +208,8 @@ impl Inner {
     /// Merge the candidate set when it has reached the trigger (or, with `force`, whenever
     /// it is non-empty).
     pub(crate) fn maybe_merge(&self, force: bool) -> Result<()> {
-        if !self.opts.enable_merge || !self.opts.use_btree {
+        // No new merge once cancelled (close's own flushes end up here too).
+        if !self.opts.enable_merge || !self.opts.use_btree || self.cancel.is_cancelled() {
             return Ok(());
         }
         let cands: Vec<u64> = self.version.lock().version.candidates.iter().copied().collect();

@@ -1257,8 +1257,9 @@ impl PwbStore {
         let _g = self.compact_job.lock();
         let mut done = 0;
         loop {
+            // No new compaction once cancelled (close's own flushes end up here too).
             if self.cancel.is_cancelled() {
-                return Err(Error::Closed);
+                return Ok(done);
             }
             let Some(job) = self.pick_compaction(&self.state.read(), slot) else { return Ok(done) };
             let (b, dropped) = self.build_compaction(&job)?;

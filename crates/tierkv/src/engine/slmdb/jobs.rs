@@ -517,8 +517,9 @@ impl Inner {
             self.leaf_scan()?;
         }
         for _ in 0..10_000 {
+            // No new compaction once cancelled.
             if self.cancel.is_cancelled() {
-                return Err(Error::Closed);
+                break;
             }
             let inputs = pick(&self.version.lock().version, self.opts.max_merge_files);
             if inputs.is_empty() {
