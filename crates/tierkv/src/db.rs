@@ -317,7 +317,11 @@ impl Db {
         self.guarded(|e| e.flush())
     }
 
-    /// Force compaction / garbage collection now.
+    /// Force compaction / garbage collection now. A `compact()` racing [`Db::close`] (or
+    /// the handle's drop) is cancelled like the background jobs: a job in flight stops at
+    /// its next safe point, discards its partial work and the call returns
+    /// [`Error::Closed`]; between jobs it starts no new one and returns `Ok`
+    /// (`docs/design/background-work.md`).
     pub fn compact(&self) -> Result<()> {
         self.guarded(|e| e.compact())
     }

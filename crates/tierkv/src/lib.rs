@@ -35,6 +35,7 @@ pub mod format;
 pub mod fs;
 pub mod index;
 pub mod iter;
+pub mod jobs;
 pub(crate) mod lsm;
 pub mod manifest;
 pub mod options;

@@ -442,6 +442,10 @@ pub struct Options {
     /// Where a failed msync of PM is recorded; tests share one to inject msync failures
     /// ([`crate::pm::PmHealth::fail_msync_after`]). Default `None`: a fresh record per open.
     pub pm_health: Option<Arc<crate::pm::PmHealth>>,
+    /// Instrumentation of background jobs (tests): counts their safe points and
+    /// cancellations and can park one until `close()` ([`crate::jobs::JobProbe`]).
+    /// Default `None`.
+    pub job_probe: Option<Arc<crate::jobs::JobProbe>>,
 }
 
 impl fmt::Debug for Options {
@@ -469,6 +473,7 @@ impl fmt::Debug for Options {
             .field("fs", &self.fs.as_ref().map(|_| "custom"))
             .field("pm_device", &self.pm_device.as_ref().map(|_| "simulated"))
             .field("pm_health", &self.pm_health.as_ref().map(|_| "shared"))
+            .field("job_probe", &self.job_probe.as_ref().map(|_| "set"))
             .finish()
     }
 }
@@ -498,6 +503,7 @@ impl Default for Options {
             fs: None,
             pm_device: None,
             pm_health: None,
+            job_probe: None,
         }
     }
 }
@@ -616,6 +622,11 @@ impl Options {
     /// Set [`Options::fs`].
     pub fn fs(mut self, fs: Arc<dyn Fs>) -> Self {
         self.fs = Some(fs);
+        self
+    }
+    /// Set [`Options::job_probe`].
+    pub fn job_probe(mut self, probe: Arc<crate::jobs::JobProbe>) -> Self {
+        self.job_probe = Some(probe);
         self
     }
     /// Set [`Options::pm_device`].

@@ -48,6 +48,13 @@
 //! the table's index, of the block); a step is O(1) amortised per source plus the merge's
 //! linear pass over the sources; no entry is copied.
 //!
+//! # Shutdown
+//! [`Lsm::stop`] (and drop) set the owner's [`crate::jobs::Cancel`] before joining the
+//! worker. A compaction checks it before each output table and every 256 merged entries;
+//! nothing names the outputs before the MANIFEST edit, so a cancelled one deletes them,
+//! restores the level's compaction pointer and leaves the version untouched. Flushes are
+//! not cancelled (close flushes the MemTable anyway).
+//!
 //! # Recovery
 //! The MANIFEST gives the tables (with levels) and the last flushed WAL generation; newer
 //! WALs are read by [`Lsm::open`] and handed to the caller, which filters them (HoaKV drops
@@ -73,6 +80,7 @@ use parking_lot::{Condvar, Mutex, RwLock};
 use crate::error::{Error, Result};
 use crate::fs::{CountingFs, Fs, FsFile};
 use crate::iter::{BoxedIter, InternalIterator, MergingIterator};
+use crate::jobs::Cancel;
 use crate::manifest::{Edit, FileMeta, Manifest, Version};
 use crate::poison::Poison;
 use crate::sstable::{BlockCache, Kind, Table, TableBuilder, TableCursor, TableIter};
@@ -234,6 +242,8 @@ pub struct Lsm {
     done_mu: Mutex<()>,
     done_cv: Condvar,
     poison: Arc<Poison>,
+    /// The owner's shutdown token: compactions stop at their safe points once it is set.
+    cancel: Arc<Cancel>,
     /// Counters.
     pub counters: LsmCounters,
     worker: Mutex<Option<JoinHandle<()>>>,
@@ -279,6 +289,7 @@ impl Lsm {
         opts: LsmOptions,
         fresh: bool,
         poison: Arc<Poison>,
+        cancel: Arc<Cancel>,
         torn_ok: &dyn Fn() -> bool,
     ) -> Result<(Lsm, Vec<wal::Batch>)> {
         let (version, manifest) = if fresh {
@@ -372,6 +383,7 @@ impl Lsm {
             done_mu: Mutex::new(()),
             done_cv: Condvar::new(),
             poison,
+            cancel,
             counters: LsmCounters::default(),
             worker: Mutex::new(None),
             before_durable: RwLock::new(None),
@@ -468,16 +480,17 @@ impl Lsm {
                 Ok(())
             }));
             match r {
-                Ok(Ok(())) => {}
-                Ok(Err(e)) => self.poison.set(format!("background LSM flush/compaction failed: {e}")),
+                Ok(r) => self.cancel.poison_failure(&self.poison, "background LSM flush/compaction", &r),
                 Err(_) => self.poison.set("background LSM flush/compaction panicked".into()),
             }
             self.done_cv.notify_all();
         }
     }
 
-    /// Stop the background thread (waiting for its current job).
+    /// Stop the background thread: cancel its current job (the owner's token) and wait
+    /// for it to stop at its next safe point.
     pub fn stop(&self) {
+        self.cancel.cancel();
         self.work.lock().stop = true;
         self.work_cv.notify_all();
         if let Some(h) = self.worker.lock().take() {
@@ -813,6 +826,10 @@ impl Lsm {
         // from the same version — the second would re-add a table the first moved, or
         // rewrite tables the first removed, leaving overlapping tables in one level.
         let mut pointers = self.job.lock();
+        // No new compaction once cancelled (close's own flushes end up here too).
+        if self.cancel.is_cancelled() {
+            return Ok(false);
+        }
         let cur = self.current.read().clone();
         match self.pick(&cur, &pointers) {
             Some(j) => {
@@ -827,6 +844,7 @@ impl Lsm {
     fn run_job(&self, pointers: &mut [Vec<u8>], job: Job) -> Result<()> {
         let out_level = job.level + 1;
         let (_, hi) = range_of(&job.inputs);
+        let pointer = pointers.get(job.level).cloned().unwrap_or_default();
         if let Some(p) = pointers.get_mut(job.level) {
             *p = hi.clone();
         }
@@ -844,59 +862,21 @@ impl Lsm {
             self.counters.trivial_moves.fetch_add(1, Ordering::Relaxed);
             return Ok(());
         }
-        let cur = self.current.read().clone();
-        // Newest first: for level 0 the inputs are already newest first; then the level below.
-        let mut curs = Vec::new();
-        for f in job.inputs.iter().chain(&job.below) {
-            self.counters.compact_read.fetch_add(f.meta.size, Ordering::Relaxed);
-            curs.push(TableCursor::seek(f.table.clone(), Bound::Unbounded, false)?);
-        }
-        let deeper: Vec<&Vec<Arc<TFile>>> = cur.levels.iter().skip(out_level + 1).collect();
-        let base_for = |k: &[u8]| {
-            deeper.iter().all(|lvl| {
-                let i = lvl.partition_point(|f| f.meta.largest.as_slice() < k);
-                lvl.get(i).is_none_or(|f| f.meta.smallest.as_slice() > k)
-            })
-        };
-        let mut outs: Vec<(u64, FileMeta)> = Vec::new();
-        let mut builder: Option<(u64, TableBuilder)> = None;
-        loop {
-            let mut best: Option<usize> = None;
-            for (i, c) in curs.iter().enumerate() {
-                if let Some(e) = c.peek() {
-                    if best.is_none_or(|b| curs_key_lt(e, &curs[b])) {
-                        best = Some(i);
-                    }
+        let mut created = Vec::new();
+        let r = self.write_outputs(&job, out_level, &mut created);
+        let outs = self.cancel.on_cancel(r, || {
+            // Nothing refers to the outputs yet: delete them; the round robin resumes here.
+            if let Some(p) = pointers.get_mut(job.level) {
+                *p = pointer;
+            }
+            for n in &created {
+                let p = self.dir.join(table_name(*n));
+                if self.fs.exists(&p) {
+                    self.fs.remove(&p)?;
                 }
             }
-            let Some(b) = best else { break };
-            let Some(e) = curs[b].peek().cloned() else { break };
-            for c in curs.iter_mut() {
-                while c.peek().is_some_and(|x| x.1 == e.1) {
-                    c.advance()?;
-                }
-            }
-            if e.0 == Kind::Delete && base_for(&e.1) {
-                self.counters.tombstones_dropped.fetch_add(1, Ordering::Relaxed);
-                continue;
-            }
-            if builder.is_none() {
-                let n = self.next_number();
-                builder = Some((n, self.new_builder(n)?));
-            }
-            if let Some((_, bld)) = builder.as_mut() {
-                bld.add(e.0, &e.1, &e.2)?;
-                if bld.approximate_size() >= self.opts.target_file_size {
-                    if let Some((n, bld)) = builder.take() {
-                        outs.push((n, finish_meta(bld, out_level)?));
-                    }
-                }
-            }
-        }
-        if let Some((n, bld)) = builder.take() {
-            outs.push((n, finish_meta(bld, out_level)?));
-        }
-        self.fs.sync_dir(&self.dir)?;
+            Ok(self.fs.sync_dir(&self.dir)?)
+        })?;
         let next = self.version.lock().version.next_file;
         let mut edits: Vec<Edit> = removed.iter().map(|&n| Edit::RemoveFile(n)).collect();
         edits.extend(outs.iter().map(|(n, m)| Edit::AddFile(*n, m.clone())));
@@ -917,6 +897,71 @@ impl Lsm {
             let _ = self.fs.remove(&self.dir.join(table_name(n)));
         }
         Ok(())
+    }
+
+    /// Merge `job`'s tables into new tables for `out_level` (numbers pushed to `created`
+    /// as they are made). Safe points: before each output table and every `CHECK_EVERY`
+    /// entries; nothing refers to the outputs until the caller's MANIFEST edit.
+    fn write_outputs(&self, job: &Job, out_level: usize, created: &mut Vec<u64>) -> Result<Vec<(u64, FileMeta)>> {
+        let cur = self.current.read().clone();
+        // Newest first: for level 0 the inputs are already newest first; then the level below.
+        let mut curs = Vec::new();
+        for f in job.inputs.iter().chain(&job.below) {
+            self.counters.compact_read.fetch_add(f.meta.size, Ordering::Relaxed);
+            curs.push(TableCursor::seek(f.table.clone(), Bound::Unbounded, false)?);
+        }
+        let deeper: Vec<&Vec<Arc<TFile>>> = cur.levels.iter().skip(out_level + 1).collect();
+        let base_for = |k: &[u8]| {
+            deeper.iter().all(|lvl| {
+                let i = lvl.partition_point(|f| f.meta.largest.as_slice() < k);
+                lvl.get(i).is_none_or(|f| f.meta.smallest.as_slice() > k)
+            })
+        };
+        let mut outs: Vec<(u64, FileMeta)> = Vec::new();
+        let mut builder: Option<(u64, TableBuilder)> = None;
+        let mut merged = 0u64;
+        loop {
+            merged += 1;
+            self.cancel.every(merged)?;
+            let mut best: Option<usize> = None;
+            for (i, c) in curs.iter().enumerate() {
+                if let Some(e) = c.peek() {
+                    if best.is_none_or(|b| curs_key_lt(e, &curs[b])) {
+                        best = Some(i);
+                    }
+                }
+            }
+            let Some(b) = best else { break };
+            let Some(e) = curs[b].peek().cloned() else { break };
+            for c in curs.iter_mut() {
+                while c.peek().is_some_and(|x| x.1 == e.1) {
+                    c.advance()?;
+                }
+            }
+            if e.0 == Kind::Delete && base_for(&e.1) {
+                self.counters.tombstones_dropped.fetch_add(1, Ordering::Relaxed);
+                continue;
+            }
+            if builder.is_none() {
+                self.cancel.point()?;
+                let n = self.next_number();
+                created.push(n);
+                builder = Some((n, self.new_builder(n)?));
+            }
+            if let Some((_, bld)) = builder.as_mut() {
+                bld.add(e.0, &e.1, &e.2)?;
+                if bld.approximate_size() >= self.opts.target_file_size {
+                    if let Some((n, bld)) = builder.take() {
+                        outs.push((n, finish_meta(bld, out_level)?));
+                    }
+                }
+            }
+        }
+        if let Some((n, bld)) = builder.take() {
+            outs.push((n, finish_meta(bld, out_level)?));
+        }
+        self.fs.sync_dir(&self.dir)?;
+        Ok(outs)
     }
 
     /// Tables and bytes per level.
@@ -1016,6 +1061,7 @@ impl Lsm {
 
 impl Drop for Lsm {
     fn drop(&mut self) {
+        self.cancel.cancel();
         self.work.lock().stop = true;
         self.work_cv.notify_all();
     }
@@ -1090,7 +1136,7 @@ mod tests {
         if fresh {
             cfs.create_dir_all(d).unwrap();
         }
-        let (l, b) = Lsm::open(cfs, d, small(), fresh, Arc::new(Poison::default()), &|| true).unwrap();
+        let (l, b) = Lsm::open(cfs, d, small(), fresh, Arc::new(Poison::default()), Arc::default(), &|| true).unwrap();
         (Arc::new(l), b)
     }
 

@@ -121,6 +121,14 @@
 //!   group table is rewritten before the pointers change); old files are removed only
 //!   after the pointer batch is synced. Files no group lists are removed at open.
 //!
+//! # Shutdown
+//! `close()` and drop set the store's [`crate::jobs::Cancel`], shared with the ColdStore
+//! LSM, before joining the workers. LSM compactions check it as [`crate::lsm`] describes.
+//! Value-group maintenance checks it every 256 records while it finds the live values and
+//! while it copies them, and last before its relocation files are synced and listed; a
+//! cancelled one leaves its group sealed (a committed step: the new appender file is
+//! listed) and removes the relocation files no group lists. `jobs_cancelled` counts both.
+//!
 //! # Choices where the paper is silent or we differ
 //! - The paper keeps the HotStore "on disk"; here the hot vlog is in PM (SPEC), and each
 //!   slot has two halves for the crash-safe in-place update, so a hot record takes twice
@@ -225,6 +233,9 @@ struct Inner {
     clock: AtomicU64,
     next_decay: AtomicU64,
     poison: Arc<Poison>,
+    /// Set by `close`/drop before the workers are joined; shared with the LSM. Group
+    /// maintenance and LSM compactions check it.
+    cancel: Arc<crate::jobs::Cancel>,
     user_bytes: crate::counters::Counters<1>,
     c: Counters,
     work: Mutex<Work>,
@@ -296,9 +307,12 @@ impl Hoakv {
         )?;
         let cold = Arc::new(ColdVlog::open(ctx.fs.clone(), &ctx.dir, ctx.fresh, opts.cold_index_capacity)?);
         let poison = Arc::new(Poison::default());
+        let cancel = Arc::new(crate::jobs::Cancel::new(ctx.opts.job_probe.clone()));
         let inflight = region.load_u64_atomic(layout::INFLIGHT_ADDR)? != 0;
         let (lsm, batches) =
-            Lsm::open(ctx.fs.clone(), &ctx.dir, lsm_options(&ctx), ctx.fresh, poison.clone(), &|| inflight)?;
+            Lsm::open(ctx.fs.clone(), &ctx.dir, lsm_options(&ctx), ctx.fresh, poison.clone(), cancel.clone(), &|| {
+                inflight
+            })?;
         let lsm = Arc::new(lsm);
         let r2 = region.clone();
         lsm.set_commit_hook(Arc::new(move |on| {
@@ -347,6 +361,7 @@ impl Hoakv {
             clock: AtomicU64::new(0),
             next_decay: AtomicU64::new(opts.heat_window),
             poison,
+            cancel,
             user_bytes: Default::default(),
             c,
             work: Mutex::new(Work::default()),
@@ -363,6 +378,7 @@ impl Hoakv {
     }
 
     fn stop_worker(&self) {
+        self.inner.cancel.cancel();
         self.inner.work.lock().stop = true;
         self.inner.work_cv.notify_all();
         if let Some(h) = self.worker.lock().take() {
@@ -769,8 +785,7 @@ impl Inner {
             }
             let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| self.maintain(&g)));
             match r {
-                Ok(Ok(_)) => {}
-                Ok(Err(e)) => self.poison.set(format!("value-group maintenance failed: {e}")),
+                Ok(r) => self.cancel.poison_failure(&self.poison, "value-group maintenance", &r),
                 Err(_) => self.poison.set("value-group maintenance panicked".into()),
             }
         }
@@ -780,6 +795,16 @@ impl Inner {
     /// exceed half of GroupSize. See the module docs for the crash-safety order.
     fn maintain(&self, g: &Arc<Group>) -> Result<Maintenance> {
         let _m = self.maint.lock();
+        let r = self.maintain_locked(g);
+        // Cancelled before its relocation files were listed: they are the only trace (the
+        // seal's new appender file is listed and in use).
+        self.cancel.on_cancel(r, || self.cold.remove_unlisted().map(|_| ()))
+    }
+
+    /// [`Inner::maintain`] under the maintenance lock. Safe points: every `CHECK_EVERY`
+    /// records while finding the live values and while copying them, and before the
+    /// relocation files are synced and listed; none after (the commit steps).
+    fn maintain_locked(&self, g: &Arc<Group>) -> Result<Maintenance> {
         if g.files.lock().len() <= 1 && self.cold.group_bytes(g) <= 8 {
             return Ok(Maintenance::Nothing);
         }
@@ -790,10 +815,13 @@ impl Inner {
         let hi = self.cold.range_end(g);
         let in_range = |k: &[u8]| k >= lo.as_slice() && hi.as_ref().is_none_or(|h| k < h.as_slice());
         let mut live: Vec<(Vec<u8>, Pointer)> = Vec::new();
+        let mut seen = 0u64;
         // A dirty hot key's cold version is shadowed (and rewritten at its demotion): not
         // live. A clean one's is its current value: live.
         for &f in &old {
             for (k, p) in self.cold.records(f)? {
+                seen += 1;
+                self.cancel.every(seen)?;
                 if in_range(&k)
                     && self.lsm.get(&k)? == Some(Some(layout::encode_pointer(p)))
                     && !self.hot.lock().dirty(&k)?
@@ -811,6 +839,7 @@ impl Inner {
         let mut b = if split { Some(self.cold.relocation_file()?) } else { None };
         let mut moves = Vec::with_capacity(live.len());
         for (k, p) in &live {
+            self.cancel.every(moves.len() as u64 + 1)?;
             let v = self.cold.read(k, *p)?;
             let right = median.as_ref().is_some_and(|m| k >= m);
             let np = match (&mut b, right) {
@@ -819,6 +848,8 @@ impl Inner {
             };
             moves.push((k.clone(), *p, np));
         }
+        // The last safe point: from here the relocation is committed step by step.
+        self.cancel.point()?;
         self.cold.finish_file(a)?;
         let mut touched: Vec<Arc<Group>> = vec![g.clone()];
         let outcome = match (b, &median) {
@@ -942,6 +973,7 @@ impl Inner {
             ("group_gcs".into(), r(&c.group_gcs)),
             ("gc_values_moved".into(), r(&c.gc_values_moved)),
             ("gc_bytes_freed".into(), r(&c.gc_bytes_freed)),
+            ("jobs_cancelled".into(), self.cancel.jobs_cancelled()),
             ("cold_index_entries".into(), self.cold.index_entries()),
             ("heat_decays".into(), r(&c.decays)),
             ("recovered_ops".into(), r(&c.recovered_ops)),

@@ -101,13 +101,12 @@ impl Inner {
 
     /// Run a background job; a failure poisons the store (as LevelDB's background error):
     /// its in-memory state may no longer match what is durable, so no write is accepted
-    /// until a reopen recovers from the durable state.
+    /// until a reopen recovers from the durable state. A merge cancelled by `close` (which
+    /// discarded its partial work) is not a failure.
     pub(crate) fn poison_on_error(&self, what: &str, job: impl FnOnce() -> Result<()>) -> Result<()> {
         self.poisoned.check()?;
         let r = job();
-        if let Err(e) = &r {
-            self.poisoned.set(format!("{what} failed: {e}"));
-        }
+        self.cancel.poison_failure(&self.poisoned, what, &r);
         r
     }
 
@@ -209,7 +208,8 @@ impl Inner {
     /// Merge the candidate set when it has reached the trigger (or, with `force`, whenever
     /// it is non-empty).
     pub(crate) fn maybe_merge(&self, force: bool) -> Result<()> {
-        if !self.opts.enable_merge || !self.opts.use_btree {
+        // No new merge once cancelled (close's own flushes end up here too).
+        if !self.opts.enable_merge || !self.opts.use_btree || self.cancel.is_cancelled() {
             return Ok(());
         }
         let cands: Vec<u64> = self.version.lock().version.candidates.iter().copied().collect();
@@ -226,6 +226,26 @@ impl Inner {
 
     fn merge_tables_inner(&self, inputs: &[u64]) -> Result<()> {
         let _job = self.merge_job.lock();
+        let r = self.merge_locked(inputs);
+        self.cancel.on_cancel(r, || self.discard_merge())
+    }
+
+    /// A merge `close` cancelled: every safe point precedes the output's placement in PM,
+    /// so the merge log is all it wrote (and the next open would restart the merge from
+    /// it). Removed, the store is as if the merge never began.
+    fn discard_merge(&self) -> Result<()> {
+        let log = self.dir.join(MERGE_LOG);
+        if self.fs.exists(&log) {
+            self.fs.remove(&log)?;
+        }
+        Ok(self.fs.sync_dir(&self.dir)?)
+    }
+
+    /// Algorithm 1 (caller holds the merge lock). Safe points: before each input table and
+    /// every `CHECK_EVERY` items while reading, filtering and sorting them into the output;
+    /// none from the output's placement in PM on (the tree then points at it: the commit
+    /// step).
+    fn merge_locked(&self, inputs: &[u64]) -> Result<()> {
         let by_number: HashMap<u64, Arc<PmTable>> =
             self.tables.read().values().map(|t| (t.number, t.clone())).collect();
         let (dead, rest): (Vec<u64>, Vec<u64>) = {
@@ -248,6 +268,7 @@ impl Inner {
         let mut items: Vec<(Vec<u8>, u64, u16)> = Vec::new();
         let mut scanned = 0u64;
         for n in &rest {
+            self.cancel.point()?;
             let t = by_number.get(n).ok_or_else(|| {
                 Error::corruption(
                     self.dir.join(crate::manifest::Manifest::name(0)),
@@ -257,6 +278,7 @@ impl Inner {
             })?;
             t.table.for_each(|e, h| {
                 scanned += 1;
+                self.cancel.every(scanned)?;
                 if e.kind == Kind::Put {
                     let a = layout::vaddr_from(e.value)
                         .ok_or_else(|| Error::corruption(t.table.path(), h.offset, "malformed value address"))?;
@@ -267,6 +289,7 @@ impl Inner {
         }
         let mut kept: Vec<(Vec<u8>, u64, u16)> = Vec::with_capacity(items.len());
         for chunk in items.chunks(CHUNK) {
+            self.cancel.point()?;
             let tree = self.tree.read();
             kept.extend(chunk.iter().filter(|(k, a, s)| tree.get(k) == Some(&tv(*a, *s))).cloned());
         }
@@ -275,10 +298,13 @@ impl Inner {
         let mut live = 0u64;
         if !kept.is_empty() {
             let mut b = TableBuilder::in_memory(self.opts.block_size, self.opts.bloom_bits_per_key);
-            for (k, a, _) in &kept {
+            for (i, (k, a, _)) in kept.iter().enumerate() {
+                self.cancel.every(i as u64 + 1)?;
                 b.add(Kind::Put, k, &layout::vaddr_bytes(*a))?;
             }
             let (meta, bytes) = b.finish_mem()?;
+            // The last safe point: from here the merge runs to its commit.
+            self.cancel.point()?;
             let t = self.place_table(number, &bytes)?;
             // Lines 16-17: write to the new table while updating the tree's table part.
             for chunk in kept.chunks(CHUNK) {
@@ -766,6 +792,7 @@ pub(crate) fn open_inner(ctx: &EngineCtx) -> Result<(Inner, Option<Vec<u64>>)> {
         flushed_cv: Condvar::new(),
         flushed_mu: Mutex::new(()),
         poisoned: crate::poison::Poison::default(),
+        cancel: crate::jobs::Cancel::new(ctx.opts.job_probe.clone()),
         user_bytes: Default::default(),
         counters: Counters::default(),
         dump: AtomicU64::new(dump_kept),

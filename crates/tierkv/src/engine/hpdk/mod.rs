@@ -35,6 +35,14 @@
 //! - **Range reads**: the two MemTables merged with the B+-tree; values read from the log
 //!   (below).
 //!
+//! # Shutdown
+//! `close()` and drop set the store's [`crate::jobs::Cancel`] before joining the workers.
+//! A merge checks it before each input table, every 256 items read, filtered or added to
+//! the output, and last before the output is placed in PM; from the placement on (the
+//! tree points at the new table) it runs to its commit. A cancelled merge has written
+//! only its merge log, which it removes: the store is as before the merge
+//! (`jobs_cancelled`). Flushes are not cancelled (close flushes the MemTables anyway).
+//!
 //! # Choices where the paper is silent or we differ
 //! - The value log and the tables share one PM heap ([`crate::pm::heap`]); a two-level
 //!   directory in pool 0 (docs/format/hpdk.md) names each value pool's extent and
@@ -243,6 +251,8 @@ pub(crate) struct Inner {
     pub(crate) flushed_cv: Condvar,
     pub(crate) flushed_mu: Mutex<()>,
     pub(crate) poisoned: crate::poison::Poison,
+    /// Set by `close`/drop before the workers are joined; merges check it.
+    pub(crate) cancel: crate::jobs::Cancel,
     pub(crate) user_bytes: crate::counters::Counters<1>,
     pub(crate) counters: Counters,
     /// Number of the recovery file that matches the committed version (the last one
@@ -306,6 +316,7 @@ impl Hpdk {
     }
 
     fn stop_workers(&self) {
+        self.inner.cancel.cancel();
         self.inner.work.lock().stop = true;
         self.inner.work_cv.notify_all();
         for h in self.workers.lock().drain(..) {
@@ -355,6 +366,8 @@ fn worker_loop(inner: Arc<Inner>, merger: bool) {
         }));
         match r {
             Ok(Ok(())) => {}
+            // Stopped by close at a safe point, its partial work discarded: not a failure.
+            Ok(Err(e)) if inner.cancel.is_cancellation(&e) => {}
             Ok(Err(e)) => {
                 inner.poisoned.set(format!("background {} failed: {e}", if merger { "merge" } else { "flush" }))
             }
@@ -588,6 +601,7 @@ impl Inner {
             ("tree_keys", keys),
             ("flushes", ld(&c.flushes)),
             ("merges", ld(&c.merges)),
+            ("jobs_cancelled", self.cancel.jobs_cancelled()),
             ("merge_input_tables", ld(&c.merge_inputs)),
             ("merge_dead_tables_freed", ld(&c.dead_tables_freed)),
             ("merge_items_kept", ld(&c.items_kept)),

@@ -79,6 +79,14 @@
 //! buffered keys plus about 56 bytes each (`sorted_view_bytes`, counted in the DRAM index
 //! figure).
 //!
+//! # Shutdown
+//! `close()` and drop set the store's [`crate::jobs::Cancel`] before joining the workers.
+//! A partition compaction checks it at its first merged entry and every 256 after, and
+//! before each further compaction of a chain; the output leaf and the chain record (the
+//! commit) come after the table is written, so a cancelled compaction has made only its
+//! table, which it deletes (`jobs_cancelled`). Leaf flushes are not cancelled (one
+//! segment each, and close flushes anyway).
+//!
 //! # Choices where the paper is silent
 //! See docs/design/lightkv.md. In short: deletes index a tombstone record (dropped when a
 //! compaction reaches the partition's oldest table); a batch is one write-buffer record in
@@ -131,6 +139,7 @@ impl Lightkv {
             block_size: o.block_size,
             block_cache: o.block_cache_size,
             background: o.background,
+            job_probe: ctx.opts.job_probe.clone(),
         };
         let region = Arc::new(open_region(&ctx)?);
         let store = Arc::new(PwbStore::open(region, Arc::new(ctx.fs.clone()), &ctx.dir, ctx.fresh, cfg)?);
@@ -145,6 +154,7 @@ impl Lightkv {
     }
 
     fn stop_workers(&self) {
+        self.store.cancel.cancel();
         self.store.work.lock().stop = true;
         self.store.work_cv.notify_all();
         for h in self.workers.lock().drain(..) {
@@ -217,8 +227,7 @@ fn worker_loop(s: Arc<PwbStore>, compactor: bool) {
             }
         }));
         match r {
-            Ok(Ok(())) => {}
-            Ok(Err(e)) => s.poisoned.set(format!("background {what} failed: {e}")),
+            Ok(r) => s.cancel.poison_failure(&s.poisoned, &format!("background {what}"), &r),
             Err(_) => s.poisoned.set(format!("background {what} panicked")),
         }
         s.notify_flushed();
@@ -275,6 +284,7 @@ impl Engine for Lightkv {
             ("image_rejected", c.image_rejected),
             ("write_stalls", c.write_stalls),
             ("pm_leaf_probes", c.pm_leaf_probes),
+            ("jobs_cancelled", s.cancel.jobs_cancelled()),
         ];
         let shape = s.shape();
         let figure = |name: &str| shape.iter().find(|x| x.0 == name).map_or(0, |x| x.1);

@@ -180,6 +180,8 @@ pub struct StoreConfig {
     pub block_cache: u64,
     /// Flush and compaction run on background threads (the engine's); else in the writer.
     pub background: bool,
+    /// Test instrumentation of the compactions ([`crate::Options::job_probe`]).
+    pub job_probe: Option<Arc<crate::jobs::JobProbe>>,
 }
 
 impl StoreConfig {
@@ -193,6 +195,7 @@ impl StoreConfig {
             block_size: 4096,
             block_cache: 0,
             background: false,
+            job_probe: None,
         }
     }
 }
@@ -339,6 +342,8 @@ pub struct PwbStore {
     flushed_cv: Condvar,
     flushed_mu: Mutex<()>,
     pub(crate) poisoned: Poison,
+    /// Set by `close`/drop before the workers are joined; compactions check it.
+    pub(crate) cancel: crate::jobs::Cancel,
     user_bytes: crate::counters::Counters<1>,
     /// PM leaf probes, counted per thread (every get may bump it).
     probes: crate::counters::Counters<1>,
@@ -606,6 +611,7 @@ impl PwbStore {
             flushed_cv: Condvar::new(),
             flushed_mu: Mutex::new(()),
             poisoned: Poison::default(),
+            cancel: crate::jobs::Cancel::new(cfg.job_probe.clone()),
             user_bytes: Default::default(),
             probes: Default::default(),
             cfg,
@@ -962,7 +968,15 @@ impl PwbStore {
         let path = table_path(&self.dir, n);
         let mut b = TableBuilder::create(self.fs.as_ref(), &path, self.cfg.block_size, 0)?;
         for r in recs {
-            let (kind, k, v) = r?;
+            let (kind, k, v) = match r {
+                Ok(rec) => rec,
+                Err(e) => {
+                    drop(b);
+                    // A compaction cancelled at a safe point: its only output is this
+                    // table, not yet named by any leaf.
+                    return self.cancel.on_cancel(Err(e), || Ok(self.fs.remove(&path)?));
+                }
+            };
             b.add(sst_kind(kind), &k, &v)?;
         }
         b.finish()?;
@@ -1154,8 +1168,10 @@ impl PwbStore {
             curs.push(TableCursor::seek(self.table(l.meta.table)?, Bound::Unbounded, false)?);
         }
         let mut seen = 0u64;
+        let mut steps = 0u64;
         let bottom = job.bottom;
         let merged = std::iter::from_fn(|| loop {
+            steps += 1;
             // The smallest key; among equal keys the newest input (lowest index) wins.
             let mut best: Option<usize> = None;
             for (i, c) in curs.iter().enumerate() {
@@ -1174,6 +1190,10 @@ impl PwbStore {
                         return Some(Err(err));
                     }
                 }
+            }
+            // Safe point: nothing but the output table exists yet (`write_table` discards it).
+            if let Err(err) = self.cancel.every(steps - 1) {
+                return Some(Err(err));
             }
             if bottom && e.0 == sstable::Kind::Delete {
                 // Nothing older in this partition: the tombstone has nothing left to hide.
@@ -1237,6 +1257,10 @@ impl PwbStore {
         let _g = self.compact_job.lock();
         let mut done = 0;
         loop {
+            // No new compaction once cancelled (close's own flushes end up here too).
+            if self.cancel.is_cancelled() {
+                return Ok(done);
+            }
             let Some(job) = self.pick_compaction(&self.state.read(), slot) else { return Ok(done) };
             let (b, dropped) = self.build_compaction(&job)?;
             let mut st = self.state.write();

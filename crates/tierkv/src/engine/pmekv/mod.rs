@@ -96,6 +96,11 @@
 //!   entry (batch buffers are reused). Every range read (`Db::scan`, `Db::iter`,
 //!   snapshots) goes through it.
 //!
+//! # Shutdown
+//! The only background job is the periodic write-back of dirty LeadNodes, bounded by the
+//! dirty set and run to completion: `close()` stops its thread between rounds and does a
+//! final write-back itself, so it has no cancellation point ([`crate::jobs`]).
+//!
 //! # Parameters
 //! The paper gives no sizes; defaults are in [`crate::options::PmekvOptions`]. Values are
 //! limited to one PM pool (`pm_pool_size` minus 72 bytes) besides the global 64 MiB limit.

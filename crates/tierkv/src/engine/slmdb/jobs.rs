@@ -282,13 +282,12 @@ impl Inner {
 
     /// Run a background job; a failure poisons the store (as LevelDB's background error):
     /// its in-memory state may no longer match what is durable, so no write is accepted
-    /// until a reopen recovers from the durable state.
+    /// until a reopen recovers from the durable state. A job cancelled by `close` (which
+    /// discarded its partial work) is not a failure.
     pub(super) fn poison_on_error(&self, what: &str, job: impl FnOnce() -> Result<()>) -> Result<()> {
         self.check_poisoned()?;
         let r = job();
-        if let Err(e) = &r {
-            self.poison(format!("{what} failed: {e}"));
-        }
+        self.cancel.poison_failure(&self.poisoned, what, &r);
         r
     }
 
@@ -518,6 +517,10 @@ impl Inner {
             self.leaf_scan()?;
         }
         for _ in 0..10_000 {
+            // No new compaction once cancelled.
+            if self.cancel.is_cancelled() {
+                break;
+            }
             let inputs = pick(&self.version.lock().version, self.opts.max_merge_files);
             if inputs.is_empty() {
                 break;
@@ -559,8 +562,10 @@ impl Inner {
         let first: Vec<LogEntry> = inputs.iter().map(|&f| LogEntry::Input(f)).collect();
         let mut log = self.begin_log(Job::Compaction, &first)?;
         let mut outputs: Vec<(u64, FileMeta)> = Vec::new();
+        // Every file this job creates, shipped or not (what a cancellation deletes).
+        let mut created: Vec<u64> = Vec::new();
         let mut dropped = 0u64;
-        let applied = self.pipeline(&mut log, &HashSet::new(), |tx| {
+        let r = self.pipeline(&mut log, &HashSet::new(), |tx| {
             type Open = (u64, TableBuilder, Vec<(Vec<u8>, Option<u64>)>);
             let mut cur: Option<Open> = None;
             let ship = |(n, b, keys): Open, outputs: &mut Vec<(u64, FileMeta)>| {
@@ -576,6 +581,8 @@ impl Inner {
             let mut merged = 0u64;
             loop {
                 merged += 1;
+                // Safe point: every shipped output is applied to the tree and logged.
+                self.cancel.every(merged)?;
                 if self.opts.background && merged.is_multiple_of(64) && self.mem.read().imm.is_some() {
                     self.flush_imm()?;
                     self.counters.flushes_in_compaction.fetch_add(1, Ordering::Relaxed);
@@ -599,7 +606,10 @@ impl Inner {
                     continue;
                 }
                 if cur.is_none() {
+                    // Safe point: between output files.
+                    self.cancel.point()?;
                     let n = self.alloc_file();
+                    created.push(n);
                     cur = Some((n, self.builder(n)?, Vec::new()));
                 }
                 if let Some((_, b, keys)) = cur.as_mut() {
@@ -616,7 +626,8 @@ impl Inner {
                 ship(o, &mut outputs)?;
             }
             Ok(())
-        })?;
+        });
+        let applied = self.cancel.on_cancel(r, || self.discard_compaction(&log, &created))?;
         self.commit_compaction(&outputs, inputs, &applied.skipped)?;
         self.update_root(|r| r.log = 0)?;
         self.free_log(log.segments());
@@ -637,6 +648,65 @@ impl Inner {
         c.compaction_outputs.fetch_add(outputs.len() as u64, Ordering::Relaxed);
         c.entries_dropped.fetch_add(dropped, Ordering::Relaxed);
         Ok(())
+    }
+
+    /// Point every key a compaction moved into one of `outputs` (its log's `Moved`
+    /// entries) back at its block in the old file. A key a flush moved on since stays where
+    /// it is; returns those keys' old files with their counts (their live counts were not
+    /// decremented: the flush saw the key leave an output, not its input).
+    fn roll_back_moves(&self, entries: &[LogEntry], outputs: &HashSet<u64>) -> Result<HashMap<u64, u64>> {
+        let mut moved_on: HashMap<u64, u64> = HashMap::new();
+        let mut tree = self.tree.write();
+        for e in entries {
+            if let LogEntry::Moved(old, key) = e {
+                if !tree.get(&self.region, key)?.is_some_and(|l| outputs.contains(&l.file)) {
+                    *moved_on.entry(*old).or_insert(0) += 1;
+                    continue;
+                }
+                let t = self.table(*old)?;
+                let Some((_, _, h)) = t.find(key)? else {
+                    return Err(Error::corruption(
+                        t.path(),
+                        0,
+                        "a key the compaction log moved is missing from its old file",
+                    ));
+                };
+                tree.put(&self.region, &self.heap, key, Loc { file: *old, offset: h.offset, size: h.size })?;
+            }
+        }
+        Ok(moved_on)
+    }
+
+    /// Undo a compaction `close` cancelled before its commit, as recovery would after a
+    /// crash but without restarting it: keys moved into its outputs point back at their
+    /// inputs, the inputs' live counts lose the keys flushes moved on meanwhile, the log is
+    /// released and every file it `created` is deleted. The store is then as if the
+    /// compaction never ran (a crash during this is recovered from the log, which goes
+    /// last but for the unreferenced files).
+    fn discard_compaction(&self, log: &CompLog, created: &[u64]) -> Result<()> {
+        let outputs: HashSet<u64> = created.iter().copied().collect();
+        let (entries, _) = complog::read(&self.region, log.head)?;
+        let moved_on = self.roll_back_moves(&entries, &outputs)?;
+        self.inflight.lock().take();
+        if !moved_on.is_empty() {
+            self.commit(0, None, &moved_on, &[], &[])?;
+        }
+        self.update_root(|r| r.log = 0)?;
+        self.free_log(log.segments());
+        {
+            let _t = self.tree.write();
+            let mut tables = self.tables.write();
+            for f in created {
+                tables.remove(f);
+            }
+        }
+        for &f in created {
+            let p = path_of(&self.dir, f);
+            if self.fs.exists(&p) {
+                self.fs.remove(&p)?;
+            }
+        }
+        Ok(self.fs.sync_dir(&self.dir)?)
     }
 
     /// The MANIFEST edit of a compaction: inputs out, outputs in with their live counts less
@@ -732,30 +802,7 @@ impl Inner {
                     inputs.iter().all(|f| !vs.version.files.contains_key(f))
                 };
                 if !committed {
-                    // Point every key the compaction moved into an output back at its block
-                    // in the old file (a key a flush moved on since stays where it is).
-                    let mut tree = self.tree.write();
-                    for e in &entries {
-                        if let LogEntry::Moved(old, key) = e {
-                            if !tree.get(&self.region, key)?.is_some_and(|l| outputs.contains(&l.file)) {
-                                continue;
-                            }
-                            let t = self.table(*old)?;
-                            let Some((_, _, h)) = t.find(key)? else {
-                                return Err(Error::corruption(
-                                    t.path(),
-                                    0,
-                                    "a key the compaction log moved is missing from its old file",
-                                ));
-                            };
-                            tree.put(
-                                &self.region,
-                                &self.heap,
-                                key,
-                                Loc { file: *old, offset: h.offset, size: h.size },
-                            )?;
-                        }
-                    }
+                    self.roll_back_moves(&entries, &outputs)?;
                     recount = true;
                     restart = Some(inputs.clone());
                 }

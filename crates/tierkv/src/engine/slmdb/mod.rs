@@ -50,6 +50,17 @@
 //! 5. flushes a leftover Immutable MemTable, deletes SSTables no version references and,
 //!    after a rollback, recounts every file's live keys from the tree.
 //!
+//! # Shutdown
+//! `close()` and drop set the store's [`crate::jobs::Cancel`] before joining the worker. A
+//! compaction checks it before each output file and every 256 merged entries (the flush
+//! in its middle and flushes themselves are not cancelled: one MemTable, and close needs
+//! it flushed anyway). A cancelled compaction stops with its shipped outputs applied to the
+//! tree and logged; it then does what recovery does after a crash, without the restart:
+//! keys moved into its outputs point back at their blocks in the inputs, the inputs lose
+//! the live keys flushes moved on meanwhile (one MANIFEST edit), the compaction log is
+//! released and every output file is deleted. The store is as if it never ran
+//! (`jobs_cancelled` counts it); a crash during that undo is recovered from the log.
+//!
 //! # Choices where the paper is silent
 //! - Flushes are serialised and compactions are serialised; in background mode a flush runs
 //!   in the middle of a compaction when a MemTable fills (as LevelDB flushes inside a long
@@ -226,6 +237,8 @@ struct Inner {
     flushed_mu: Mutex<()>,
     leaf_cursor: Mutex<Vec<u8>>,
     poisoned: crate::poison::Poison,
+    /// Set by `close`/drop before the worker is joined; compactions check it.
+    cancel: crate::jobs::Cancel,
     user_bytes: crate::counters::Counters<1>,
     next_log_id: AtomicU64,
     counters: Counters,
@@ -269,6 +282,7 @@ impl Slmdb {
     }
 
     fn stop_worker(&self) {
+        self.inner.cancel.cancel();
         self.inner.work.lock().stop = true;
         self.inner.work_cv.notify_all();
         if let Some(h) = self.worker.lock().take() {
@@ -316,6 +330,8 @@ fn worker_loop(inner: Arc<Inner>) {
         }));
         match r {
             Ok(Ok(())) => {}
+            // Stopped by close at a safe point, its partial work discarded: not a failure.
+            Ok(Err(e)) if inner.cancel.is_cancellation(&e) => {}
             Ok(Err(e)) => inner.poison(format!("background flush/compaction failed: {e}")),
             Err(_) => inner.poison("background flush/compaction panicked".into()),
         }
@@ -454,6 +470,7 @@ fn open_inner(ctx: &EngineCtx) -> Result<Inner> {
         flushed_mu: Mutex::new(()),
         leaf_cursor: Mutex::new(Vec::new()),
         poisoned: crate::poison::Poison::default(),
+        cancel: crate::jobs::Cancel::new(ctx.opts.job_probe.clone()),
         user_bytes: Default::default(),
         next_log_id: AtomicU64::new(rand::random::<u64>() | 1),
         counters: Counters::default(),
@@ -721,6 +738,7 @@ impl Inner {
             ("candidates_seq_degree", ld(&c.cand_seq_degree)),
             ("write_stalls", ld(&c.write_stalls)),
             ("flushes_during_compaction", ld(&c.flushes_in_compaction)),
+            ("jobs_cancelled", self.cancel.jobs_cancelled()),
             ("pm_heap_bytes", heap.total()),
             ("pm_heap_free_bytes", heap.free_bytes()),
             ("block_cache_bytes", self.cache.bytes()),
