@@ -15,7 +15,7 @@ use rand::{Rng, SeedableRng};
 use tierkv::fs::FaultFs;
 use tierkv::pm::sim::SimDevice;
 use tierkv::testing::{hoakv_small, hpdk_small, sim_options, slmdb_small};
-use tierkv::{Db, HoakvOptions, HpdkOptions, PmekvOptions, Preset, SlmdbOptions};
+use tierkv::{Db, HoakvOptions, HpdkOptions, LightkvOptions, PmekvOptions, Preset, SlmdbOptions};
 
 const N: u32 = 3000;
 
@@ -41,6 +41,7 @@ fn background_counter(p: Preset) -> &'static str {
         Preset::Pmekv => "checkpoints",
         Preset::Hoakv => "flushes",
         Preset::Slmdb => "flushes",
+        Preset::Lightkv => "flushes",
         other => panic!("no background counter named for {other}"),
     }
 }
@@ -56,7 +57,18 @@ fn run(preset: Preset) {
             writeback_interval_ms: 1,
         })
         .hoakv(HoakvOptions { background: true, ..hoakv_small() })
-        .slmdb(SlmdbOptions { background: true, ..slmdb_small() });
+        .slmdb(SlmdbOptions { background: true, ..slmdb_small() })
+        // Leaves of 64 slots, at most 32 partitions: 3000 keys fill leaves, so overwrites
+        // flush and compact while the readers walk (lightkv_small's 20-slot leaves make
+        // thousands of tiny tables, minutes of work under the fault-injecting file system).
+        .lightkv(LightkvOptions {
+            background: true,
+            leaf_buckets: 16,
+            max_leaf_nodes: 32,
+            segment_size: 64 << 10,
+            block_size: 4096,
+            ..LightkvOptions::default()
+        });
     let db = Arc::new(Db::open("/db", o).unwrap());
     let mut rng = SmallRng::seed_from_u64(1);
     let mut stable = Vec::new();
@@ -183,4 +195,9 @@ fn hoakv_iterators_under_writers_and_background_work() {
 #[test]
 fn slmdb_iterators_under_writers_and_background_work() {
     run(Preset::Slmdb);
+}
+
+#[test]
+fn lightkv_iterators_under_writers_and_background_work() {
+    run(Preset::Lightkv);
 }
