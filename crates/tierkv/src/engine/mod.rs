@@ -93,6 +93,24 @@ pub trait Engine: Send + Sync {
     fn close(&self) -> Result<()>;
 }
 
+/// An engine context on a fault-injecting file system (`/db`, created), for the presets'
+/// module tests.
+#[cfg(test)]
+pub(crate) fn test_ctx(opts: &Options, fs: &crate::fs::FaultFs, fresh: bool, db_id: u64) -> EngineCtx {
+    use crate::fs::Fs;
+    let dir = PathBuf::from("/db");
+    fs.create_dir_all(&dir).unwrap();
+    EngineCtx {
+        dir,
+        opts: opts.clone(),
+        fs: CountingFs::new(Arc::new(fs.clone())),
+        db_id,
+        fresh,
+        pm_health: Default::default(),
+        recovery: Default::default(),
+    }
+}
+
 /// Open the PM region of a store: pool files under `pm_path` (default `<dir>/pm`), or the
 /// simulated device. An existing store whose first pool is missing is corruption (a changed
 /// `pm_path` or a wiped medium), never silently a new empty region.

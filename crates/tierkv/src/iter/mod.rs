@@ -138,6 +138,16 @@ pub(crate) fn collect_range(
 #[cfg(test)]
 pub(crate) type OwnedEntries = Vec<(Vec<u8>, Option<Vec<u8>>)>;
 
+/// A test value that names its key and version (a value under the wrong key, or a stale
+/// one, is caught), `20..max_len` bytes long.
+#[cfg(test)]
+pub(crate) fn versioned_value(k: &[u8], ver: u64, rng: &mut impl rand::Rng, max_len: usize) -> Vec<u8> {
+    let mut v = format!("{}:{ver}:", String::from_utf8_lossy(k)).into_bytes();
+    let len = rng.random_range(20..max_len);
+    v.resize(len.max(v.len()), b'a' + (ver % 26) as u8);
+    v
+}
+
 /// Every entry of `it`, forward, tombstones included (tests of the presets' iterators).
 #[cfg(test)]
 pub(crate) fn collect_forward(it: &mut dyn InternalIterator) -> Result<OwnedEntries> {

@@ -443,7 +443,6 @@ pub(crate) mod check {
 #[cfg(test)]
 mod tests {
     use std::collections::BTreeMap;
-    use std::path::PathBuf;
     use std::sync::atomic::{AtomicBool, Ordering};
     use std::sync::Arc;
 
@@ -453,8 +452,8 @@ mod tests {
     use super::check::{full_walks, random_moves, Model};
     use crate::batch::BatchOp;
     use crate::engine::hpdk::Hpdk;
-    use crate::engine::{Cond, Engine, EngineCtx};
-    use crate::fs::{CountingFs, FaultFs, Fs};
+    use crate::engine::{Cond, Engine};
+    use crate::fs::FaultFs;
     use crate::options::{HpdkOptions, Options, Preset};
     use crate::pm::sim::SimDevice;
 
@@ -463,18 +462,7 @@ mod tests {
     }
 
     fn open(o: &Options, fs: &FaultFs, fresh: bool) -> Hpdk {
-        let dir = PathBuf::from("/db");
-        fs.create_dir_all(&dir).unwrap();
-        Hpdk::open(EngineCtx {
-            dir,
-            opts: o.clone(),
-            fs: CountingFs::new(Arc::new(fs.clone())),
-            db_id: 7,
-            fresh,
-            pm_health: Default::default(),
-            recovery: Default::default(),
-        })
-        .unwrap()
+        Hpdk::open(crate::engine::test_ctx(o, fs, fresh, 7)).unwrap()
     }
 
     fn key(i: u32) -> Vec<u8> {
@@ -482,10 +470,7 @@ mod tests {
     }
 
     fn value(k: &[u8], ver: u64, rng: &mut SmallRng) -> Vec<u8> {
-        let mut v = format!("{}:{ver}:", String::from_utf8_lossy(k)).into_bytes();
-        let len = rng.random_range(20..600);
-        v.resize(len.max(v.len()), b'a' + (ver % 26) as u8);
-        v
+        crate::iter::versioned_value(k, ver, rng, 600)
     }
 
     fn design(e: &Hpdk, name: &str) -> u64 {

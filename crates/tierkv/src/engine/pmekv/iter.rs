@@ -167,7 +167,6 @@ impl InternalIterator for PmekvIter {
 
 #[cfg(test)]
 mod tests {
-    use std::path::PathBuf;
     use std::sync::atomic::{AtomicBool, Ordering};
     use std::sync::Arc;
 
@@ -177,24 +176,13 @@ mod tests {
     use crate::batch::BatchOp;
     use crate::engine::hpdk::iter::check::{full_walks, random_moves, Model};
     use crate::engine::pmekv::Pmekv;
-    use crate::engine::{Cond, Engine, EngineCtx};
-    use crate::fs::{CountingFs, FaultFs, Fs};
+    use crate::engine::{Cond, Engine};
+    use crate::fs::FaultFs;
     use crate::options::{Options, PmekvOptions, Preset};
     use crate::pm::sim::SimDevice;
 
     fn open(o: &Options, fs: &FaultFs, fresh: bool) -> Pmekv {
-        let dir = PathBuf::from("/db");
-        fs.create_dir_all(&dir).unwrap();
-        Pmekv::open(EngineCtx {
-            dir,
-            opts: o.clone(),
-            fs: CountingFs::new(Arc::new(fs.clone())),
-            db_id: 9,
-            fresh,
-            pm_health: Default::default(),
-            recovery: Default::default(),
-        })
-        .unwrap()
+        Pmekv::open(crate::engine::test_ctx(o, fs, fresh, 9)).unwrap()
     }
 
     fn key(i: u32) -> Vec<u8> {
@@ -202,10 +190,7 @@ mod tests {
     }
 
     fn value(k: &[u8], ver: u64, rng: &mut SmallRng) -> Vec<u8> {
-        let mut v = format!("{}:{ver}:", String::from_utf8_lossy(k)).into_bytes();
-        let len = rng.random_range(20..600);
-        v.resize(len.max(v.len()), b'a' + (ver % 26) as u8);
-        v
+        crate::iter::versioned_value(k, ver, rng, 600)
     }
 
     fn design(e: &Pmekv, name: &str) -> u64 {

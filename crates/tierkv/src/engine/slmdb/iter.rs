@@ -426,8 +426,8 @@ mod tests {
     use crate::batch::BatchOp;
     use crate::engine::hpdk::iter::check::{continue_forward, full_walks, random_moves, Model};
     use crate::engine::slmdb::Slmdb;
-    use crate::engine::{Cond, Engine, EngineCtx};
-    use crate::fs::{CountingFs, FaultFs, Fs};
+    use crate::engine::{Cond, Engine};
+    use crate::fs::{FaultFs, Fs};
     use crate::iter::InternalIterator;
     use crate::options::{Options, Preset, SlmdbOptions};
     use crate::pm::sim::SimDevice;
@@ -437,30 +437,15 @@ mod tests {
     }
 
     fn open(o: &Options, fs: &FaultFs, fresh: bool) -> Slmdb {
-        let dir = PathBuf::from("/db");
-        fs.create_dir_all(&dir).unwrap();
-        Slmdb::open(EngineCtx {
-            dir,
-            opts: o.clone(),
-            fs: CountingFs::new(Arc::new(fs.clone())),
-            db_id: 5,
-            fresh,
-            pm_health: Default::default(),
-            recovery: Default::default(),
-        })
-        .unwrap()
+        Slmdb::open(crate::engine::test_ctx(o, fs, fresh, 5)).unwrap()
     }
 
     fn key(i: u32) -> Vec<u8> {
         format!("k{i:05}").into_bytes()
     }
 
-    /// A value that names its key and version (so a value under the wrong key is caught).
     fn value(k: &[u8], ver: u64, rng: &mut SmallRng) -> Vec<u8> {
-        let mut v = format!("{}:{ver}:", String::from_utf8_lossy(k)).into_bytes();
-        let len = rng.random_range(20..300);
-        v.resize(len.max(v.len()), b'a' + (ver % 26) as u8);
-        v
+        crate::iter::versioned_value(k, ver, rng, 300)
     }
 
     fn design(e: &Slmdb, name: &str) -> u64 {
