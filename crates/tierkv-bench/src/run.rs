@@ -108,6 +108,11 @@ impl Workload {
         Workload::ALL.iter().copied().find(|w| w.name() == s)
     }
 
+    /// Whether the workload is one of YCSB's (load included), which use YCSB's key space.
+    pub fn is_ycsb(self) -> bool {
+        self == Workload::YcsbLoad || self.is_ycsb_run()
+    }
+
     fn is_ycsb_run(self) -> bool {
         matches!(
             self,
@@ -158,6 +163,11 @@ pub struct Params {
     pub seed: u64,
     /// Client threads (readers for `readwhilewriting`).
     pub threads: usize,
+    /// The YCSB workloads run on a fresh, empty store rather than on the one the db_bench
+    /// workloads filled (`--ycsb-fresh`, set by `--paper`), so no more than `num` records
+    /// ever live in a store.
+    #[serde(default)]
+    pub ycsb_fresh: bool,
 }
 
 impl Params {
@@ -237,6 +247,20 @@ pub struct Outcome {
     /// merges, …; counters are totals since open).
     #[serde(default, skip_serializing_if = "std::collections::BTreeMap::is_empty")]
     pub design: std::collections::BTreeMap<String, u64>,
+}
+
+/// The workloads split into the runs that share one store: all of them, or with
+/// `ycsb_fresh` a new segment (a fresh store) wherever a YCSB workload follows a db_bench one.
+pub fn segments(workloads: &[Workload], ycsb_fresh: bool) -> Vec<Vec<Workload>> {
+    let mut out: Vec<Vec<Workload>> = Vec::new();
+    for &w in workloads {
+        let fresh = ycsb_fresh && w.is_ycsb() && out.last().and_then(|s| s.last()).is_some_and(|p| !p.is_ycsb());
+        match out.last_mut() {
+            Some(seg) if !fresh => seg.push(w),
+            _ => out.push(vec![w]),
+        }
+    }
+    out
 }
 
 /// What the store holds so far (for reads and YCSB), carried between workloads.

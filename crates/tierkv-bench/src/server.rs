@@ -358,6 +358,7 @@ pub fn run(a: &ServerArgs) -> Result<ServerReport> {
         threads: a.threads.max(1),
         reads: None,
         time_cap_seconds: None,
+        ycsb_fresh: false,
     };
     for t in &a.targets {
         let name = t.name();

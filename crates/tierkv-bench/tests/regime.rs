@@ -270,3 +270,94 @@ fn paper_preset_is_the_papers_regime() {
     assert!(p.reads.is_some() && p.time_cap.is_some() && p.pm_budget_mib.is_some());
     assert_eq!(p.workloads.len(), 11);
 }
+
+#[test]
+fn ycsb_fresh_splits_the_workloads_where_ycsb_follows_db_bench() {
+    use tierkv_bench::run::segments;
+    let ws = parse_workloads("fillrandom,readrandom,load,a,c").unwrap();
+    assert_eq!(segments(&ws, false), vec![ws.clone()]);
+    assert_eq!(segments(&ws, true), vec![ws[..2].to_vec(), ws[2..].to_vec()]);
+    // Only a db_bench → YCSB change starts a fresh store.
+    let only_ycsb = parse_workloads("load,a").unwrap();
+    assert_eq!(segments(&only_ycsb, true), vec![only_ycsb.clone()]);
+    let back = parse_workloads("load,fillrandom,load").unwrap();
+    assert_eq!(segments(&back, true), vec![back[..2].to_vec(), back[2..].to_vec()]);
+    assert!(segments(&[], true).is_empty());
+}
+
+/// Space used by `engine` after `workload` in `rep`.
+fn space_after(rep: &tierkv_bench::report::Report, engine: &str, w: Workload) -> u64 {
+    rep.outcomes.iter().find(|o| o.engine == engine && o.workload == w).unwrap().space_bytes
+}
+
+#[test]
+fn ycsb_fresh_runs_ycsb_on_an_empty_store() {
+    let t = tempfile::tempdir().unwrap();
+    let base = BenchArgs {
+        num: 3000,
+        reads: Some(300),
+        engines: parse_engines("pmekv").unwrap(),
+        workloads: parse_workloads("fillrandom,readrandom,load,c").unwrap(),
+        dir: Some(t.path().join("disk")),
+        pm_dir: Some(t.path().join("pm")),
+        ..Default::default()
+    };
+    let shared = run(&base).unwrap();
+    let fresh = run(&BenchArgs { ycsb_fresh: true, ..base }).unwrap();
+    assert!(fresh.params.ycsb_fresh && !shared.params.ycsb_fresh);
+    // The fresh store holds only the YCSB records: the db_bench ones are gone.
+    let (s, f) = (space_after(&shared, "pmekv", Workload::YcsbLoad), space_after(&fresh, "pmekv", Workload::YcsbLoad));
+    assert!(f < s, "fresh {f} vs shared {s}");
+    for rep in [&shared, &fresh] {
+        for o in &rep.outcomes {
+            assert_eq!(o.ops, o.planned_ops, "{:?}", o.workload);
+        }
+        // Every YCSB read found its record in both layouts (fillrandom draws keys with
+        // repeats, so readrandom misses some in both).
+        let c = rep.outcomes.iter().find(|o| o.workload == Workload::YcsbC).unwrap();
+        assert_eq!(c.found, c.ops);
+        let r = rep.outcomes.iter().find(|o| o.workload == Workload::Readrandom).unwrap();
+        assert!(r.found > 0);
+        assert_eq!(rep.recovery.len(), 1);
+    }
+}
+
+#[test]
+fn ycsb_fresh_under_a_budget_runs_one_job_per_store_in_one_group() {
+    let _one = GROUPS.lock().unwrap_or_else(|e| e.into_inner());
+    if !cgroups_writable() {
+        return;
+    }
+    let t = tempfile::tempdir().unwrap();
+    let a = BenchArgs {
+        num: 2000,
+        reads: Some(200),
+        engines: parse_engines("hpdk").unwrap(),
+        workloads: parse_workloads("fillrandom,readrandom,load,c").unwrap(),
+        dir: Some(t.path().join("disk")),
+        pm_dir: Some(t.path().join("pm")),
+        dram_budget_mib: Some(64),
+        pm_budget_mib: Some(64),
+        ycsb_fresh: true,
+        crash_exe: Some(CHILD.into()),
+        ..Default::default()
+    };
+    let rep = run(&a).unwrap();
+    assert!(rep.failures.is_empty(), "{:?}", rep.failures);
+    assert_eq!(rep.outcomes.len(), 4);
+    for o in &rep.outcomes {
+        assert_eq!(o.ops, o.planned_ops, "{:?}", o.workload);
+        match o.workload {
+            Workload::YcsbC => assert_eq!(o.found, o.ops),
+            Workload::Readrandom => assert!(o.found > 0),
+            _ => {}
+        }
+    }
+    // One memory row (one group) for both stores, and recovery measured after the last.
+    assert_eq!(rep.memory.len(), 1);
+    assert!(rep.memory[0].peak_bytes.is_some_and(|p| p <= 64 << 20));
+    assert_eq!(rep.recovery.len(), 1);
+    let r = &rep.recovery[0];
+    assert_eq!(r.verified_keys, r.acknowledged_keys);
+    assert!(our_groups().is_empty(), "groups left behind: {:?}", our_groups());
+}

@@ -46,7 +46,7 @@ struct Target {
 #[derive(clap::Args, Debug)]
 struct BenchFlags {
     /// Records, and operations per load or overwrite workload [default: 500000; --paper:
-    /// 2100000].
+    /// 524288].
     #[arg(long)]
     num: Option<u64>,
     /// Operations per read, scan and YCSB run workload, separate from --num (scans:
@@ -74,12 +74,17 @@ struct BenchFlags {
     /// --paper: optane].
     #[arg(long)]
     pm_profile: Option<String>,
-    /// The papers' regime: data 8x the DRAM budget (--num 2100000 --value-size 1024
+    /// The papers' regime: data 8x the DRAM budget (--num 524288 --value-size 4096
     /// --dram-budget 256), --pm-budget 8192 --pm-profile optane --reads 100000 --time-cap
-    /// 120, every engine, fillrandom, readrandom, seekrandom, overwrite, ycsb-load and
-    /// ycsb-a..f. Explicit flags override these.
+    /// 120 --ycsb-fresh, every engine, fillrandom, readrandom, seekrandom, overwrite,
+    /// ycsb-load and ycsb-a..f. Explicit flags override these.
     #[arg(long)]
     paper: bool,
+    /// The YCSB workloads run on a fresh, empty store instead of the one the db_bench
+    /// workloads filled, so a store never holds more than --num records [default: no;
+    /// --paper: yes].
+    #[arg(long)]
+    ycsb_fresh: bool,
     /// Value sizes in bytes, comma separated (one full run per size) [default: 1024].
     #[arg(long, value_delimiter = ',')]
     value_size: Option<Vec<usize>>,
@@ -383,6 +388,7 @@ fn run(cli: Cli) -> Result<Outcome, Error> {
             a.out = f.out;
             a.threads = f.threads.iter().map(|&t| t.max(1)).collect();
             a.durable = f.durable;
+            a.ycsb_fresh |= f.ycsb_fresh;
             a.crash_exe = std::env::current_exe().ok();
             if f.full {
                 a.value_sizes = vec![100, 1024, 4096, 16384];
