@@ -472,3 +472,38 @@ fn a_session_without_the_tree_keeps_the_recovery_file() {
     let db = Db::open(dir(), opts(&dev, &fs, manual())).unwrap_or_else(|e| panic!("with the tree again: {e}"));
     assert_matches(&db, &m, "with the tree again");
 }
+
+#[test]
+fn value_pools_tile_pm_pools_instead_of_leaving_half_of_each_to_tables() {
+    // Two 512 KiB value pools would not fit a 1 MiB PM pool after its 64-byte header; the
+    // store shrinks them by 64 bytes so they do, and PM holds the values in about half the
+    // PM pools it took before (measured with the defaults: 17 PM pools of 256 MiB for
+    // 17 value pools of 128 MiB).
+    let (dev, fs) = (SimDevice::new(), FaultFs::new());
+    let o = HpdkOptions { memtable_size: 64 << 10, vlog_pool_size: 512 << 10, ..manual() };
+    let db = Db::open(dir(), opts(&dev, &fs, o.clone())).unwrap();
+    let mut m = Model::new();
+    for i in 0..6000u32 {
+        let v = vec![(i % 251) as u8; 1000];
+        db.put(key(i), &v).unwrap();
+        m.insert(key(i), v);
+    }
+    db.flush().unwrap();
+    let value_pools = d(&db, "value_pools");
+    let pm_pools = db.stats().pm.pools;
+    assert!(value_pools >= 11, "{value_pools} value pools for 6 MB of values");
+    assert!(
+        pm_pools <= value_pools / 2 + 3,
+        "{pm_pools} PM pools for {value_pools} value pools: value pools do not tile PM pools"
+    );
+    assert_matches(&db, &m, "after filling");
+    db.close().unwrap();
+    drop(db);
+    // The size is a property of the store (its superblock), kept across reopen.
+    let db = Db::open(dir(), opts(&dev, &fs, o)).unwrap();
+    assert_matches(&db, &m, "after reopen");
+    for i in 6000..7000u32 {
+        db.put(key(i), [7u8; 1000]).unwrap();
+    }
+    assert_eq!(db.check().unwrap(), Vec::<String>::new());
+}

@@ -67,6 +67,11 @@
 //! - A GET holds the MemTable or tree read lock while it copies a value out of PM, so a
 //!   pool cannot be reused under it; an iterator pins pools instead (below).
 //! - The merge candidate-set threshold is not given in the paper; we use 4.
+//! - A new store makes its value pools up to 1 % smaller than `vlog_pool_size` when that lets
+//!   them tile a PM pool exactly (the default 128 MiB becomes 128 MiB − 64 B, two per 256 MiB
+//!   PM pool): every PM pool starts with a 64-byte header, and at the exact size each PM pool
+//!   held one value pool and ~128 MiB only tables could use, so PM filled at twice the
+//!   values' size. The size used is the one in the superblock.
 //!
 //! # Range reads: the iterator
 //! `Engine::iter` returns an `iter::HpdkIter`: a [`crate::iter::MergingIterator`] of
