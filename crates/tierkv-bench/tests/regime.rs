@@ -269,6 +269,12 @@ fn paper_preset_is_the_papers_regime() {
     assert_eq!(p.pm_profile, "optane");
     assert!(p.reads.is_some() && p.time_cap.is_some() && p.pm_budget_mib.is_some());
     assert_eq!(p.workloads.len(), 11);
+    assert!(p.ycsb_fresh);
+    // Every preset (HoaKV with a MemTable the budget holds) and `limit`.
+    for e in ["slmdb", "hpdk", "lightkv", "hoakv/mem=16", "pmekv", "limit"] {
+        assert!(p.engines.iter().any(|x| x == e), "{e} missing from {:?}", p.engines);
+    }
+    assert!(parse_engines(&p.engines.join(",")).is_ok());
 }
 
 #[test]
