@@ -71,4 +71,23 @@ impl Error {
     pub fn is_corruption(&self) -> bool {
         matches!(self, Error::Corruption { .. })
     }
+
+    /// The same error for another caller (an I/O error keeps its kind and message), for
+    /// work done once on behalf of several callers, such as a group commit.
+    pub(crate) fn duplicate(&self) -> Error {
+        match self {
+            Error::Io(e) => Error::Io(std::io::Error::new(e.kind(), e.to_string())),
+            Error::Corruption { file, offset, detail } => {
+                Error::Corruption { file: file.clone(), offset: *offset, detail: detail.clone() }
+            }
+            Error::InvalidArgument(s) => Error::InvalidArgument(s.clone()),
+            Error::PresetMismatch { stored, requested } => {
+                Error::PresetMismatch { stored: stored.clone(), requested: requested.clone() }
+            }
+            Error::Poisoned(s) => Error::Poisoned(s.clone()),
+            Error::PmFull(s) => Error::PmFull(s.clone()),
+            Error::Locked(p) => Error::Locked(p.clone()),
+            Error::Closed => Error::Closed,
+        }
+    }
 }

@@ -36,7 +36,8 @@
 //!
 //! # Write protocol and crash consistency
 //! A write (one op, or a [`crate::WriteBatch`]) runs:
-//! 1. each value is written to freshly allocated heap space and flushed (no fence yet);
+//! 1. each value is written to freshly allocated heap space, flushed and fenced by the
+//!    writer's own thread (the commit fence may be another thread's, see group commit);
 //! 2. under the state lock, the batch's key-value log entries are written and flushed, then
 //!    **one fence**: this is the commit point. A batch is *committed* iff all its entries
 //!    (sequence numbers `base..base+n`) and their values are intact, so a crash before the
@@ -60,10 +61,25 @@
 //! # Concurrency
 //! One `RwLock` guards the tree and the logs: `get` takes it shared, and so does an
 //! iterator, for one batch of keys at a time (below). Writers copy their
-//! values into PM *before* taking the lock (so value copies run in parallel), then take it
-//! exclusively for steps 2–4. The background write-back holds it in upgradable mode while
-//! writing KeyNodes (readers continue, writers wait) and exclusively only to install the
-//! result. The heap allocator has its own mutex.
+//! values into PM *before* taking the lock (so value copies run in parallel). The
+//! background write-back holds it in upgradable mode while writing KeyNodes (readers
+//! continue, writers wait) and exclusively only to install the result. The heap allocator
+//! has its own mutex.
+//!
+//! **Group commit** (LevelDB's writer queue; the paper says only that PMEKV allows
+//! concurrent access). Steps 2–4 of concurrent writers do not take turns on the lock one
+//! by one: a writer whose values are in PM joins a commit queue; the writer at its front
+//! becomes the *leader*, takes the exclusive lock once for the batches queued behind it
+//! (at most 64, and within half of each log) and runs steps 2–4 for them as one logged
+//! unit — their key-value log entries carry consecutive sequence numbers with one
+//! `batch_len`/`batch_index` numbering over the whole group, so recovery sees the group as
+//! one batch — with **one** commit fence and one key-log fence for all. Then it hands each
+//! writer its result and the next writer at the front leads. Each batch keeps its own
+//! semantics: conditions and insert/update/delete are decided in queue order against the
+//! tree as the group's earlier batches leave it. Nothing of a group is acknowledged before
+//! its fence, so making the group all-or-nothing after a crash loses no acknowledged write
+//! and keeps every batch atomic. A lone writer is a group of one: the same steps as before.
+//! The design figures `group_commits` and `group_committed_batches` show the grouping.
 //!
 //! # Range reads: the iterator
 //! `Engine::iter` returns an `iter::PmekvIter`. The store has one source, the key index
@@ -105,13 +121,15 @@
 //! The paper gives no sizes; defaults are in [`crate::options::PmekvOptions`]. Values are
 //! limited to one PM pool (`pm_pool_size` minus 72 bytes) besides the global 64 MiB limit.
 
+#[cfg(test)]
+mod group_tests;
 mod iter;
 pub mod layout;
 pub mod log;
 mod recovery;
 pub(crate) mod salvage;
 
-use std::collections::{BTreeMap, HashMap, HashSet};
+use std::collections::{BTreeMap, HashMap, HashSet, VecDeque};
 use std::ops::Bound;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
@@ -179,6 +197,12 @@ struct Inner {
     background: bool,
     /// Live iterators and the value frees they hold back ([`crate::pm::pins::Pins`]).
     pins: Mutex<crate::pm::pins::Pins>,
+    /// Writers waiting to commit, oldest first; the front one leads ([`Inner::commit`]).
+    commit_queue: Mutex<VecDeque<Arc<Pending>>>,
+    commit_cv: Condvar,
+    /// Group commits, and the batches they committed.
+    group_commits: AtomicU64,
+    grouped_batches: AtomicU64,
 }
 
 /// The PMEKV engine. See the module docs.
@@ -190,6 +214,45 @@ pub struct Pmekv {
 impl std::fmt::Debug for Pmekv {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Pmekv").field("region", &self.inner.region).finish()
+    }
+}
+
+/// Most batches one leader commits at once.
+const MAX_GROUP: usize = 64;
+
+/// One writer's batch in the commit queue, its values already in PM.
+struct Pending {
+    /// Keys with their new value (`None`: delete), in batch order.
+    items: Vec<(Vec<u8>, Option<ValueRef>)>,
+    cond: Cond,
+    /// User bytes of the batch (statistics).
+    user: u64,
+    /// Log bytes the batch needs (one entry per op).
+    log_bytes: u64,
+    /// Set by the leader that committed (or refused) the batch.
+    result: Mutex<Option<Result<bool>>>,
+}
+
+/// Ends a leader's turn: every batch of its group without a result gets an error (the
+/// commit panicked), the group leaves the queue, and the waiting writers wake (one of
+/// them is the next leader).
+struct GroupGuard<'a> {
+    inner: &'a Inner,
+    group: &'a [Arc<Pending>],
+}
+
+impl Drop for GroupGuard<'_> {
+    fn drop(&mut self) {
+        let mut q = self.inner.commit_queue.lock();
+        for w in self.group {
+            let mut r = w.result.lock();
+            if r.is_none() {
+                *r = Some(Err(Error::Poisoned("pmekv: the group commit that held this write panicked".into())));
+            }
+            drop(r);
+            q.pop_front();
+        }
+        self.inner.commit_cv.notify_all();
     }
 }
 
@@ -366,49 +429,165 @@ impl Inner {
                 }
             }
         }
+        // A fence orders only the flushes of the thread that issues it, and another writer
+        // (the leader) issues the commit fence: this writer's values must be durable first.
+        if vals.iter().any(Option::is_some) {
+            self.region.fence();
+        }
 
+        let items = ops.iter().zip(vals).map(|(op, v)| (op.key().to_vec(), v)).collect();
+        let user = ops.iter().map(op_user_bytes).sum();
+        self.commit(Arc::new(Pending { items, cond, user, log_bytes: need, result: Mutex::new(None) }))
+    }
+
+    /// Free the PM value records of a batch that will not be committed.
+    fn release(&self, w: &Pending) {
+        let mut heap = self.heap.lock();
+        for v in w.items.iter().filter_map(|(_, v)| v.as_ref()) {
+            heap.free(v.addr, layout::value_alloc_size(v.len as usize));
+        }
+    }
+
+    /// Queue `p` for commit and wait until a leader (the writer at the front of the queue,
+    /// possibly this one) has committed it with the batches queued behind it (see "Group
+    /// commit" in the module docs).
+    fn commit(&self, p: Arc<Pending>) -> Result<bool> {
+        let mut q = self.commit_queue.lock();
+        q.push_back(p.clone());
+        loop {
+            if let Some(r) = p.result.lock().take() {
+                return r;
+            }
+            if q.front().is_some_and(|f| Arc::ptr_eq(f, &p)) {
+                break;
+            }
+            self.commit_cv.wait(&mut q);
+        }
+        // The leader: the batches at the front of the queue, within half of each log (a
+        // batch alone is already within it).
+        let budget = self.sb.kv_log.1.min(self.sb.key_log.1) / 2;
+        let mut group: Vec<Arc<Pending>> = Vec::new();
+        let mut bytes = 0;
+        for w in q.iter() {
+            if !group.is_empty() && (bytes + w.log_bytes > budget || group.len() >= MAX_GROUP) {
+                break;
+            }
+            bytes += w.log_bytes;
+            group.push(w.clone());
+        }
+        drop(q);
+        // The guard hands every batch of the group its result, leaves the queue and wakes the
+        // waiting writers, also if the commit below panics.
+        let guard = GroupGuard { inner: self, group: &group };
+        let results = self.commit_group(&group);
+        for (w, r) in group.iter().zip(results) {
+            *w.result.lock() = Some(r);
+        }
+        drop(guard);
+        p.result.lock().take().unwrap_or_else(|| Err(Error::Poisoned("pmekv: a group commit lost a result".into())))
+    }
+
+    /// Commit `group` (queued batches, oldest first) under the exclusive state lock as one
+    /// logged unit: one run of key-value log entries and one fence. Returns each batch's
+    /// result.
+    fn commit_group(&self, group: &[Arc<Pending>]) -> Vec<Result<bool>> {
+        let mut out: Vec<Option<Result<bool>>> = group.iter().map(|_| None).collect();
         let mut st = self.state.write();
-        if let (Some(first), Cond::Absent | Cond::Present) = (ops.first(), cond) {
-            let present = st.tree.get(first.key()).is_some();
-            if present != (cond == Cond::Present) {
-                drop(st);
-                release(&vals);
-                return Ok(false);
+        if let Err(e) = self.check_poisoned() {
+            for w in group {
+                self.release(w);
+            }
+            return group.iter().map(|_| Err(e.duplicate())).collect();
+        }
+        // Classify each batch's ops (insert / update / delete of a present key) against the
+        // tree as the earlier batches of the group leave it; drop deletes of absent keys and
+        // batches whose condition fails.
+        let mut seen: HashMap<&[u8], bool> = HashMap::new();
+        let mut entries: Vec<(LogEntry, Option<ValueRef>)> = Vec::new();
+        let mut committed: Vec<usize> = Vec::new();
+        for (gi, w) in group.iter().enumerate() {
+            if let (Some((first, _)), Cond::Absent | Cond::Present) = (w.items.first(), w.cond) {
+                let present = match seen.get(first.as_slice()) {
+                    Some(p) => *p,
+                    None => st.tree.get(first).is_some(),
+                };
+                if present != (w.cond == Cond::Present) {
+                    self.release(w);
+                    out[gi] = Some(Ok(false));
+                    continue;
+                }
+            }
+            let before = entries.len();
+            for (k, v) in &w.items {
+                let present = match seen.get(k.as_slice()) {
+                    Some(p) => *p,
+                    None => st.tree.get(k).is_some(),
+                };
+                let code = match (v.is_some(), present) {
+                    (true, true) => Op::Update,
+                    (true, false) => Op::Insert,
+                    (false, true) => Op::Delete,
+                    (false, false) => continue,
+                };
+                seen.insert(k, code != Op::Delete);
+                let (value_addr, value_len) = v.map_or((0, 0), |v| (v.addr, v.len));
+                let e = LogEntry { seq: 0, op: code, value_addr, value_len, batch_len: 0, batch_index: 0, key: k.clone() };
+                entries.push((e, *v));
+            }
+            if entries.len() == before {
+                // Only deletes of absent keys: nothing to log.
+                self.release(w);
+                out[gi] = Some(Ok(true));
+            } else {
+                committed.push(gi);
             }
         }
-        // Classify ops (insert / update / delete of a present key); drop deletes of absent keys.
-        let mut seen: HashMap<&[u8], bool> = HashMap::new();
-        let mut entries: Vec<(LogEntry, Option<ValueRef>)> = Vec::with_capacity(ops.len());
-        for (op, v) in ops.iter().zip(&vals) {
-            let k = op.key();
-            let present = match seen.get(k) {
-                Some(p) => *p,
-                None => st.tree.get(k).is_some(),
-            };
-            let code = match (op, present) {
-                (BatchOp::Put { .. }, true) => Op::Update,
-                (BatchOp::Put { .. }, false) => Op::Insert,
-                (BatchOp::Delete { .. }, true) => Op::Delete,
-                (BatchOp::Delete { .. }, false) => continue,
-            };
-            seen.insert(k, code != Op::Delete);
-            let (value_addr, value_len) = v.map_or((0, 0), |v| (v.addr, v.len));
-            let e = LogEntry { seq: 0, op: code, value_addr, value_len, batch_len: 0, batch_index: 0, key: k.to_vec() };
-            entries.push((e, *v));
+        let fail_all = |out: &mut Vec<Option<Result<bool>>>, e: &Error| {
+            for &gi in &committed {
+                out[gi] = Some(Err(e.duplicate()));
+            }
+        };
+        if !entries.is_empty() {
+            if let Err(e) = self.commit_entries(&mut st, &mut entries) {
+                if !matches!(e, Error::Poisoned(_)) && !self.poisoned.is_set() {
+                    // Failed before the commit point: nothing of the group is visible.
+                    for &gi in &committed {
+                        self.release(&group[gi]);
+                    }
+                }
+                fail_all(&mut out, &e);
+            } else {
+                self.group_commits.fetch_add(1, Ordering::Relaxed);
+                self.grouped_batches.fetch_add(committed.len() as u64, Ordering::Relaxed);
+                self.user_bytes.add(0, committed.iter().map(|&gi| group[gi].user).sum());
+                for &gi in &committed {
+                    out[gi] = Some(Ok(true));
+                }
+                if st.key_log.used() > st.key_log.capacity() / 2 {
+                    if self.background {
+                        self.bg_cv.notify_one();
+                    } else {
+                        let r = self.checkpoint_exclusive(&mut st);
+                        if let Err(e) = self.poison_on_err(r) {
+                            fail_all(&mut out, &e);
+                        }
+                    }
+                }
+            }
         }
-        if entries.is_empty() {
-            drop(st);
-            release(&vals);
-            return Ok(true);
-        }
+        out.into_iter()
+            .map(|r| r.unwrap_or_else(|| Err(Error::Poisoned("pmekv: a batch of a group commit got no result".into()))))
+            .collect()
+    }
+
+    /// Log and apply `entries` (the group's, in order) as one unit: sequence numbers, the
+    /// key-value log entries and the commit fence, the tree and the key log, the cleared
+    /// KVFlags. An error before the fence leaves nothing of them visible; one after it poisons
+    /// the store.
+    fn commit_entries(&self, st: &mut State, entries: &mut [(LogEntry, Option<ValueRef>)]) -> Result<()> {
         let sizes: Vec<u64> = entries.iter().map(|(e, _)| LogEntry::size(e.key.len())).collect();
         if !st.key_log.fits(sizes.iter().copied()) {
-            let r = self.checkpoint_exclusive(&mut st);
-            if let Err(e) = r {
-                drop(st);
-                release(&vals);
-                return Err(e);
-            }
+            self.checkpoint_exclusive(st)?;
         }
         st.kv_log.clear();
         let base = st.next_seq;
@@ -420,22 +599,16 @@ impl Inner {
         }
         // 2. Key-value log, then the commit fence.
         let mut kv_addrs = Vec::with_capacity(entries.len());
-        for (e, _) in &entries {
+        for (e, _) in entries.iter() {
             let size = LogEntry::size(e.key.len());
-            let Some(addr) = st.kv_log.reserve(size) else {
-                drop(st);
-                release(&vals);
-                return Err(Error::InvalidArgument("batch does not fit in the key-value log".into()));
-            };
+            let addr = st
+                .kv_log
+                .reserve(size)
+                .ok_or_else(|| Error::InvalidArgument("batch does not fit in the key-value log".into()))?;
             let bytes = e.encode(LogKind::KeyValue);
             // SAFETY: log space between head and tail belongs to the writer holding the
             // state lock exclusively; readers never read the logs.
-            let w = unsafe { self.region.write(addr, &bytes) };
-            if let Err(err) = w {
-                drop(st);
-                release(&vals);
-                return Err(err);
-            }
+            unsafe { self.region.write(addr, &bytes)? };
             self.region.flush(addr, size);
             kv_addrs.push(addr);
         }
@@ -443,7 +616,7 @@ impl Inner {
         st.next_seq = base + entries.len() as u64;
 
         // 3. Index, then the key log.
-        let r = self.apply_committed(&mut st, &entries);
+        let r = self.apply_committed(st, entries);
         self.poison_on_err(r)?;
         // 4. KVFlag := 0 (not persisted; see module docs).
         for a in kv_addrs {
@@ -451,17 +624,7 @@ impl Inner {
             self.poison_on_err(r)?;
         }
         st.kv_log.clear();
-        self.user_bytes.add(0, ops.iter().map(op_user_bytes).sum());
-
-        if st.key_log.used() > st.key_log.capacity() / 2 {
-            if self.background {
-                self.bg_cv.notify_one();
-            } else {
-                let r = self.checkpoint_exclusive(&mut st);
-                self.poison_on_err(r)?;
-            }
-        }
-        Ok(true)
+        Ok(())
     }
 
     fn apply_committed(&self, st: &mut State, entries: &[(LogEntry, Option<ValueRef>)]) -> Result<()> {
@@ -748,6 +911,8 @@ impl Engine for Pmekv {
         design.insert("leaves".to_string(), st.tree.leaf_ids().len() as u64);
         design.insert("keynodes".to_string(), st.kn_set.len() as u64);
         design.insert("checkpoints".to_string(), self.inner.checkpoints.load(Ordering::Relaxed));
+        design.insert("group_commits".to_string(), self.inner.group_commits.load(Ordering::Relaxed));
+        design.insert("group_committed_batches".to_string(), self.inner.grouped_batches.load(Ordering::Relaxed));
         design.insert("checkpoint_seq".to_string(), st.ckpt.seq);
         design.insert("key_log_bytes_used".to_string(), st.key_log.used());
         design.insert("heap_bytes".to_string(), heap.total());
