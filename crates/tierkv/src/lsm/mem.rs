@@ -15,8 +15,9 @@
 //! - Entries are ordered by key ascending, then version descending: the first entry of a
 //!   key is its newest.
 //! - Nothing is ever removed from the map: a node lives as long as the [`Mem`].
-//! - Versions grow with every insert into one `Mem`; inserts are serialised by the LSM's
-//!   writer lock (or run single-threaded at recovery).
+//! - Versions grow with every insert into one `Mem` (one atomic counter). Inserts of
+//!   different keys may run concurrently; inserts of one key are ordered by the LSM's
+//!   caller (so a key's newer write gets the higher version).
 
 use std::borrow::Borrow;
 use std::cmp::Ordering as CmpOrdering;
@@ -122,7 +123,7 @@ impl Mem {
         Mem { map: SkipMap::new(), next_ver: AtomicU64::new(0), bytes: AtomicU64::new(0), gen }
     }
 
-    /// Add `k`'s newest version. Callers serialise inserts (see the module docs).
+    /// Add `k`'s newest version. Callers order inserts of one key (see the module docs).
     pub(super) fn insert(&self, k: &[u8], v: Option<&[u8]>) {
         let add = k.len() as u64 + v.map_or(0, |v| v.len() as u64) + MEM_ENTRY_OVERHEAD;
         let ver = self.next_ver.fetch_add(1, Ordering::Relaxed);

@@ -499,13 +499,22 @@ impl Lsm {
     }
 
     /// Append `ops` as one batch with sequence number `seq` (fsynced with `sync_wal` or
-    /// `sync`), then apply it to the MemTable. The caller serialises writers.
+    /// `sync`), then apply it to the MemTable.
+    ///
+    /// Writers of different keys may call this concurrently: the record is encoded before
+    /// the writer lock, the lock covers only the MemTable switch check and the WAL append,
+    /// and the MemTable inserts run after it, in parallel with other writers' (the skiplist
+    /// is lock-free). The inserting writer holds the MemTable lock shared from before it
+    /// lets the writer lock go until its inserts are in, and a MemTable switch takes that
+    /// lock exclusively under the writer lock: so a batch always lands in the MemTable of
+    /// the WAL it was appended to, never in one already being flushed. Writes of *one* key
+    /// must be ordered by the caller (their WAL order is then their MemTable order).
     pub fn write(&self, seq: u64, ops: &[(&[u8], Option<&[u8]>)], sync: bool) -> Result<()> {
         self.poison.check()?;
-        let mut w = self.writer.lock();
-        self.make_room(&mut w)?;
         let rec = wal::encode_framed(seq, ops);
         let sync = sync || self.opts.sync_wal;
+        let mut w = self.writer.lock();
+        self.make_room(&mut w)?;
         if sync {
             self.prepare_durable()?;
         }
@@ -514,6 +523,7 @@ impl Lsm {
             return Err(e.into());
         }
         let mem = self.mem.read();
+        drop(w);
         for (k, v) in ops {
             mem.active.insert(k, *v);
         }

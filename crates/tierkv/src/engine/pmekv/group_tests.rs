@@ -24,7 +24,10 @@ fn design(e: &Pmekv, name: &str) -> u64 {
 /// writer 0 puts).
 fn batch(j: usize) -> Vec<BatchOp> {
     let mut b: Vec<BatchOp> = (0..3)
-        .map(|i| BatchOp::Put { key: format!("b{j}-{i}").into_bytes(), value: format!("v{j}-{i}").repeat(20).into_bytes() })
+        .map(|i| BatchOp::Put {
+            key: format!("b{j}-{i}").into_bytes(),
+            value: format!("v{j}-{i}").repeat(20).into_bytes(),
+        })
         .collect();
     if j % 2 == 1 {
         b.push(BatchOp::Delete { key: b"b0-0".to_vec() });
@@ -126,8 +129,7 @@ fn a_crash_anywhere_in_a_group_leaves_every_batch_whole_or_absent() {
         let e = open(&o2, &fs.crash(), false);
         for j in 0..writers {
             // b{j}-1 and b{j}-2 are written only by batch j: both or neither.
-            let got: Vec<bool> =
-                (1..3).map(|i| e.get(format!("b{j}-{i}").as_bytes()).unwrap().is_some()).collect();
+            let got: Vec<bool> = (1..3).map(|i| e.get(format!("b{j}-{i}").as_bytes()).unwrap().is_some()).collect();
             assert!(got[0] == got[1], "crash at event {n}: batch {j} is torn: {got:?}");
         }
         assert!(e.check().unwrap().is_empty(), "crash at event {n}");

@@ -531,7 +531,8 @@ impl Inner {
                 };
                 seen.insert(k, code != Op::Delete);
                 let (value_addr, value_len) = v.map_or((0, 0), |v| (v.addr, v.len));
-                let e = LogEntry { seq: 0, op: code, value_addr, value_len, batch_len: 0, batch_index: 0, key: k.clone() };
+                let e =
+                    LogEntry { seq: 0, op: code, value_addr, value_len, batch_len: 0, batch_index: 0, key: k.clone() };
                 entries.push((e, *v));
             }
             if entries.len() == before {
