@@ -160,6 +160,11 @@ impl JobProbe {
         }
     }
 
+    /// Whether a job is parked at the chosen safe point now.
+    pub fn is_paused(&self) -> bool {
+        self.state.lock().paused
+    }
+
     /// Let [`JobProbe::wait_paused`] return without a parked job (a test's job finished
     /// before reaching the chosen safe point) and park nothing more.
     pub fn release(&self) {

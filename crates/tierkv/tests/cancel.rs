@@ -153,8 +153,43 @@ fn hoakv_lsm_compaction_cancelled_between_outputs_deletes_them() {
     close_mid_job("hoakv", |d, f| sim_options(Preset::Hoakv, d, f), 4, partial(1500, 4));
 }
 
+/// LightKV compacts a partition as soon as CS leaves of one weight exist (inline, or on its
+/// compaction thread), so `compact()` after a load finds nothing due. Here the compaction
+/// thread runs one: writes go on until it is parked at its first safe point (its first
+/// merged entry, its output table created), then `close()` cancels it.
 #[test]
-#[ignore = "the load does not leave a partition compaction due at compact() yet (compactions run inline during it)"]
-fn lightkv_partition_compaction_cancelled_mid_merge_deletes_its_table() {
-    close_mid_job("lightkv", |d, f| sim_options(Preset::Lightkv, d, f), 2, partial(6000, 9));
+fn lightkv_background_partition_compaction_cancelled_by_close_deletes_its_table() {
+    let (dev, fs) = (SimDevice::new(), FaultFs::new());
+    let opts = |probe: &Arc<JobProbe>| {
+        sim_options(Preset::Lightkv, &dev, &fs)
+            .lightkv(tierkv::LightkvOptions { background: true, ..tierkv::testing::lightkv_small() })
+            .job_probe(probe.clone())
+    };
+    let probe = JobProbe::new();
+    let db = Db::open(dir(), opts(&probe)).unwrap();
+    probe.pause_at(1);
+    let mut m = Model::new();
+    let mut n = 0u32;
+    while !probe.is_paused() {
+        assert!(n < 300_000, "no partition compaction started");
+        let (k, v) = kv(n % 3000, n / 3000);
+        db.put(&k, &v).unwrap();
+        m.insert(k, v);
+        n += 1;
+    }
+    // Leaves were flushed to tables, and the parked job is the first partition compaction.
+    let design = db.stats().design;
+    assert!(design["flushes"] >= 4 && design["compactions"] == 0, "{design:?}");
+    db.close().unwrap();
+    assert_eq!(probe.jobs_cancelled(), 1, "the compaction observed the cancellation");
+    let left = files(&fs);
+    drop(db);
+    let db = Db::open(dir(), opts(&JobProbe::new())).unwrap();
+    assert_eq!(files(&fs), left, "the cancelled compaction left files the reopen removed");
+    assert!(db.recovery_report().is_empty(), "{:?}", db.recovery_report());
+    assert_matches(&db, &m, "lightkv after reopen");
+    assert_eq!(db.check().unwrap(), Vec::<String>::new());
+    db.compact().unwrap();
+    assert_matches(&db, &m, "lightkv after compact");
+    db.close().unwrap();
 }
