@@ -390,31 +390,36 @@ impl Inner {
 
     /// The newest MemTable entry of `key`, read while the MemTable lock is held: `Some(None)`
     /// for a delete.
-    fn mem_get(&self, key: &[u8]) -> Result<Option<Option<Vec<u8>>>> {
-        let mem = self.mem.read();
-        match mem.lookup(key) {
-            None => Ok(None),
-            Some(TOMB) => Ok(Some(None)),
-            Some(a) => Ok(Some(Some(self.vlog.read(&self.region, a)?))),
-        }
-    }
-
-    fn get_impl(&self, key: &[u8]) -> Result<Option<Vec<u8>>> {
-        if let Some(v) = self.mem_get(key)? {
-            return Ok(v);
+    /// The newest value of `key` lent to `f` from the value log in PM (no copy), under the
+    /// MemTable or tree read lock that found its address (so its pool cannot be reused
+    /// meanwhile). Returns whether the key exists.
+    fn get_with_impl(&self, key: &[u8], f: &mut dyn FnMut(&[u8])) -> Result<bool> {
+        {
+            let mem = self.mem.read();
+            match mem.lookup(key) {
+                None => {}
+                Some(TOMB) => return Ok(false),
+                Some(a) => return self.vlog.read_with(&self.region, a, f).map(|()| true),
+            }
         }
         if self.opts.use_btree {
             let tree = self.tree.read();
             return match tree.get(key) {
-                Some(&v) => Ok(Some(self.vlog.read(&self.region, untv(v).0)?)),
-                None => Ok(None),
+                Some(&v) => self.vlog.read_with(&self.region, untv(v).0, f).map(|()| true),
+                None => Ok(false),
             };
         }
-        // HPDK-NT: search level 0, newest table first.
+        // HPDK-NT: search level 0, newest table first (it reuses no value pool).
         match self.level_get(key)? {
-            Some(a) => Ok(Some(self.vlog.read(&self.region, a)?)),
-            None => Ok(None),
+            Some(a) => self.vlog.read_with(&self.region, a, f).map(|()| true),
+            None => Ok(false),
         }
+    }
+
+    fn get_impl(&self, key: &[u8]) -> Result<Option<Vec<u8>>> {
+        let mut out = None;
+        self.get_with_impl(key, &mut |v| out = Some(v.to_vec()))?;
+        Ok(out)
     }
 
     /// HPDK-NT's lookup: the newest table holding `key` decides.
@@ -630,6 +635,10 @@ impl Inner {
 impl Engine for Hpdk {
     fn get(&self, key: &[u8]) -> Result<Option<Vec<u8>>> {
         self.inner.get_impl(key)
+    }
+
+    fn get_with(&self, key: &[u8], f: &mut dyn FnMut(&[u8])) -> Result<bool> {
+        self.inner.get_with_impl(key, f)
     }
 
     fn write(&self, ops: &[BatchOp], cond: Cond) -> Result<bool> {

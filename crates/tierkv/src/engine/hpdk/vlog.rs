@@ -109,9 +109,18 @@ pub struct Vlog {
 impl Vlog {
     /// Read and verify the value at address `a`.
     pub fn read(&self, region: &Region, a: u64) -> Result<Vec<u8>> {
+        let mut out = Vec::new();
+        self.read_with(region, a, &mut |v| out = v.to_vec())?;
+        Ok(out)
+    }
+
+    /// The value at address `a`, verified and lent to `f` in place (the caller keeps its
+    /// pool from being reused while `f` runs).
+    pub fn read_with(&self, region: &Region, a: u64, f: &mut dyn FnMut(&[u8])) -> Result<()> {
         let info = self.pool_info(region, a)?;
         let (at, len) = Self::locate(region, &info, a)?;
-        Ok(region.slice_checked(at, len, "value record")?.to_vec())
+        f(region.slice_checked(at, len, "value record")?);
+        Ok(())
     }
 
     /// The pool that address `a` names.
