@@ -1,5 +1,5 @@
 //! `Db::get_into` answers like `Db::get` on every preset, and on the presets that lend values
-//! in place (`pmekv`, `hpdk`) a loop of reads into one warmed buffer allocates nothing: a
+//! in place (`pmekv`, `hpdk`, `lightkv`) a loop of reads into one warmed buffer allocates nothing: a
 //! counting global allocator (per thread) shows it.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
@@ -77,12 +77,19 @@ fn get_into_matches_get_on_every_preset() {
 
 /// Reads into one warmed buffer allocate nothing on the presets that lend values in place
 /// (pmekv from its PM heap; hpdk from its PM value log, found through the MemTable or, after
-/// a flush, the DRAM B+-tree).
+/// a flush, the DRAM B+-tree; lightkv from its PM write buffer, its probes comparing keys in
+/// place).
 #[test]
 fn lending_presets_get_into_allocates_nothing_once_the_buffer_is_large_enough() {
-    for (preset, flush) in [(Preset::Pmekv, false), (Preset::Hpdk, false), (Preset::Hpdk, true)] {
+    for (preset, flush) in
+        [(Preset::Pmekv, false), (Preset::Hpdk, false), (Preset::Hpdk, true), (Preset::Lightkv, false)]
+    {
         let (dev, fs) = (SimDevice::new(), FaultFs::new());
-        let db = Db::open(dir(), sim_options(preset, &dev, &fs)).unwrap();
+        // lightkv with leaves large enough that the 1000 keys stay in the write buffer (an
+        // SSTable read that misses the block cache allocates the block it reads).
+        let lightkv =
+            tierkv::LightkvOptions { leaf_buckets: 64, max_leaf_nodes: 64, ..tierkv::testing::lightkv_small() };
+        let db = Db::open(dir(), sim_options(preset, &dev, &fs).lightkv(lightkv)).unwrap();
         for i in 0..1000u32 {
             db.put(key(i), value(i)).unwrap();
         }

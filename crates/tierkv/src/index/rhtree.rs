@@ -77,6 +77,11 @@ const _: () = assert!(std::mem::size_of::<Bucket>() == 64);
 pub trait KeySource {
     /// The key of the record at `off`.
     fn key(&self, off: u64) -> Result<Vec<u8>>;
+    /// Whether the record at `off` has key `key` (a lookup's probe; sources that can
+    /// compare in place override it to copy nothing).
+    fn key_eq(&self, off: u64, key: &[u8]) -> Result<bool> {
+        Ok(self.key(off)? == key)
+    }
 }
 
 impl<F: Fn(u64) -> Result<Vec<u8>>> KeySource for F {
@@ -252,7 +257,7 @@ impl Leaf {
         for b in self.candidates(h) {
             let bk = &self.buckets[b];
             for s in 0..SLOTS {
-                if live(bk.sig[s]) && bk.sig[s] >> 3 == h.sig29 && src.key(bk.off[s])? == key {
+                if live(bk.sig[s]) && bk.sig[s] >> 3 == h.sig29 && src.key_eq(bk.off[s], key)? {
                     return Ok(Some((b, s)));
                 }
             }
@@ -384,7 +389,7 @@ pub fn probe(
     for b in std::iter::once(h.b1).chain(second).chain(extra) {
         let bk = fetch(b)?;
         for s in 0..SLOTS {
-            if live(bk.sig[s]) && bk.sig[s] >> 3 == h.sig29 && src.key(bk.off[s])? == key {
+            if live(bk.sig[s]) && bk.sig[s] >> 3 == h.sig29 && src.key_eq(bk.off[s], key)? {
                 return Ok(Some(bk.off[s]));
             }
         }

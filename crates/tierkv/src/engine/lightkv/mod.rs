@@ -239,6 +239,10 @@ impl Engine for Lightkv {
         self.store.get(key)
     }
 
+    fn get_with(&self, key: &[u8], f: &mut dyn FnMut(&[u8])) -> Result<bool> {
+        self.store.get_with(key, f)
+    }
+
     fn write(&self, ops: &[BatchOp], cond: Cond) -> Result<bool> {
         let pops: Vec<pwb::Op<'_>> = ops
             .iter()

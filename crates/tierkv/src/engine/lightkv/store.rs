@@ -373,45 +373,12 @@ pub(crate) fn count_entry_read() {
     PWB_ENTRIES_READ.with(|c| c.set(c.get() + 1));
 }
 
-/// The write-buffer entry at `addr`, verified: (kind, key, value).
-fn read_entry(r: &Region, addr: u64) -> Result<(Kind, Vec<u8>, Vec<u8>)> {
-    count_entry_read();
-    let h = r.slice_checked(addr, pwb::ENTRY_HEADER, "PWB entry")?;
-    let (klen, vlen) = pwb::entry_lens(h).ok_or_else(|| r.corruption(addr, "PWB entry header cut short"))?;
-    let b = r.slice_checked(addr, pwb::ENTRY_HEADER + klen + vlen, "PWB entry")?;
-    let (kind, k, v, _) = pwb::decode_entry(b).ok_or_else(|| r.corruption(addr, "PWB entry checksum mismatch"))?;
-    Ok((kind, k.to_vec(), v.to_vec()))
-}
-
 impl KeySource for Keys<'_> {
     fn key(&self, off: u64) -> Result<Vec<u8>> {
-        Ok(self.0.record(off)?.1)
+        self.0.with_entry(off, |_, k, _| k.to_vec())
     }
-}
-
-/// A [`Keys`] that keeps the last record it read, so a lookup that confirms a key and then
-/// returns its value reads (and verifies) the record once.
-struct Memo<'a> {
-    s: &'a PwbStore,
-    last: std::cell::RefCell<Option<(u64, Rec)>>,
-}
-
-impl Memo<'_> {
-    fn record(&self, off: u64) -> Result<Rec> {
-        if let Some((o, r)) = &*self.last.borrow() {
-            if *o == off {
-                return Ok(r.clone());
-            }
-        }
-        let r = self.s.record(off)?;
-        *self.last.borrow_mut() = Some((off, r.clone()));
-        Ok(r)
-    }
-}
-
-impl KeySource for Memo<'_> {
-    fn key(&self, off: u64) -> Result<Vec<u8>> {
-        Ok(self.record(off)?.1)
+    fn key_eq(&self, off: u64, key: &[u8]) -> Result<bool> {
+        self.0.with_entry(off, |_, k, _| k == key)
     }
 }
 
@@ -752,31 +719,38 @@ impl PwbStore {
         Ok(t)
     }
 
-    /// The entry an SSTable offset slot names: (kind, key, value).
-    fn sst_entry(&self, off: u64) -> Result<Rec> {
-        let (n, block, entry) = split_sst(off);
-        let t = self.table(n)?;
-        let bad = |d: &str| Error::corruption(t.path(), 0, format!("RH-Tree entry {off:#x}: {d}"));
-        let h = t.index().get(block).map(|x| x.1).ok_or_else(|| bad("no such block"))?;
-        let payload = t.read_block_cached(h)?;
-        let e = block_entries(&payload)
-            .nth(entry)
-            .ok_or_else(|| bad("no such entry"))?
-            .map_err(|d| Error::corruption(t.path(), h.offset, d))?;
-        Ok((pwb_kind(e.kind), e.key.to_vec(), e.value.to_vec()))
-    }
-
     fn pwb_record(&self, addr: u64) -> Result<Rec> {
-        read_entry(&self.region, addr)
+        self.record(addr)
     }
 
-    /// The record an index entry names, wherever it is.
-    fn record(&self, off: u64) -> Result<Rec> {
+    /// The entry an index entry names, verified and lent to `f` in place: a write-buffer
+    /// entry from PM, an SSTable entry from its (cached) block. The caller holds the state
+    /// lock, so a write-buffer segment cannot be freed meanwhile.
+    fn with_entry<R>(&self, off: u64, f: impl FnOnce(Kind, &[u8], &[u8]) -> R) -> Result<R> {
         if off & SST_FLAG != 0 {
-            self.sst_entry(off)
-        } else {
-            self.pwb_record(off)
+            let (n, block, entry) = split_sst(off);
+            let t = self.table(n)?;
+            let bad = |d: &str| Error::corruption(t.path(), 0, format!("RH-Tree entry {off:#x}: {d}"));
+            let h = t.index().get(block).map(|x| x.1).ok_or_else(|| bad("no such block"))?;
+            let payload = t.read_block_cached(h)?;
+            let e = block_entries(&payload)
+                .nth(entry)
+                .ok_or_else(|| bad("no such entry"))?
+                .map_err(|d| Error::corruption(t.path(), h.offset, d))?;
+            return Ok(f(pwb_kind(e.kind), e.key, e.value));
         }
+        count_entry_read();
+        let r = &self.region;
+        let h = r.slice_checked(off, pwb::ENTRY_HEADER, "PWB entry")?;
+        let (klen, vlen) = pwb::entry_lens(h).ok_or_else(|| r.corruption(off, "PWB entry header cut short"))?;
+        let b = r.slice_checked(off, pwb::ENTRY_HEADER + klen + vlen, "PWB entry")?;
+        let (kind, k, v, _) = pwb::decode_entry(b).ok_or_else(|| r.corruption(off, "PWB entry checksum mismatch"))?;
+        Ok(f(kind, k, v))
+    }
+
+    /// The record an index entry names, wherever it is, copied out.
+    fn record(&self, off: u64) -> Result<Rec> {
+        self.with_entry(off, |kind, k, v| (kind, k.to_vec(), v.to_vec()))
     }
 
     fn seg_of(st: &State, addr: u64) -> Option<u64> {
@@ -1493,19 +1467,37 @@ impl PwbStore {
 
     /// The newest version of `key` with the state lock held: `Some(value)` for a put.
     fn get_locked(&self, st: &State, key: &[u8]) -> Result<Option<Vec<u8>>> {
-        let memo = Memo { s: self, last: std::cell::RefCell::new(None) };
+        let mut out = None;
+        self.get_locked_with(st, key, &mut |v| out = Some(v.to_vec()))?;
+        Ok(out)
+    }
+
+    /// The newest version of `key` with the state lock held, lent to `f` in place when it is
+    /// a put. Returns whether it is. Probes compare keys in place; nothing is copied.
+    fn get_locked_with(&self, st: &State, key: &[u8], f: &mut dyn FnMut(&[u8])) -> Result<bool> {
+        let keys = self.keys();
         let dram = if self.cfg.placement == LightkvPlacement::Pm {
-            self.images_get(st, key, &memo)?
+            self.images_get(st, key, &keys)?
         } else {
-            st.tree.get(key, &memo)?.map(|x| x.1)
+            st.tree.get(key, &keys)?.map(|x| x.1)
         };
         let off = match dram {
             Some(off) => Some(off),
-            None => self.chain_get(st, key, &memo)?,
+            None => self.chain_get(st, key, &keys)?,
         };
-        let Some(off) = off else { return Ok(None) };
-        let (kind, _, v) = memo.record(off)?;
-        Ok((kind == Kind::Put).then_some(v))
+        let Some(off) = off else { return Ok(false) };
+        self.with_entry(off, |kind, _, v| {
+            if kind == Kind::Put {
+                f(v);
+            }
+            kind == Kind::Put
+        })
+    }
+
+    /// [`PwbStore::get`], the value lent to `f` in place. Returns whether the key exists.
+    pub fn get_with(&self, key: &[u8], f: &mut dyn FnMut(&[u8])) -> Result<bool> {
+        let st = self.state.read();
+        self.get_locked_with(&st, key, f)
     }
 
     /// LightKV_PM: search `key`'s partition's top leaf and unflushed leaves in their PM
