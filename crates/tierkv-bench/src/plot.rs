@@ -138,8 +138,16 @@ struct Bars {
     series: Vec<(String, RGBColor, Vec<Option<f64>>)>,
     /// `limit`'s value per workload, drawn as a line.
     limit: Option<Vec<Option<f64>>>,
+    /// The axis: `ymin..ymax` in the plotted unit (the ratio, or its log10 when `log`).
+    ymin: f64,
     ymax: f64,
+    /// Values are plotted as log10 (ratios spanning more than [`LOG_SPAN`]).
+    log: bool,
 }
+
+/// Ratios spanning more than this factor go on a log axis (the papers' regime spans
+/// 0.2× to 2,000× LevelDB: on a linear axis the small bars vanish).
+const LOG_SPAN: f64 = 50.0;
 
 fn throughput(r: &Report, vs: usize, path: &Path) -> Result<(), String> {
     let engines = engines(r);
@@ -170,9 +178,24 @@ fn throughput(r: &Report, vs: usize, path: &Path) -> Result<(), String> {
         .filter(|(eng, _)| *eng != "limit")
         .map(|(eng, c)| (eng.clone(), *c, workloads.iter().map(|w| value(*w, eng)).collect()))
         .collect();
-    let limit = engines.iter().any(|x| x == "limit").then(|| workloads.iter().map(|w| value(*w, "limit")).collect());
-    // The axis fits the bars (and their labels); a higher `limit` is clipped to the top.
-    let ymax = series.iter().flat_map(|s| s.2.iter().flatten().copied()).fold(1.0f64, f64::max) * 1.3;
+    let limit: Option<Vec<Option<f64>>> =
+        engines.iter().any(|x| x == "limit").then(|| workloads.iter().map(|w| value(*w, "limit")).collect());
+    let (lo, hi) = series
+        .iter()
+        .flat_map(|s| s.2.iter().flatten().copied())
+        .fold((f64::MAX, f64::MIN), |(a, b), v| (a.min(v), b.max(v)));
+    let log = lo > 0.0 && hi / lo > LOG_SPAN;
+    let (series, limit, ymin, ymax) = if log {
+        // Everything (the limit too) fits a log axis from the power of ten below the lowest bar.
+        let top = limit.iter().flatten().flatten().copied().fold(hi, f64::max);
+        let l = |v: &Option<f64>| v.filter(|x| *x > 0.0).map(f64::log10);
+        let series = series.into_iter().map(|(n, c, v)| (n, c, v.iter().map(l).collect())).collect();
+        let limit = limit.map(|v| v.iter().map(l).collect());
+        (series, limit, lo.log10().floor(), top.log10() + 0.25)
+    } else {
+        // The axis fits the bars (and their labels); a higher `limit` is clipped to the top.
+        (series, limit, 0.0, hi.max(1.0) * 1.3)
+    };
     let capped = |w: Workload| r.outcomes.iter().any(|o| o.workload == w && o.value_size == vs && o.capped);
     let b = Bars {
         title: format!("throughput relative to {base} ({vs} B values)"),
@@ -180,7 +203,9 @@ fn throughput(r: &Report, vs: usize, path: &Path) -> Result<(), String> {
         workloads: workloads.iter().map(|w| format!("{}{}", w.name(), if capped(*w) { "*" } else { "" })).collect(),
         series,
         limit,
+        ymin,
         ymax,
+        log,
     };
     let size = (18 * (b.series.len() as u32 + 1) * b.workloads.len().max(1) as u32 + 300, 600);
     if path.extension().is_some_and(|x| x == "svg") {
@@ -204,9 +229,13 @@ where
         .margin(10)
         .x_label_area_size(40)
         .y_label_area_size(50)
-        .build_cartesian_2d(0.0..n as f64, 0.0..b.ymax)
+        .build_cartesian_2d(0.0..n as f64, b.ymin..b.ymax)
         .map_err(e)?;
     let labels = &b.workloads;
+    let log = b.log;
+    // The plotted unit back to the ratio.
+    let ratio = move |y: f64| if log { 10f64.powf(y) } else { y };
+    let span = b.ymax - b.ymin;
     chart
         .configure_mesh()
         .disable_x_mesh()
@@ -219,7 +248,9 @@ where
                 String::new()
             }
         })
-        .y_desc(&b.ylabel)
+        .y_labels(if log { ((b.ymax - b.ymin).ceil() as usize + 1).max(2) } else { 10 })
+        .y_label_formatter(&|y| if log { ratio_label(ratio(*y)) } else { format!("{y:.1}") })
+        .y_desc(if log { format!("{} (log scale)", b.ylabel) } else { b.ylabel.clone() })
         .draw()
         .map_err(e)?;
     let width = 0.8 / b.series.len().max(1) as f64;
@@ -231,7 +262,7 @@ where
             .enumerate()
             .filter_map(|(wi, v)| {
                 let x0 = wi as f64 + 0.1 + ei as f64 * width;
-                Some(Rectangle::new([(x0, 0.0), (x0 + width * 0.9, (*v)?)], color.filled()))
+                Some(Rectangle::new([(x0, b.ymin), (x0 + width * 0.9, (*v)?)], color.filled()))
             })
             .collect();
         chart.draw_series(bars).map_err(e)?;
@@ -242,13 +273,13 @@ where
             .filter_map(|(wi, v)| {
                 let v = (*v)?;
                 let x = wi as f64 + 0.1 + ei as f64 * width + width * 0.15;
-                Some(Text::new(ratio_label(v), (x, v + b.ymax * 0.01), label_font.clone()))
+                Some(Text::new(ratio_label(ratio(v)), (x, v + span * 0.01), label_font.clone()))
             })
             .collect();
         chart.draw_series(labels).map_err(e)?;
     }
     if let Some(limit) = &b.limit {
-        let top = b.ymax * 0.97;
+        let top = b.ymin + span * 0.97;
         let lines: Vec<PathElement<(f64, f64)>> = limit
             .iter()
             .enumerate()
@@ -264,10 +295,10 @@ where
             .filter_map(|(wi, v)| {
                 let v = (*v)?;
                 let clipped = if v > top { " (off scale)" } else { "" };
-                let y = v.min(top) + b.ymax * 0.004;
+                let y = v.min(top) + span * 0.004;
                 // Above the line (anchored at the text's bottom).
                 let style = ("sans-serif", 11).into_font().color(&BLACK).pos(Pos::new(HPos::Left, VPos::Bottom));
-                Some(Text::new(format!("limit {}{clipped}", ratio_label(v)), (wi as f64 + 0.1, y), style))
+                Some(Text::new(format!("limit {}{clipped}", ratio_label(ratio(v))), (wi as f64 + 0.1, y), style))
             })
             .collect();
         chart.draw_series(texts).map_err(e)?;

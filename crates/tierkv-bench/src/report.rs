@@ -14,7 +14,7 @@ use crate::run::{Outcome, Params};
 pub const SCHEMA: u32 = 2;
 
 /// Everything a run produced.
-#[derive(Debug, Clone, serde::Serialize)]
+#[derive(Debug, Clone, serde::Serialize, serde::Deserialize)]
 pub struct Report {
     /// Schema version of this JSON ([`SCHEMA`]; bumped on incompatible changes).
     pub schema: u32,
@@ -36,7 +36,7 @@ pub struct Report {
 }
 
 /// The regime of a run.
-#[derive(Debug, Clone, Default, serde::Serialize)]
+#[derive(Debug, Clone, Default, serde::Serialize, serde::Deserialize)]
 pub struct Setup {
     /// `--dram-budget` in bytes (memory cgroup limit per engine, page cache included).
     pub dram_budget_bytes: Option<u64>,
@@ -57,7 +57,7 @@ pub struct Setup {
 }
 
 /// One engine of the run.
-#[derive(Debug, Clone, serde::Serialize)]
+#[derive(Debug, Clone, serde::Serialize, serde::Deserialize)]
 pub struct EngineInfo {
     /// Engine name.
     pub engine: String,
@@ -67,7 +67,7 @@ pub struct EngineInfo {
 }
 
 /// What an engine's memory cgroup saw (`--dram-budget`).
-#[derive(Debug, Clone, serde::Serialize)]
+#[derive(Debug, Clone, serde::Serialize, serde::Deserialize)]
 pub struct MemoryUse {
     /// Engine.
     pub engine: String,
@@ -97,7 +97,7 @@ pub struct MemoryUse {
 }
 
 /// An engine, or one phase of it, that failed.
-#[derive(Debug, Clone, serde::Serialize)]
+#[derive(Debug, Clone, serde::Serialize, serde::Deserialize)]
 pub struct Failure {
     /// Engine.
     pub engine: String,
@@ -110,7 +110,7 @@ pub struct Failure {
 }
 
 /// Time to close cleanly and reopen a loaded store.
-#[derive(Debug, Clone, serde::Serialize)]
+#[derive(Debug, Clone, serde::Serialize, serde::Deserialize)]
 pub struct Recovery {
     /// Engine.
     pub engine: String,

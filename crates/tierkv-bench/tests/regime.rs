@@ -367,3 +367,27 @@ fn ycsb_fresh_under_a_budget_runs_one_job_per_store_in_one_group() {
     assert_eq!(r.verified_keys, r.acknowledged_keys);
     assert!(our_groups().is_empty(), "groups left behind: {:?}", our_groups());
 }
+
+/// Ratios from 0.2× to 2,000× LevelDB (a trimmed `--paper` report) plot on a log axis, where
+/// the smallest bar still shows; a narrow span keeps the linear axis.
+#[test]
+fn a_wide_span_of_ratios_is_plotted_on_a_log_axis() {
+    if !Path::new("/usr/share/fonts/truetype/dejavu/DejaVuSans.ttf").exists() {
+        eprintln!("SKIPPED: no DejaVu font for plot text");
+        return;
+    }
+    let fixture = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/fixtures/wide-span.json");
+    let rep: tierkv_bench::report::Report = serde_json::from_slice(&std::fs::read(fixture).unwrap()).unwrap();
+    let t = tempfile::tempdir().unwrap();
+    let files = tierkv_bench::plot::write_all(&rep, t.path(), "wide-").unwrap();
+    let svg = files.iter().find(|f| f.extension().is_some_and(|x| x == "svg")).unwrap();
+    let text = std::fs::read_to_string(svg).unwrap();
+    assert!(text.contains("(log scale)"), "no log axis");
+    // Narrow: only fillrandom of pmekv and leveldb (6.7×).
+    let mut narrow = rep.clone();
+    narrow.outcomes.retain(|o| o.workload == Workload::Fillrandom && (o.engine == "pmekv" || o.engine == "leveldb"));
+    narrow.engines.retain(|e| e.engine == "pmekv" || e.engine == "leveldb");
+    let files = tierkv_bench::plot::write_all(&narrow, t.path(), "narrow-").unwrap();
+    let svg = files.iter().find(|f| f.extension().is_some_and(|x| x == "svg")).unwrap();
+    assert!(!std::fs::read_to_string(svg).unwrap().contains("(log scale)"));
+}
