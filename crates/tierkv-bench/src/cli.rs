@@ -427,9 +427,14 @@ fn run_confined(
     };
     let mut events = Vec::new();
     let mut failed = None;
+    let mut pm_bytes = 0;
     for (i, seg) in segments.iter().enumerate() {
         if i > 0 {
-            wipe(spec)?;
+            pm_bytes = pm_bytes.max(cgroup::allocated_bytes(&spec.pm_dir));
+            if let Err(why) = wipe(spec) {
+                failed = Some(why);
+                break;
+            }
         }
         job.workloads = seg.clone();
         job.phase = Phase::Workloads { reopen: first && i + 1 == segments.len() };
@@ -495,7 +500,7 @@ fn run_confined(
         peak_bytes: peak,
         recovery_peak_bytes: recovery_peak,
         at_limit: peak.is_some_and(|p| p as f64 >= limit as f64 * 0.98),
-        pm_bytes: cgroup::allocated_bytes(&spec.pm_dir),
+        pm_bytes: pm_bytes.max(cgroup::allocated_bytes(&spec.pm_dir)),
         major_faults,
         disk_bytes_read,
         oom_kills: cg.oom_kills(),

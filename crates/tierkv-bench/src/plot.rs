@@ -180,18 +180,22 @@ fn throughput(r: &Report, vs: usize, path: &Path) -> Result<(), String> {
         .collect();
     let limit: Option<Vec<Option<f64>>> =
         engines.iter().any(|x| x == "limit").then(|| workloads.iter().map(|w| value(*w, "limit")).collect());
+    // Over the positive, finite ratios (a workload at 0 ops/s has no bar on a log axis).
     let (lo, hi) = series
         .iter()
         .flat_map(|s| s.2.iter().flatten().copied())
+        .filter(|v| v.is_finite() && *v > 0.0)
         .fold((f64::MAX, f64::MIN), |(a, b), v| (a.min(v), b.max(v)));
-    let log = lo > 0.0 && hi / lo > LOG_SPAN;
+    let log = lo <= hi && hi / lo > LOG_SPAN;
     let (series, limit, ymin, ymax) = if log {
         // Everything (the limit too) fits a log axis from the power of ten below the lowest bar.
-        let top = limit.iter().flatten().flatten().copied().fold(hi, f64::max);
-        let l = |v: &Option<f64>| v.filter(|x| *x > 0.0).map(f64::log10);
+        let top = limit.iter().flatten().flatten().copied().filter(|v| v.is_finite()).fold(hi, f64::max);
+        let l = |v: &Option<f64>| v.filter(|x| x.is_finite() && *x > 0.0).map(f64::log10);
         let series = series.into_iter().map(|(n, c, v)| (n, c, v.iter().map(l).collect())).collect();
         let limit = limit.map(|v| v.iter().map(l).collect());
-        (series, limit, lo.log10().floor(), top.log10() + 0.25)
+        // The axis starts below the lowest bar even when it is a power of ten (the baseline
+        // engine's 1.0 included), so every bar has a height.
+        (series, limit, (lo.log10() - 0.15).floor(), top.log10() + 0.25)
     } else {
         // The axis fits the bars (and their labels); a higher `limit` is clipped to the top.
         (series, limit, 0.0, hi.max(1.0) * 1.3)

@@ -250,7 +250,9 @@ pub struct Outcome {
 }
 
 /// The workloads split into the runs that share one store: all of them, or with
-/// `ycsb_fresh` a new segment (a fresh store) wherever a YCSB workload follows a db_bench one.
+/// `ycsb_fresh` a new segment (a fresh store) wherever a YCSB workload follows a db_bench one
+/// (so that segment must start with `ycsb-load`: a YCSB run workload on the fresh store
+/// reports "needs ycsb-load first").
 pub fn segments(workloads: &[Workload], ycsb_fresh: bool) -> Vec<Vec<Workload>> {
     let mut out: Vec<Vec<Workload>> = Vec::new();
     for &w in workloads {

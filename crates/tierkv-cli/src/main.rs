@@ -83,9 +83,9 @@ struct BenchFlags {
     paper: bool,
     /// The YCSB workloads run on a fresh, empty store instead of the one the db_bench
     /// workloads filled, so a store never holds more than --num records [default: no;
-    /// --paper: yes].
-    #[arg(long)]
-    ycsb_fresh: bool,
+    /// --paper: yes; `--ycsb-fresh=false` turns it off].
+    #[arg(long, num_args = 0..=1, default_missing_value = "true")]
+    ycsb_fresh: Option<bool>,
     /// Value sizes in bytes, comma separated (one full run per size) [default: 1024].
     #[arg(long, value_delimiter = ',')]
     value_size: Option<Vec<usize>>,
@@ -389,7 +389,9 @@ fn run(cli: Cli) -> Result<Outcome, Error> {
             a.out = f.out;
             a.threads = f.threads.iter().map(|&t| t.max(1)).collect();
             a.durable = f.durable;
-            a.ycsb_fresh |= f.ycsb_fresh;
+            if let Some(v) = f.ycsb_fresh {
+                a.ycsb_fresh = v;
+            }
             a.crash_exe = std::env::current_exe().ok();
             if f.full {
                 a.value_sizes = vec![100, 1024, 4096, 16384];

@@ -134,6 +134,38 @@ fn bench_measures_recovery_after_a_killed_child() {
     }
 }
 
+/// `--ycsb-fresh` (and `--ycsb-fresh=false`, which turns off what `--paper` sets) reaches the
+/// run: the JSON's parameters record it.
+#[test]
+fn bench_ycsb_fresh_flag_is_recorded() {
+    for (flag, want) in [("--ycsb-fresh", true), ("--ycsb-fresh=false", false)] {
+        let d = tmp();
+        let out = d.path().join("r.json");
+        let o = tierkv(
+            &[
+                "bench",
+                "--engines",
+                "pmekv",
+                "--num",
+                "500",
+                "--workloads",
+                "fillrandom,load,c",
+                flag,
+                "--dir",
+                d.path().to_str().unwrap(),
+                "--pm-dir",
+                d.path().to_str().unwrap(),
+                "--out",
+                out.to_str().unwrap(),
+            ],
+            None,
+        );
+        assert_eq!(code(&o), 0, "{flag}: {}", String::from_utf8_lossy(&o.stderr));
+        let json: serde_json::Value = serde_json::from_slice(&std::fs::read(&out).unwrap()).unwrap();
+        assert_eq!(json["params"]["ycsb_fresh"], want, "{flag}");
+    }
+}
+
 /// The kill -9 soak, bounded for CI (`tierkv soak --cycles 100` runs the long one): every
 /// preset survives SIGKILLs of a multi-threaded writer with every acknowledged write intact.
 #[test]

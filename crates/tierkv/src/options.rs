@@ -195,7 +195,9 @@ pub struct HpdkOptions {
     /// flushed (paper §V-A: 4 MB, LevelDB's default).
     pub memtable_size: u64,
     /// Size of one value-log pool in PM (paper §III-D: 128 MB). *Creation-only.* At most
-    /// 4 GiB (a value address holds a 4-byte offset).
+    /// 4 GiB (a value address holds a 4-byte offset). A new store makes its pools up to 1 %
+    /// smaller when that lets a whole number of them tile a PM pool (see the `hpdk` module
+    /// docs): the largest value then shrinks by as much.
     pub vlog_pool_size: u64,
     /// fsync the WAL of key-address pairs after every write (paper §IV-B: off by default, as
     /// LevelDB). Off, an acknowledged write survives a process crash; on, also power loss.

@@ -68,9 +68,10 @@ fn queued_writers_commit_as_one_group_and_keep_their_conditions() {
     let e = Arc::new(open(&o, &fs, true));
     let won = queued_group(&e, 5);
     assert_eq!(won.iter().filter(|&&w| w).count(), 1, "exactly one insert_if_absent wins: {won:?}");
-    // The first writer in line led alone (it took its group before the others came); the
-    // next leader took the other six at once, less the losing insert_if_absent.
-    assert_eq!(design(&e, "group_commits"), 2);
+    // The first writer in line leads and takes whoever is queued when it looks (usually
+    // itself alone); the next leader takes the rest at once. Six batches commit (the losing
+    // insert_if_absent logs nothing) in at most two groups.
+    assert!((1..=2).contains(&design(&e, "group_commits")), "{}", design(&e, "group_commits"));
     assert_eq!(design(&e, "group_committed_batches"), 6);
     let check = |e: &Pmekv| {
         for j in 0..5 {
