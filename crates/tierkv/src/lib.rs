@@ -33,6 +33,7 @@ pub mod engine;
 pub mod error;
 pub mod format;
 pub mod fs;
+pub(crate) mod group;
 pub mod index;
 pub mod iter;
 pub mod jobs;

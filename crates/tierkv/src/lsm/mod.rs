@@ -225,12 +225,26 @@ struct Job {
     below: Vec<Arc<TFile>>,
 }
 
+/// Most bytes of WAL records one group commit appends (LevelDB's 1 MiB).
+const MAX_GROUP_BYTES: usize = 1 << 20;
+
+/// One writer's WAL record in the commit queue.
+#[derive(Debug)]
+struct Record {
+    /// The framed record.
+    bytes: Vec<u8>,
+    /// Fsync the WAL after it.
+    sync: bool,
+}
+
 /// The leveled LSM tree. See the module docs.
 pub struct Lsm {
     fs: CountingFs,
     dir: PathBuf,
     opts: LsmOptions,
     writer: Mutex<Writer>,
+    /// Writers queued for the WAL ([`Lsm::write`]).
+    commits: crate::group::Queue<Record>,
     mem: RwLock<MemState>,
     current: RwLock<Arc<Levels>>,
     version: Mutex<VersionState>,
@@ -373,6 +387,7 @@ impl Lsm {
             fs,
             dir: dir.to_path_buf(),
             writer: Mutex::new(Writer { wal: wal_file, gen }),
+            commits: crate::group::Queue::default(),
             mem: RwLock::new(MemState { active: Arc::new(Mem::new(gen)), imm: None }),
             current: RwLock::new(Arc::new(levels)),
             version: Mutex::new(VersionState { version, manifest }),
@@ -501,31 +516,65 @@ impl Lsm {
     /// Append `ops` as one batch with sequence number `seq` (fsynced with `sync_wal` or
     /// `sync`), then apply it to the MemTable.
     ///
-    /// Writers of different keys may call this concurrently: the record is encoded before
-    /// the writer lock, the lock covers only the MemTable switch check and the WAL append,
-    /// and the MemTable inserts run after it, in parallel with other writers' (the skiplist
-    /// is lock-free). The inserting writer holds the MemTable lock shared from before it
-    /// lets the writer lock go until its inserts are in, and a MemTable switch takes that
-    /// lock exclusively under the writer lock: so a batch always lands in the MemTable of
-    /// the WAL it was appended to, never in one already being flushed. Writes of *one* key
-    /// must be ordered by the caller (their WAL order is then their MemTable order).
+    /// Writers of different keys may call this concurrently: it is LevelDB's group commit
+    /// ([`crate::group`]). Each writer encodes its record before queueing; the leader takes
+    /// the writer lock once for the queued records (up to [`MAX_GROUP_BYTES`]), appends them
+    /// with one `write` (and one `fsync` if any asks for it), then inserts them into the
+    /// MemTable holding the MemTable lock shared from before it lets the writer lock go: a
+    /// MemTable switch takes that lock exclusively under the writer lock, so a batch always
+    /// lands in the MemTable of the WAL it was appended to, never in one being flushed.
+    /// Writes of *one* key must be ordered by the caller (their WAL order is then their
+    /// MemTable order).
     pub fn write(&self, seq: u64, ops: &[(&[u8], Option<&[u8]>)], sync: bool) -> Result<()> {
         self.poison.check()?;
-        let rec = wal::encode_framed(seq, ops);
-        let sync = sync || self.opts.sync_wal;
+        let rec = Record { bytes: wal::encode_framed(seq, ops), sync: sync || self.opts.sync_wal };
+        let joins = |g: &[Arc<crate::group::Entry<Record>>], next: &Record| {
+            g.iter().map(|e| e.item.bytes.len()).sum::<usize>() + next.bytes.len() <= MAX_GROUP_BYTES
+        };
+        self.commits
+            .submit(rec, joins, |g| match self.write_group(g) {
+                Ok(()) => g.iter().map(|_| Ok(true)).collect(),
+                Err(e) => g.iter().map(|_| Err(e.duplicate())).collect(),
+            })
+            .map(|_| ())
+    }
+
+    /// The leader's part of [`Lsm::write`] for `group`.
+    fn write_group(&self, group: &[Arc<crate::group::Entry<Record>>]) -> Result<()> {
         let mut w = self.writer.lock();
         self.make_room(&mut w)?;
+        let sync = group.iter().any(|e| e.item.sync);
         if sync {
             self.prepare_durable()?;
         }
-        if let Err(e) = w.wal.append(&rec).and_then(|_| if sync { w.wal.sync() } else { Ok(()) }) {
+        let joined;
+        let bytes: &[u8] = match group {
+            [one] => &one.item.bytes,
+            _ => {
+                joined = group.iter().flat_map(|e| e.item.bytes.iter().copied()).collect::<Vec<u8>>();
+                &joined
+            }
+        };
+        if let Err(e) = w.wal.append(bytes).and_then(|_| if sync { w.wal.sync() } else { Ok(()) }) {
             self.poison.set(format!("WAL write failed: {e}"));
             return Err(e.into());
         }
         let mem = self.mem.read();
         drop(w);
-        for (k, v) in ops {
-            mem.active.insert(k, *v);
+        for e in group {
+            // The leader encoded nothing itself: each record is read back from its bytes
+            // (after the 8-byte frame header), borrowing keys and values.
+            let (_, ops) = match wal::decode_borrowed(e.item.bytes.get(8..).unwrap_or_default()) {
+                Ok(b) => b,
+                Err(d) => {
+                    let why = format!("a WAL record this process encoded does not decode: {d}");
+                    self.poison.set(why.clone());
+                    return Err(Error::Poisoned(why));
+                }
+            };
+            for (k, v) in ops {
+                mem.active.insert(k, v);
+            }
         }
         Ok(())
     }

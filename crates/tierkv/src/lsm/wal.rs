@@ -73,6 +73,12 @@ fn encode_into<'a>(out: &mut Vec<u8>, seq: u64, ops: impl ExactSizeIterator<Item
 
 /// Decode a record payload.
 pub fn decode(p: &[u8]) -> Result<Batch, String> {
+    let (seq, ops) = decode_borrowed(p)?;
+    Ok(Batch { seq, ops: ops.into_iter().map(|(k, v)| (k.to_vec(), v.map(<[u8]>::to_vec))).collect() })
+}
+
+/// [`decode`], the keys and values borrowed from `p`: (sequence number, operations).
+pub fn decode_borrowed(p: &[u8]) -> Result<BorrowedBatch<'_>, String> {
     let mut c = Cursor::new(p);
     let short = || "truncated WAL batch".to_string();
     let seq = c.u64().ok_or_else(short)?;
@@ -85,10 +91,10 @@ pub fn decode(p: &[u8]) -> Result<Batch, String> {
         let kind = c.u8().ok_or_else(short)?;
         let kl = c.u32().ok_or_else(short)? as usize;
         let vl = c.u32().ok_or_else(short)? as usize;
-        let k = c.bytes(kl).ok_or_else(short)?.to_vec();
+        let k = c.bytes(kl).ok_or_else(short)?;
         let v = c.bytes(vl).ok_or_else(short)?;
         let v = match kind {
-            0 => Some(v.to_vec()),
+            0 => Some(v),
             1 if vl == 0 => None,
             _ => return Err(format!("bad WAL operation kind {kind}")),
         };
@@ -97,8 +103,11 @@ pub fn decode(p: &[u8]) -> Result<Batch, String> {
     if c.remaining() != 0 {
         return Err("trailing bytes after a WAL batch".into());
     }
-    Ok(Batch { seq, ops })
+    Ok((seq, ops))
 }
+
+/// A batch's sequence number and its operations, borrowed from a record payload.
+pub type BorrowedBatch<'a> = (u64, Vec<(&'a [u8], Option<&'a [u8]>)>);
 
 /// Every complete batch of a WAL file's bytes, and whether a torn tail was dropped (tests).
 #[cfg(test)]

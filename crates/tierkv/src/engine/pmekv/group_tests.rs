@@ -53,7 +53,7 @@ fn queued_group(e: &Arc<Pmekv>, writers: usize) -> Vec<bool> {
     }
     // Wait (not a timing assertion: a guard against a hang) until every writer is queued.
     let deadline = Instant::now() + Duration::from_secs(60);
-    while e.inner.commit_queue.lock().len() < writers + 2 {
+    while e.inner.commits.len() < writers + 2 {
         assert!(Instant::now() < deadline, "writers did not queue");
         std::thread::sleep(Duration::from_millis(1));
     }

@@ -133,7 +133,7 @@ pub mod log;
 mod recovery;
 pub(crate) mod salvage;
 
-use std::collections::{BTreeMap, HashMap, HashSet, VecDeque};
+use std::collections::{BTreeMap, HashMap, HashSet};
 use std::ops::Bound;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
@@ -201,9 +201,8 @@ struct Inner {
     background: bool,
     /// Live iterators and the value frees they hold back ([`crate::pm::pins::Pins`]).
     pins: Mutex<crate::pm::pins::Pins>,
-    /// Writers waiting to commit, oldest first; the front one leads ([`Inner::commit`]).
-    commit_queue: Mutex<VecDeque<Arc<Pending>>>,
-    commit_cv: Condvar,
+    /// Writers waiting to commit, oldest first; the front one leads ([`crate::group`]).
+    commits: crate::group::Queue<Pending>,
     /// Group commits, and the batches they committed.
     group_commits: AtomicU64,
     grouped_batches: AtomicU64,
@@ -224,7 +223,8 @@ impl std::fmt::Debug for Pmekv {
 /// Most batches one leader commits at once.
 const MAX_GROUP: usize = 64;
 
-/// One writer's batch in the commit queue, its values already in PM.
+/// One writer's batch in the commit queue ([`crate::group`]), its values already in PM.
+#[derive(Debug)]
 struct Pending {
     /// Keys with their new value (`None`: delete), in batch order.
     items: Vec<(Vec<u8>, Option<ValueRef>)>,
@@ -233,46 +233,9 @@ struct Pending {
     user: u64,
     /// Log bytes the batch needs (one entry per op).
     log_bytes: u64,
-    /// Set by the leader that committed (or refused) the batch.
-    result: Mutex<Option<Result<bool>>>,
-    /// [`WAITING`], [`LEAD`] (at the front of the queue: commit), or [`DONE`] (`result` is
-    /// set). Changed under the queue lock.
-    turn: std::sync::atomic::AtomicU8,
 }
 
-const WAITING: u8 = 0;
-const LEAD: u8 = 1;
-const DONE: u8 = 2;
-/// A follower's wait: spin this many times, then yield for up to [`YIELD_FOR`], then block.
-const SPINS: u32 = 200;
-const YIELD_FOR: std::time::Duration = std::time::Duration::from_micros(100);
-
-/// Ends a leader's turn: every batch of its group without a result gets an error (the
-/// commit panicked), the group leaves the queue, and the waiting writers wake (one of
-/// them is the next leader).
-struct GroupGuard<'a> {
-    inner: &'a Inner,
-    group: &'a [Arc<Pending>],
-}
-
-impl Drop for GroupGuard<'_> {
-    fn drop(&mut self) {
-        let mut q = self.inner.commit_queue.lock();
-        for w in self.group {
-            let mut r = w.result.lock();
-            if r.is_none() {
-                *r = Some(Err(Error::Poisoned("pmekv: the group commit that held this write panicked".into())));
-            }
-            drop(r);
-            w.turn.store(DONE, Ordering::Release);
-            q.pop_front();
-        }
-        if let Some(next) = q.front() {
-            next.turn.store(LEAD, Ordering::Release);
-        }
-        self.inner.commit_cv.notify_all();
-    }
-}
+type Group = [Arc<crate::group::Entry<Pending>>];
 
 /// A checkpoint's work done under a shared lock, installed under the exclusive lock.
 struct Plan {
@@ -455,40 +418,12 @@ impl Inner {
 
         let items = ops.iter().zip(vals).map(|(op, v)| (op.key().to_vec(), v)).collect();
         let user = ops.iter().map(op_user_bytes).sum();
-        self.commit(Arc::new(Pending {
-            items,
-            cond,
-            user,
-            log_bytes: need,
-            result: Mutex::new(None),
-            turn: std::sync::atomic::AtomicU8::new(WAITING),
-        }))
-    }
-
-    /// Wait until `p` leads or was committed by a leader: spin briefly, then yield, then
-    /// block on the queue's condition variable (RocksDB's adaptive wait: a commit takes a
-    /// microsecond or two, a futex sleep and wake-up more than that, so a writer that blocks
-    /// at once makes every commit pay a context switch — measured here: 2 writers at 0.48×
-    /// one writer's throughput when every follower blocked).
-    fn await_turn(&self, p: &Pending) {
-        let waiting = || p.turn.load(Ordering::Acquire) == WAITING;
-        for _ in 0..SPINS {
-            if !waiting() {
-                return;
-            }
-            std::hint::spin_loop();
-        }
-        let start = std::time::Instant::now();
-        while start.elapsed() < YIELD_FOR {
-            if !waiting() {
-                return;
-            }
-            std::thread::yield_now();
-        }
-        let mut q = self.commit_queue.lock();
-        while waiting() {
-            self.commit_cv.wait(&mut q);
-        }
+        let budget = self.sb.kv_log.1.min(self.sb.key_log.1) / 2;
+        // A group stays within half of each log (a batch alone already is).
+        let joins = |g: &Group, next: &Pending| {
+            g.len() < MAX_GROUP && g.iter().map(|e| e.item.log_bytes).sum::<u64>() + next.log_bytes <= budget
+        };
+        self.commits.submit(Pending { items, cond, user, log_bytes: need }, joins, |g| self.commit_group(g))
     }
 
     /// Free the PM value records of a batch that will not be committed.
@@ -499,59 +434,15 @@ impl Inner {
         }
     }
 
-    /// Queue `p` for commit and wait until a leader (the writer at the front of the queue,
-    /// possibly this one) has committed it with the batches queued behind it (see "Group
-    /// commit" in the module docs).
-    fn commit(&self, p: Arc<Pending>) -> Result<bool> {
-        {
-            let mut q = self.commit_queue.lock();
-            q.push_back(p.clone());
-            if q.len() == 1 {
-                p.turn.store(LEAD, Ordering::Release);
-            }
-        }
-        self.await_turn(&p);
-        if p.turn.load(Ordering::Acquire) == DONE {
-            return p
-                .result
-                .lock()
-                .take()
-                .unwrap_or_else(|| Err(Error::Poisoned("pmekv: a group commit lost a result".into())));
-        }
-        let q = self.commit_queue.lock();
-        // The leader: the batches at the front of the queue, within half of each log (a
-        // batch alone is already within it).
-        let budget = self.sb.kv_log.1.min(self.sb.key_log.1) / 2;
-        let mut group: Vec<Arc<Pending>> = Vec::new();
-        let mut bytes = 0;
-        for w in q.iter() {
-            if !group.is_empty() && (bytes + w.log_bytes > budget || group.len() >= MAX_GROUP) {
-                break;
-            }
-            bytes += w.log_bytes;
-            group.push(w.clone());
-        }
-        drop(q);
-        // The guard hands every batch of the group its result, leaves the queue and wakes the
-        // waiting writers, also if the commit below panics.
-        let guard = GroupGuard { inner: self, group: &group };
-        let results = self.commit_group(&group);
-        for (w, r) in group.iter().zip(results) {
-            *w.result.lock() = Some(r);
-        }
-        drop(guard);
-        p.result.lock().take().unwrap_or_else(|| Err(Error::Poisoned("pmekv: a group commit lost a result".into())))
-    }
-
     /// Commit `group` (queued batches, oldest first) under the exclusive state lock as one
     /// logged unit: one run of key-value log entries and one fence. Returns each batch's
     /// result.
-    fn commit_group(&self, group: &[Arc<Pending>]) -> Vec<Result<bool>> {
+    fn commit_group(&self, group: &Group) -> Vec<Result<bool>> {
         let mut out: Vec<Option<Result<bool>>> = group.iter().map(|_| None).collect();
         let mut st = self.state.write();
         if let Err(e) = self.check_poisoned() {
             for w in group {
-                self.release(w);
+                self.release(&w.item);
             }
             return group.iter().map(|_| Err(e.duplicate())).collect();
         }
@@ -561,7 +452,7 @@ impl Inner {
         let mut seen: HashMap<&[u8], bool> = HashMap::new();
         let mut entries: Vec<(LogEntry, Option<ValueRef>)> = Vec::new();
         let mut committed: Vec<usize> = Vec::new();
-        for (gi, w) in group.iter().enumerate() {
+        for (gi, w) in group.iter().map(|e| &e.item).enumerate() {
             if let (Some((first, _)), Cond::Absent | Cond::Present) = (w.items.first(), w.cond) {
                 let present = match seen.get(first.as_slice()) {
                     Some(p) => *p,
@@ -609,14 +500,14 @@ impl Inner {
                 if !matches!(e, Error::Poisoned(_)) && !self.poisoned.is_set() {
                     // Failed before the commit point: nothing of the group is visible.
                     for &gi in &committed {
-                        self.release(&group[gi]);
+                        self.release(&group[gi].item);
                     }
                 }
                 fail_all(&mut out, &e);
             } else {
                 self.group_commits.fetch_add(1, Ordering::Relaxed);
                 self.grouped_batches.fetch_add(committed.len() as u64, Ordering::Relaxed);
-                self.user_bytes.add(0, committed.iter().map(|&gi| group[gi].user).sum());
+                self.user_bytes.add(0, committed.iter().map(|&gi| group[gi].item.user).sum());
                 for &gi in &committed {
                     out[gi] = Some(Ok(true));
                 }

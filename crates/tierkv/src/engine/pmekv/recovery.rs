@@ -302,8 +302,7 @@ fn recover(region: Region, sb: Superblock, capacity: usize, background: bool) ->
         bg_cv: Condvar::new(),
         background,
         pins: Mutex::new(crate::pm::pins::Pins::default()),
-        commit_queue: Mutex::new(std::collections::VecDeque::new()),
-        commit_cv: parking_lot::Condvar::new(),
+        commits: crate::group::Queue::default(),
         group_commits: AtomicU64::new(0),
         grouped_batches: AtomicU64::new(0),
     };
