@@ -361,7 +361,10 @@ fn ycsb_fresh_under_a_budget_runs_one_job_per_store_in_one_group() {
     }
     // One memory row (one group) for both stores, and recovery measured after the last.
     assert_eq!(rep.memory.len(), 1);
-    assert!(rep.memory[0].peak_bytes.is_some_and(|p| p <= 64 << 20));
+    // The group saw both stores' use (the peak is recorded, and PM pools were allocated).
+    let m = &rep.memory[0];
+    assert!(m.peak_bytes.is_some_and(|p| p > 0 && p <= m.limit_bytes), "{m:?}");
+    assert!(m.pm_bytes > 0, "{m:?}");
     assert_eq!(rep.recovery.len(), 1);
     let r = &rep.recovery[0];
     assert_eq!(r.verified_keys, r.acknowledged_keys);

@@ -531,16 +531,18 @@ impl Lsm {
         let joins = |g: &[Arc<crate::group::Entry<Record>>], next: &Record| {
             g.iter().map(|e| e.item.bytes.len()).sum::<usize>() + next.bytes.len() <= MAX_GROUP_BYTES
         };
+        // The leader is the group's first entry: its own operations are at hand.
         self.commits
-            .submit(rec, joins, |g| match self.write_group(g) {
+            .submit(rec, joins, |g| match self.write_group(ops, g) {
                 Ok(()) => g.iter().map(|_| Ok(true)).collect(),
                 Err(e) => g.iter().map(|_| Err(e.duplicate())).collect(),
             })
             .map(|_| ())
     }
 
-    /// The leader's part of [`Lsm::write`] for `group`.
-    fn write_group(&self, group: &[Arc<crate::group::Entry<Record>>]) -> Result<()> {
+    /// The leader's part of [`Lsm::write`] for `group`, whose first entry is the leader's
+    /// own record, of `own` operations.
+    fn write_group(&self, own: &[(&[u8], Option<&[u8]>)], group: &[Arc<crate::group::Entry<Record>>]) -> Result<()> {
         let mut w = self.writer.lock();
         self.make_room(&mut w)?;
         let sync = group.iter().any(|e| e.item.sync);
@@ -561,9 +563,12 @@ impl Lsm {
         }
         let mem = self.mem.read();
         drop(w);
-        for e in group {
-            // The leader encoded nothing itself: each record is read back from its bytes
-            // (after the 8-byte frame header), borrowing keys and values.
+        for (k, v) in own {
+            mem.active.insert(k, *v);
+        }
+        for e in group.iter().skip(1) {
+            // The followers' records are read back from their bytes (after the 8-byte frame
+            // header), borrowing keys and values.
             let (_, ops) = match wal::decode_borrowed(e.item.bytes.get(8..).unwrap_or_default()) {
                 Ok(b) => b,
                 Err(d) => {

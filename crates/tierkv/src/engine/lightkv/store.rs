@@ -719,10 +719,6 @@ impl PwbStore {
         Ok(t)
     }
 
-    fn pwb_record(&self, addr: u64) -> Result<Rec> {
-        self.record(addr)
-    }
-
     /// The entry an index entry names, verified and lent to `f` in place: a write-buffer
     /// entry from PM, an SSTable entry from its (cached) block. The caller holds the state
     /// lock, so a write-buffer segment cannot be freed meanwhile.
@@ -975,7 +971,7 @@ impl PwbStore {
             if off & SST_FLAG != 0 {
                 return Err(Error::Poisoned("a linked leaf being flushed already points at a table".into()));
             }
-            recs.push((off, self.pwb_record(off)?));
+            recs.push((off, self.record(off)?));
         }
         recs.sort_by(|a, b| a.1 .1.cmp(&b.1 .1));
         let (n, table, offs) = self.write_table(recs.iter().map(|r| Ok(r.1.clone())))?;

@@ -367,8 +367,7 @@ impl Inner {
 
     fn write_impl(&self, ops: &[BatchOp], cond: Cond) -> Result<bool> {
         self.check_poisoned()?;
-        let sizes: Vec<u64> = ops.iter().map(|o| LogEntry::size(o.key().len())).collect();
-        let need: u64 = sizes.iter().sum::<u64>();
+        let need: u64 = ops.iter().map(|o| LogEntry::size(o.key().len())).sum();
         let kv_cap = self.sb.kv_log.1;
         let key_cap = self.sb.key_log.1;
         if need > kv_cap / 2 || need > key_cap / 2 {
@@ -378,12 +377,6 @@ impl Inner {
         }
         // 1. Values, outside the state lock: allocate under the heap mutex, then copy and
         //    flush without any lock, so concurrent writers copy their values in parallel.
-        let release = |vals: &[Option<ValueRef>]| {
-            let mut heap = self.heap.lock();
-            for v in vals.iter().flatten() {
-                heap.free(v.addr, layout::value_alloc_size(v.len as usize));
-            }
-        };
         let mut vals: Vec<Option<ValueRef>> = Vec::with_capacity(ops.len());
         {
             let mut heap = self.heap.lock();
@@ -393,7 +386,7 @@ impl Inner {
                         Ok(addr) => Some(ValueRef { addr, len: value.len() as u32 }),
                         Err(e) => {
                             drop(heap);
-                            release(&vals);
+                            self.free_values(vals.iter().flatten());
                             return Err(e);
                         }
                     },
@@ -405,7 +398,7 @@ impl Inner {
         for (op, v) in ops.iter().zip(&vals) {
             if let (BatchOp::Put { key, value }, Some(v)) = (op, v) {
                 if let Err(e) = self.write_at(v.addr, &[&layout::value_header(key, value), value]) {
-                    release(&vals);
+                    self.free_values(vals.iter().flatten());
                     return Err(e);
                 }
             }
@@ -428,8 +421,13 @@ impl Inner {
 
     /// Free the PM value records of a batch that will not be committed.
     fn release(&self, w: &Pending) {
+        self.free_values(w.items.iter().filter_map(|(_, v)| v.as_ref()));
+    }
+
+    /// Return value records that no batch will reference to the heap.
+    fn free_values<'a>(&self, vals: impl IntoIterator<Item = &'a ValueRef>) {
         let mut heap = self.heap.lock();
-        for v in w.items.iter().filter_map(|(_, v)| v.as_ref()) {
+        for v in vals {
             heap.free(v.addr, layout::value_alloc_size(v.len as usize));
         }
     }
@@ -533,8 +531,7 @@ impl Inner {
     /// KVFlags. An error before the fence leaves nothing of them visible; one after it poisons
     /// the store.
     fn commit_entries(&self, st: &mut State, entries: &mut [(LogEntry, Option<ValueRef>)]) -> Result<()> {
-        let sizes: Vec<u64> = entries.iter().map(|(e, _)| LogEntry::size(e.key.len())).collect();
-        if !st.key_log.fits(sizes.iter().copied()) {
+        if !st.key_log.fits(entries.iter().map(|(e, _)| LogEntry::size(e.key.len()))) {
             self.checkpoint_exclusive(st)?;
         }
         st.kv_log.clear();
