@@ -25,8 +25,10 @@ pub struct Db {
     engine: Arc<dyn Engine>,
     /// Set by `close` (and by a simulated crash): every later call is refused.
     closed: AtomicBool,
-    /// Snapshots and the undo records that keep them consistent.
+    /// Snapshots and the undo records that keep them consistent (presets without versions).
     overlay: Arc<Overlay>,
+    /// The preset keeps versions: snapshots and iterators are its own, writes record no undo.
+    engine_snapshots: bool,
     opts: Options,
     dir: PathBuf,
     fs: CountingFs,
@@ -105,6 +107,7 @@ impl Db {
         }
         let recovery = std::mem::take(&mut *recovery.lock());
         Ok(Db {
+            engine_snapshots: engine.has_snapshots(),
             engine,
             closed: AtomicBool::new(false),
             overlay: Arc::default(),
@@ -165,6 +168,9 @@ impl Db {
     /// Hand a write to the engine; it is acknowledged only if PM write-back stayed healthy.
     /// While snapshots live, the keys' current values are recorded first.
     fn engine_write(&self, ops: &[BatchOp], cond: Cond) -> Result<bool> {
+        if self.engine_snapshots {
+            return self.guarded(|e| e.write(ops, cond));
+        }
         self.guarded(|e| {
             let gate = self.overlay.begin_write();
             if let Some(seq) = gate.must_record() {
@@ -293,8 +299,12 @@ impl Db {
 
     /// An iterator limited to `opts`' bounds and prefix.
     pub fn iter_with(&self, opts: &IterOptions) -> Result<DbIterator> {
+        if self.engine_snapshots {
+            // The preset's cursor is a snapshot of its own.
+            return Ok(DbIterator::new(self.engine_iter()?, None, self.lock.clone(), opts));
+        }
         let snap = self.overlay.snapshot();
-        Ok(DbIterator::new(self.engine_iter()?, snap, self.lock.clone(), opts))
+        Ok(DbIterator::new(self.engine_iter()?, Some(snap), self.lock.clone(), opts))
     }
 
     /// The preset's merged cursor. Made after the snapshot was registered, so every write
@@ -308,8 +318,13 @@ impl Db {
     /// a snapshot lives each write records the old values of its keys (see
     /// [`crate::snapshot`]), so drop snapshots when done.
     pub fn snapshot(&self) -> Result<Snapshot> {
-        self.engine()?;
-        Ok(Snapshot { snap: self.overlay.snapshot(), engine: self.engine.clone(), lock: self.lock.clone() })
+        let e = self.engine()?;
+        let view = if self.engine_snapshots {
+            View::Engine(e.snapshot()?)
+        } else {
+            View::Overlay { snap: self.overlay.snapshot(), engine: self.engine.clone() }
+        };
+        Ok(Snapshot { view, lock: self.lock.clone() })
     }
 
     /// Force the preset's pending background work (write-back, memtable flush) now.
@@ -386,8 +401,7 @@ impl Drop for Db {
 
 /// A consistent point-in-time view of a store ([`Db::snapshot`]).
 pub struct Snapshot {
-    snap: SnapshotRef,
-    engine: Arc<dyn Engine>,
+    view: View,
     /// Keeps the store from being reopened while the snapshot lives (see [`Db`]'s `lock`).
     lock: Arc<dyn FsLock>,
 }
@@ -398,17 +412,30 @@ impl std::fmt::Debug for Snapshot {
     }
 }
 
+/// How a snapshot reads.
+enum View {
+    /// The preset's current state and the undo overlay ([`crate::snapshot`]).
+    Overlay { snap: SnapshotRef, engine: Arc<dyn Engine> },
+    /// The preset's own versions.
+    Engine(Arc<dyn engine::EngineSnapshot>),
+}
+
 impl Snapshot {
     /// The value `key` had when the snapshot was taken.
     pub fn get(&self, key: impl AsRef<[u8]>) -> Result<Option<Vec<u8>>> {
         let key = key.as_ref();
-        // The preset first, then the undo map: a write that changed the value read has
-        // recorded before applying.
-        let now = self.engine.get(key)?;
-        Ok(match self.snap.lookup(key) {
-            Some(old) => old,
-            None => now,
-        })
+        match &self.view {
+            View::Engine(s) => s.get(key),
+            View::Overlay { snap, engine } => {
+                // The preset first, then the undo map: a write that changed the value read
+                // has recorded before applying.
+                let now = engine.get(key)?;
+                Ok(match snap.lookup(key) {
+                    Some(old) => old,
+                    None => now,
+                })
+            }
+        }
     }
 
     /// An iterator over the snapshot (see [`DbIterator`]).
@@ -418,6 +445,11 @@ impl Snapshot {
 
     /// An iterator over the snapshot limited to `opts`.
     pub fn iter_with(&self, opts: &IterOptions) -> Result<DbIterator> {
-        Ok(DbIterator::new(self.engine.iter()?, self.snap.another(), self.lock.clone(), opts))
+        match &self.view {
+            View::Engine(s) => Ok(DbIterator::new(s.iter()?, None, self.lock.clone(), opts)),
+            View::Overlay { snap, engine } => {
+                Ok(DbIterator::new(engine.iter()?, Some(snap.another()), self.lock.clone(), opts))
+            }
+        }
     }
 }

@@ -55,8 +55,8 @@ pub use db::Snapshot;
 pub use error::{Error, Result};
 pub use iter::{DbIterator, IterOptions, Scan};
 pub use options::{
-    HoakvOptions, HpdkOptions, LightkvOptions, LightkvPlacement, Options, PmekvOptions, Preset, SlmdbOptions,
-    WalRecovery,
+    HoakvOptions, HpdkOptions, LightkvOptions, LightkvPlacement, NativeOptions, Options, PmekvOptions, Preset,
+    SlmdbOptions, WalRecovery,
 };
 pub use stats::Stats;
 

@@ -42,11 +42,16 @@ pub enum Preset {
     /// index over a PM hot vlog, a leveled LSM cold store with partial KV separation and
     /// value groups. See [`crate::engine::hoakv`].
     Hoakv,
+    /// tierkv's own design: per-shard PM logs written without a shared lock, a concurrent
+    /// ordered DRAM index of versions with lock-free reads, native snapshots. See
+    /// [`crate::engine::native`].
+    Native,
 }
 
 impl Preset {
     /// Every preset this build hosts.
-    pub const ALL: &'static [Preset] = &[Preset::Pmekv, Preset::Slmdb, Preset::Hpdk, Preset::Lightkv, Preset::Hoakv];
+    pub const ALL: &'static [Preset] =
+        &[Preset::Pmekv, Preset::Slmdb, Preset::Hpdk, Preset::Lightkv, Preset::Hoakv, Preset::Native];
 
     /// The preset's command-line / on-disk name.
     pub fn name(self) -> &'static str {
@@ -56,6 +61,7 @@ impl Preset {
             Preset::Hpdk => "hpdk",
             Preset::Lightkv => "lightkv",
             Preset::Hoakv => "hoakv",
+            Preset::Native => "native",
         }
     }
 
@@ -67,6 +73,7 @@ impl Preset {
             Preset::Hpdk => 2,
             Preset::Lightkv => 3,
             Preset::Hoakv => 4,
+            Preset::Native => 6,
         }
     }
 
@@ -88,6 +95,33 @@ impl FromStr for Preset {
             let names: Vec<&str> = Preset::ALL.iter().map(|p| p.name()).collect();
             Error::InvalidArgument(format!("unknown preset `{s}` (known: {})", names.join(", ")))
         })
+    }
+}
+
+/// Options of the `native` preset.
+#[derive(Debug, Clone)]
+pub struct NativeOptions {
+    /// Write shards: per-shard PM logs a writer appends to without a shared lock.
+    /// *Creation-only* (recorded in the superblock). 0 (the default) = twice the machine's
+    /// hardware threads, at least 4 and at most 64. Range 0..=1024.
+    pub shards: usize,
+    /// Size of a log segment, the unit in which PM is given to a shard's log (a record
+    /// larger than a segment takes several contiguous ones of one pool). *Creation-only.*
+    /// Default 4 MiB; a multiple of 4 KiB, at least 16 KiB. A store whose `pm_pool_size`
+    /// is under 4 segments gets segments of a quarter pool.
+    pub segment_size: u64,
+    /// Verify the checksum of every value a read returns. Default `false`: every record is
+    /// verified once per open instead — when recovery replays it, or (records written
+    /// since) as it is written from the caller's buffer — and reads check only the entry's
+    /// structure and key, as a block cache serves verified blocks (see the module docs of
+    /// [`crate::engine::native`]). `true` costs a checksum over every value read (about
+    /// 0.1 µs per KiB here). May change between opens.
+    pub verify_reads: bool,
+}
+
+impl Default for NativeOptions {
+    fn default() -> Self {
+        NativeOptions { shards: 0, segment_size: 4 << 20, verify_reads: false }
     }
 }
 
@@ -428,6 +462,8 @@ pub struct Options {
     pub wal_recovery: WalRecovery,
     /// Options of the `pmekv` preset.
     pub pmekv: PmekvOptions,
+    /// Options of the `native` preset.
+    pub native: NativeOptions,
     /// Options of the `slmdb` preset.
     pub slmdb: SlmdbOptions,
     /// Options of the `hpdk` preset.
@@ -468,6 +504,7 @@ impl fmt::Debug for Options {
             .field("max_value_size", &self.max_value_size)
             .field("wal_recovery", &self.wal_recovery)
             .field("pmekv", &self.pmekv)
+            .field("native", &self.native)
             .field("slmdb", &self.slmdb)
             .field("hpdk", &self.hpdk)
             .field("lightkv", &self.lightkv)
@@ -498,6 +535,7 @@ impl Default for Options {
             max_value_size: MAX_VALUE_SIZE,
             wal_recovery: WalRecovery::default(),
             pmekv: PmekvOptions::default(),
+            native: NativeOptions::default(),
             slmdb: SlmdbOptions::default(),
             hpdk: HpdkOptions::default(),
             lightkv: LightkvOptions::default(),
@@ -594,6 +632,11 @@ impl Options {
         self.max_value_size = v;
         self
     }
+    /// Set [`Options::native`].
+    pub fn native(mut self, v: NativeOptions) -> Self {
+        self.native = v;
+        self
+    }
     /// Set [`Options::pmekv`].
     pub fn pmekv(mut self, v: PmekvOptions) -> Self {
         self.pmekv = v;
@@ -651,6 +694,13 @@ impl Options {
         }
         if self.pm_preallocate && self.pm_capacity == 0 {
             return bad("pm_preallocate needs pm_capacity (how much PM to reserve)".into());
+        }
+        let n = &self.native;
+        if n.shards > 1024 {
+            return bad(format!("native.shards {} exceeds 1024", n.shards));
+        }
+        if self.preset == Preset::Native && (n.segment_size < (16 << 10) || !n.segment_size.is_multiple_of(4096)) {
+            return bad(format!("native.segment_size {} must be a multiple of 4 KiB, at least 16 KiB", n.segment_size));
         }
         let p = &self.pmekv;
         if !(4..=1024).contains(&p.node_capacity) {

@@ -5,7 +5,9 @@
 use std::sync::Arc;
 
 use crate::fs::FaultFs;
-use crate::options::{HoakvOptions, HpdkOptions, LightkvOptions, Options, PmekvOptions, Preset, SlmdbOptions};
+use crate::options::{
+    HoakvOptions, HpdkOptions, LightkvOptions, NativeOptions, Options, PmekvOptions, Preset, SlmdbOptions,
+};
 use crate::pm::sim::SimDevice;
 
 /// Every preset scaled down, on `dev` and `fs`: 1 MiB PM pools, values up to 16 KiB.
@@ -22,10 +24,17 @@ pub fn sim_options(preset: Preset, dev: &SimDevice, fs: &FaultFs) -> Options {
             key_log_size: 256 << 10,
             writeback_interval_ms: 0,
         })
+        .native(native_small())
         .slmdb(slmdb_small())
         .hpdk(hpdk_small())
         .lightkv(lightkv_small())
         .hoakv(hoakv_small())
+}
+
+/// `native` scaled down so that small tests fill, seal and chain segments: 4 shards of
+/// 16 KiB segments (a 16 KiB value takes a segment of two slots).
+pub fn native_small() -> NativeOptions {
+    NativeOptions { shards: 4, segment_size: 16 << 10, verify_reads: false }
 }
 
 /// HoaKV scaled down so that small tests promote and demote keys, separate values into the

@@ -287,6 +287,12 @@ fn crash_during_background_work_every_preset() {
             "{preset}: {states} crash states with background threads on ({ops} operations per writer); \
              in background threads: {in_background:?}"
         );
-        assert!(!in_background.is_empty(), "{preset}: no crash point was reached inside a background thread");
+        // native has no background thread yet (log cleaning is to come): its crash states
+        // here are writer-thread ones.
+        if preset == Preset::Native {
+            assert!(states > 0, "native: no crash state reached");
+        } else {
+            assert!(!in_background.is_empty(), "{preset}: no crash point was reached inside a background thread");
+        }
     }
 }

@@ -203,3 +203,64 @@ fn hoakv_layouts() {
             + "d609e9df" // crc
     );
 }
+
+#[test]
+fn native_layouts() {
+    use tierkv::engine::native::layout::{
+        decode_seal, encode_record, seal_word, Clean, EntryIn, Kind, SegHeader, Superblock, Tail,
+    };
+    let id = 0x1122_3344_5566_7788;
+    let sb = Superblock { shards: 4, stride: 0x3fc0, slots_per_pool: 64, db_id: id };
+    let want = "544b564e41545600".to_string() // magic "TKVNATV\0"
+        + "01000000" // format version 1
+        + "04000000" // shards
+        + "c03f000000000000" // stride
+        + "40000000" // slots per pool
+        + "00000000"
+        + "8877665544332211" // store id
+        + "4a1645dc" // crc
+        + &zeros(20);
+    assert_eq!(hex(&sb.encode()), want);
+    assert_eq!(Superblock::decode(&sb.encode()), Ok(sb));
+
+    let h = SegHeader { shard: 2, gen: 5, span: 1, db_id: id };
+    let want = "544b564e53454700".to_string() // magic "TKVNSEG\0"
+        + "01000000" // format version 1
+        + "02000000" // shard
+        + "0500000000000000" // generation
+        + "8877665544332211" // store id
+        + "01000000" // span
+        + "2a243be7" // crc
+        + &zeros(8) // seal word: open
+        + &zeros(16);
+    assert_eq!(hex(&h.encode()), want);
+    assert_eq!(SegHeader::decode(&h.encode()), Ok(Some(h)));
+    assert_eq!(seal_word(5, 4096), 0x3ad2_49c0_0000_1000);
+    assert_eq!(decode_seal(5, 0x3ad2_49c0_0000_1000), Ok(Some(4096)));
+
+    let entries = [
+        EntryIn { kind: Kind::Put, key: b"alpha", value: b"one" },
+        EntryIn { kind: Kind::Delete, key: b"beta", value: b"" },
+    ];
+    let want = "7ce4d259".to_string() // record crc
+        + "40000000" // length 64
+        + "07000000" // generation
+        + "02000000" // entries
+        + "6400000000000000" // first sequence number 100
+        + "deafcee2" + "03000000" + "0500" + "01" + "00" + "616c706861" + "6f6e65" // put alpha=one
+        + "a9fe3a76" + "00000000" + "0400" + "02" + "00" + "62657461" // delete beta
+        + "00000000"; // padding to 8
+    assert_eq!(hex(&encode_record(7, 100, &entries)), want);
+
+    let c = Clean { next_seq: 42, tails: vec![Tail { gen: 3, len: 4096 }, Tail { gen: 0, len: 0 }] };
+    let want = "544b564e434c4e00".to_string() // magic "TKVNCLN\0"
+        + "02000000" // shards
+        + "00000000"
+        + "2a00000000000000" // next sequence number
+        + "0300000000000000" + "00100000" + "00000000" // shard 0: generation 3, 4096 bytes
+        + &zeros(16) // shard 1: no open segment
+        + "1dcb994f" // crc
+        + "00000000";
+    assert_eq!(hex(&c.encode()), want);
+    assert_eq!(Clean::decode(&c.encode(), 2), Some(c));
+}

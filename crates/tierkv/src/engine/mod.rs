@@ -8,6 +8,7 @@
 pub mod hoakv;
 pub mod hpdk;
 pub mod lightkv;
+pub mod native;
 pub mod pmekv;
 pub mod slmdb;
 
@@ -80,6 +81,16 @@ pub trait Engine: Send + Sync {
     /// held between calls) and must keep working when they run. Range reads of every kind
     /// (`Db::scan`, `Db::iter`, snapshots) go through it.
     fn iter(&self) -> Result<crate::iter::BoxedIter>;
+    /// True when the preset keeps versions and offers [`Engine::snapshot`]: [`crate::Db`]
+    /// then uses the preset's snapshots for every snapshot and iterator and records no undo
+    /// ([`crate::snapshot`]) on writes.
+    fn has_snapshots(&self) -> bool {
+        false
+    }
+    /// A consistent point-in-time view (only when [`Engine::has_snapshots`]).
+    fn snapshot(&self) -> Result<Arc<dyn EngineSnapshot>> {
+        Err(crate::Error::InvalidArgument("this preset keeps no versions of its own".into()))
+    }
     /// Finish pending background work that makes the state compact to recover (write-back,
     /// flush of memtables).
     fn flush(&self) -> Result<()>;
@@ -91,6 +102,16 @@ pub trait Engine: Send + Sync {
     fn check(&self) -> Result<Vec<String>>;
     /// Clean shutdown: stop background threads, make everything durable.
     fn close(&self) -> Result<()>;
+}
+
+/// A point-in-time view kept by a preset that versions its data ([`Engine::snapshot`]).
+/// Dropping it releases the versions only it needed.
+pub trait EngineSnapshot: Send + Sync {
+    /// `key`'s value at the snapshot.
+    fn get(&self, key: &[u8]) -> Result<Option<Vec<u8>>>;
+    /// A cursor over the store at the snapshot (the contract of [`Engine::iter`], but every
+    /// key shows its version at the snapshot, whatever is written meanwhile).
+    fn iter(&self) -> Result<crate::iter::BoxedIter>;
 }
 
 /// An engine context on a fault-injecting file system (`/db`, created), for the presets'
@@ -152,6 +173,7 @@ pub fn open(preset: Preset, ctx: EngineCtx) -> Result<Arc<dyn Engine>> {
         Preset::Hpdk => Ok(Arc::new(hpdk::Hpdk::open(ctx)?)),
         Preset::Lightkv => Ok(Arc::new(lightkv::Lightkv::open(ctx)?)),
         Preset::Hoakv => Ok(Arc::new(hoakv::Hoakv::open(ctx)?)),
+        Preset::Native => Ok(Arc::new(native::Native::open(ctx)?)),
     }
 }
 
@@ -163,5 +185,6 @@ pub(crate) fn salvage(preset: Preset, ctx: &EngineCtx, sink: &mut dyn crate::rep
         Preset::Hpdk => hpdk::salvage::salvage(ctx, sink),
         Preset::Lightkv => lightkv::salvage::salvage(ctx, sink),
         Preset::Hoakv => hoakv::salvage::salvage(ctx, sink),
+        Preset::Native => native::salvage::salvage(ctx, sink),
     }
 }

@@ -141,7 +141,8 @@ enum Cur {
 /// map, tombstones and out-of-bounds keys skipped.
 struct Resolved {
     e: BoxedIter,
-    snap: SnapshotRef,
+    /// The undo overlay, for presets without versions (`None`: the cursor is a snapshot).
+    snap: Option<SnapshotRef>,
     dir: Dir,
     cur: Cur,
     lo: Bound<Vec<u8>>,
@@ -274,7 +275,7 @@ impl Resolved {
                 Some(k) => Bound::Excluded(k.as_slice()),
                 None => from,
             };
-            let undo = self.snap.neighbour(from, forward);
+            let undo = self.snap.as_ref().and_then(|s| s.neighbour(from, forward));
             let ek = self.e.valid().then(|| self.e.key());
             // The nearer of the two; the undo map's version wins a tie.
             let from_undo = match (&undo, ek) {
@@ -371,7 +372,7 @@ impl std::fmt::Debug for DbIterator {
 impl DbIterator {
     pub(crate) fn new(
         e: BoxedIter,
-        snap: SnapshotRef,
+        snap: Option<SnapshotRef>,
         lock: Arc<dyn crate::fs::FsLock>,
         opts: &IterOptions,
     ) -> DbIterator {
@@ -582,7 +583,7 @@ mod tests {
                 .filter(|(k, _)| prefix.as_ref().is_none_or(|p| k.starts_with(p)))
                 .collect();
             let lock: Arc<dyn crate::fs::FsLock> = Arc::new(NoLock);
-            let mut it = DbIterator::new(Box::new(VecIter::from_vec(now.into_iter().collect())), snap, lock, &opts);
+            let mut it = DbIterator::new(Box::new(VecIter::from_vec(now.into_iter().collect())), Some(snap), lock, &opts);
             let mut gap = 0usize;
             for op in ops {
                 match op {

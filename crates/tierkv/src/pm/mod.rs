@@ -26,6 +26,7 @@
 
 pub mod flush;
 pub mod heap;
+pub(crate) mod media;
 pub(crate) mod pins;
 pub mod profile;
 pub mod sim;

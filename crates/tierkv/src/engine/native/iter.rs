@@ -1,0 +1,213 @@
+//! The `native` iterator: a cursor over the ordered index at a snapshot.
+//!
+//! The index is one ordered source, so there is nothing to merge. An `InternalIterator`
+//! must be `Send` and hold no lock between calls, and the index's memory guard is neither,
+//! so the cursor works in **batches**: a refill takes a guard, walks the `TreeIndex` from
+//! the current position (forward, or backward with its double-ended range), resolves each
+//! key's version at the snapshot, copies the keys into one reused buffer and records where
+//! each value lies in PM; then it drops the guard and moves within the batch without
+//! touching the index. A refill takes 16 entries after a seek and doubles up to 256 along
+//! a walk, so a short range read copies little and a long one re-descends the tree rarely.
+//!
+//! Values are not copied: `value()` borrows the log entry in PM, verified (checksum over
+//! sequence number, key and value) when the batch is filled. Log segments are never
+//! reused in this version, so the borrow stays valid as long as the region lives, which the
+//! iterator's snapshot keeps alive. Values lie in PM in write order, not key order: the
+//! refill walks the keys first and prefetches every value, then verifies them, so the
+//! memory misses of a batch overlap.
+//!
+//! A key with no version at the snapshot (created after it) is left out of the batch, and
+//! a deleted key shows as a tombstone, which [`crate::DbIterator`] skips.
+
+use std::ops::Bound;
+
+use crossbeam_epoch as epoch;
+
+use super::index::MapGuard;
+use super::layout::ENTRY_HEADER_LEN;
+use super::NativeSnapshot;
+use crate::error::Result;
+use crate::iter::InternalIterator;
+
+const FIRST_BATCH: usize = 16;
+const MAX_BATCH: usize = 256;
+
+/// One entry of a batch.
+#[derive(Debug, Clone, Copy)]
+struct Ent {
+    /// Its key's range in `keys`.
+    key: (usize, usize),
+    seq: u64,
+    /// PM address of its log entry; `None` for a tombstone.
+    loc: Option<u64>,
+    /// Its value's address and length once verified.
+    val: (u64, usize),
+}
+
+/// See the module docs.
+pub(crate) struct NativeIter {
+    snap: NativeSnapshot,
+    keys: Vec<u8>,
+    ents: Vec<Ent>,
+    /// The current entry (`ents.len()`: not positioned).
+    pos: usize,
+    /// Entries the next refill takes.
+    batch: usize,
+    /// Scratch for the bound of a refill.
+    from: Vec<u8>,
+}
+
+impl NativeIter {
+    pub(crate) fn new(snap: NativeSnapshot) -> NativeIter {
+        NativeIter { snap, keys: Vec::new(), ents: Vec::new(), pos: 0, batch: FIRST_BATCH, from: Vec::new() }
+    }
+
+    fn key_at(&self, i: usize) -> &[u8] {
+        self.ents.get(i).and_then(|e| self.keys.get(e.key.0..e.key.1)).unwrap_or(&[])
+    }
+
+    /// Refill from `from` (`None`: the start or end of the store) in one direction; the
+    /// batch is kept in ascending order and the cursor put on its first (forward) or last
+    /// entry.
+    fn fill(&mut self, from: Bound<()>, forward: bool) -> Result<()> {
+        let n = self.batch;
+        self.keys.clear();
+        self.ents.clear();
+        let inner = &self.snap.inner;
+        {
+            let mg = MapGuard::new();
+            let eg = epoch::pin();
+            let tree = inner.index.tree();
+            let bound: Bound<&[u8]> = match from {
+                Bound::Included(()) => Bound::Included(&self.from),
+                Bound::Excluded(()) => Bound::Excluded(&self.from),
+                Bound::Unbounded => Bound::Unbounded,
+            };
+            let (keys, ents) = (&mut self.keys, &mut self.ents);
+            // Take one key; returns true when the batch is full.
+            let mut take = |k: &[u8], slot: &super::index::Slot| -> bool {
+                let Some(v) = slot.find(self.snap.seq, &eg) else { return false };
+                let start = keys.len();
+                keys.extend_from_slice(k);
+                let loc = (!v.tomb).then_some(v.loc);
+                if let Some(b) = loc.and_then(|l| inner.region.slice(l, 64)) {
+                    crate::pm::flush::prefetch(b);
+                }
+                ents.push(Ent { key: (start, keys.len()), seq: v.seq, loc, val: (0, 0) });
+                ents.len() >= n
+            };
+            if forward {
+                for (k, s) in tree.range::<[u8], _>((bound, Bound::Unbounded), &mg) {
+                    if take(k, s) {
+                        break;
+                    }
+                }
+            } else {
+                for (k, s) in tree.range::<[u8], _>((Bound::Unbounded, bound), &mg).rev() {
+                    if take(k, s) {
+                        break;
+                    }
+                }
+                ents.reverse();
+            }
+        }
+        // Verify the values (their lines were prefetched above).
+        for i in 0..self.ents.len() {
+            let e = self.ents[i];
+            if let Some(loc) = e.loc {
+                let key_len = self.key_at(i).len();
+                let r = inner.entry_value(self.key_at(i), e.seq, loc);
+                match r {
+                    Ok(v) => self.ents[i].val = (loc + (ENTRY_HEADER_LEN + key_len) as u64, v.len()),
+                    Err(err) => {
+                        self.ents.clear();
+                        self.pos = 0;
+                        return Err(err);
+                    }
+                }
+            }
+        }
+        self.pos = if forward { 0 } else { self.ents.len().saturating_sub(1) };
+        if self.ents.is_empty() {
+            self.pos = 0;
+        }
+        Ok(())
+    }
+
+    fn seek_from(&mut self, key: Option<&[u8]>, forward: bool) -> Result<()> {
+        self.batch = FIRST_BATCH;
+        self.from.clear();
+        let b = match key {
+            Some(k) => {
+                self.from.extend_from_slice(k);
+                Bound::Included(())
+            }
+            None => Bound::Unbounded,
+        };
+        self.fill(b, forward)
+    }
+
+    /// Refill past the current entry.
+    fn step_out(&mut self, forward: bool) -> Result<()> {
+        let mut from = std::mem::take(&mut self.from);
+        from.clear();
+        from.extend_from_slice(self.key_at(self.pos));
+        self.from = from;
+        self.batch = (self.batch * 2).min(MAX_BATCH);
+        self.fill(Bound::Excluded(()), forward)
+    }
+}
+
+impl InternalIterator for NativeIter {
+    fn valid(&self) -> bool {
+        self.pos < self.ents.len()
+    }
+
+    fn seek(&mut self, key: &[u8]) -> Result<()> {
+        self.seek_from(Some(key), true)
+    }
+
+    fn seek_to_first(&mut self) -> Result<()> {
+        self.seek_from(None, true)
+    }
+
+    fn seek_to_last(&mut self) -> Result<()> {
+        self.seek_from(None, false)
+    }
+
+    fn next(&mut self) -> Result<()> {
+        if self.pos + 1 < self.ents.len() {
+            self.pos += 1;
+            return Ok(());
+        }
+        if !self.valid() {
+            return Ok(());
+        }
+        self.step_out(true)
+    }
+
+    fn prev(&mut self) -> Result<()> {
+        if self.pos > 0 && self.valid() {
+            self.pos -= 1;
+            return Ok(());
+        }
+        if !self.valid() {
+            return Ok(());
+        }
+        self.step_out(false)
+    }
+
+    fn key(&self) -> &[u8] {
+        self.key_at(self.pos)
+    }
+
+    fn value(&self) -> Option<&[u8]> {
+        let e = self.ents.get(self.pos)?;
+        e.loc?;
+        self.snap.inner.region.slice(e.val.0, e.val.1)
+    }
+
+    fn seek_for_prev(&mut self, key: &[u8]) -> Result<()> {
+        self.seek_from(Some(key), false)
+    }
+}

@@ -1,0 +1,264 @@
+//! Opening a `native` store: create it, or find every segment and replay the logs into the
+//! index, one worker thread per shard (up to the machine's hardware threads).
+//!
+//! 1. The superblock gives the geometry (it overrides the options: creation-only).
+//! 2. Every slot's header is read: a slot without the segment magic is free; a header that
+//!    does not verify, names another store, a shard the store does not have, or a run of
+//!    slots beyond its pool is [`Error::Corruption`].
+//! 3. Each shard's segments are ordered by generation. Every one but the newest must be
+//!    sealed. The newest, when unsealed, ends where the clean-close record says (a clean
+//!    close) or at its first bad record (a crash; see [`super::scan`]).
+//! 4. Workers replay shards in parallel, linking every entry into the index; the index
+//!    keeps the version with the highest sequence number, whatever order shards replay in.
+//! 5. The next sequence number is one past the highest seen (or the clean-close record's).
+//!    The clean-close record is invalidated before the store accepts a write.
+
+use std::collections::BTreeSet;
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::Instant;
+
+use parking_lot::Mutex;
+
+use crate::engine::EngineCtx;
+use crate::error::{Error, Result};
+use crate::format::log::{DropReason, Dropped};
+use crate::pm::Region;
+
+use super::index::{Index, Linked, NewVersion};
+use super::layout::{self, Clean, Kind, SegHeader, Superblock, SEG_HEADER_LEN};
+use super::log::{Geometry, OpenSeg, ShardLog, SlotAlloc};
+use super::scan::{scan, End};
+use super::{Inner, Padded, Shard, Snaps, IDLE};
+
+/// A segment found at open.
+#[derive(Debug, Clone, Copy)]
+pub(super) struct Seg {
+    pub addr: u64,
+    pub gen: u64,
+    pub span: u32,
+    /// Bytes of records when sealed.
+    pub sealed: Option<u32>,
+}
+
+/// The geometry a new store gets from its options.
+pub(super) fn new_superblock(ctx: &EngineCtx, pool_size: u64) -> Superblock {
+    let o = &ctx.opts.native;
+    let shards = if o.shards == 0 {
+        let hw = std::thread::available_parallelism().map(|n| n.get()).unwrap_or(2);
+        (2 * hw).clamp(4, 64)
+    } else {
+        o.shards
+    };
+    let slots = (pool_size / o.segment_size).max(4);
+    let stride = ((pool_size - crate::pm::POOL_HEADER_LEN) / slots) & !(crate::pm::LINE - 1);
+    Superblock { shards: shards as u32, stride, slots_per_pool: slots as u32, db_id: ctx.db_id }
+}
+
+/// Geometry of a superblock on `region`, checked against the pool size.
+pub(super) fn geometry(region: &Region, sb: &Superblock) -> Result<Geometry> {
+    let g = Geometry { stride: sb.stride, slots_per_pool: u64::from(sb.slots_per_pool), pool_size: region.pool_size() };
+    if crate::pm::POOL_HEADER_LEN + g.stride * g.slots_per_pool > g.pool_size || g.stride < 2 * SEG_HEADER_LEN {
+        return Err(region.corruption(layout::SUPERBLOCK_ADDR, "superblock geometry does not fit the PM pools"));
+    }
+    Ok(g)
+}
+
+/// Every segment of the region, by shard (unordered). Also the slots they cover.
+pub(super) fn find_segments(region: &Region, g: &Geometry, sb: &Superblock) -> Result<(Vec<Vec<Seg>>, BTreeSet<u64>)> {
+    let mut by_shard: Vec<Vec<Seg>> = vec![Vec::new(); sb.shards as usize];
+    let mut used = BTreeSet::new();
+    for pool in 0..region.pool_count() as u64 {
+        let mut k = u64::from(pool == 0);
+        while k < g.slots_per_pool {
+            let slot = pool * g.slots_per_pool + k;
+            let addr = g.addr(slot);
+            let raw = region.slice_checked(addr, SEG_HEADER_LEN as usize, "segment header")?;
+            let h = match SegHeader::decode(raw).map_err(|d| region.corruption(addr, d))? {
+                None => {
+                    k += 1;
+                    continue;
+                }
+                Some(h) => h,
+            };
+            let bad = |d: String| region.corruption(addr, d);
+            if h.db_id != sb.db_id {
+                return Err(bad(format!("segment of store {:#x}, not {:#x}", h.db_id, sb.db_id)));
+            }
+            if h.shard >= sb.shards {
+                return Err(bad(format!("segment of shard {} in a store of {} shards", h.shard, sb.shards)));
+            }
+            if k + u64::from(h.span) > g.slots_per_pool {
+                return Err(bad(format!("segment of {} slots runs past its pool", h.span)));
+            }
+            let word = region.load_u64_atomic(addr + layout::SEAL_OFFSET)?;
+            let sealed = layout::decode_seal(h.gen, word).map_err(bad)?;
+            if sealed.is_some_and(|l| u64::from(l) > g.capacity(u64::from(h.span))) {
+                return Err(region.corruption(addr, "seal length beyond the segment"));
+            }
+            let shard = by_shard.get_mut(h.shard as usize).ok_or_else(|| region.corruption(addr, "shard"))?;
+            shard.push(Seg { addr, gen: h.gen, span: h.span, sealed });
+            used.extend(slot..slot + u64::from(h.span));
+            k += u64::from(h.span);
+        }
+    }
+    Ok((by_shard, used))
+}
+
+/// What replaying one shard found.
+#[derive(Debug, Default)]
+struct Replayed {
+    open: Option<OpenSeg>,
+    next_gen: u64,
+    /// One past the highest sequence number seen.
+    seq_end: u64,
+    bytes: u64,
+    keys_delta: i64,
+    dropped: Vec<Dropped>,
+}
+
+pub(super) fn open(ctx: &EngineCtx) -> Result<Inner> {
+    let t0 = Instant::now();
+    let region = Arc::new(crate::engine::open_region(ctx)?);
+    let sb = if ctx.fresh {
+        let sb = new_superblock(ctx, region.pool_size());
+        let b = sb.encode();
+        // SAFETY: the store is being created; nothing else uses the region yet.
+        unsafe { region.write(layout::SUPERBLOCK_ADDR, &b)? };
+        region.persist(layout::SUPERBLOCK_ADDR, 64);
+        sb
+    } else {
+        let raw = region.slice_checked(layout::SUPERBLOCK_ADDR, 64, "superblock")?;
+        let sb = Superblock::decode(raw).map_err(|d| region.corruption(layout::SUPERBLOCK_ADDR, d))?;
+        if sb.db_id != ctx.db_id {
+            return Err(region.corruption(layout::SUPERBLOCK_ADDR, "superblock of another store"));
+        }
+        sb
+    };
+    let geo = geometry(&region, &sb)?;
+    let (mut by_shard, used) = find_segments(&region, &geo, &sb)?;
+    for segs in &mut by_shard {
+        segs.sort_by_key(|s| s.gen);
+        if let Some(w) = segs.windows(2).find(|w| w[0].gen == w[1].gen) {
+            return Err(region.corruption(w[1].addr, format!("two segments of generation {} in one shard", w[1].gen)));
+        }
+    }
+    let nshards = sb.shards as usize;
+    let clean_raw = region.slice_checked(layout::CLEAN_ADDR, Clean::encoded_len(nshards), "clean-close record")?;
+    let clean = Clean::decode(clean_raw, nshards);
+
+    let index = Index::new();
+    let results: Mutex<Vec<Option<Result<Replayed>>>> = Mutex::new((0..nshards).map(|_| None).collect());
+    let next = AtomicUsize::new(0);
+    let workers = std::thread::available_parallelism().map(|n| n.get()).unwrap_or(2).min(nshards).max(1);
+    std::thread::scope(|s| {
+        for _ in 0..workers {
+            s.spawn(|| loop {
+                let i = next.fetch_add(1, Ordering::Relaxed);
+                let Some(segs) = by_shard.get(i) else { break };
+                let r = replay_shard(&region, &geo, &index, i, segs, clean.as_ref());
+                if let Some(slot) = results.lock().get_mut(i) {
+                    *slot = Some(r);
+                }
+            });
+        }
+    });
+    let mut logs = Vec::with_capacity(nshards);
+    let mut seq_end = clean.as_ref().map_or(1, |c| c.next_seq).max(1);
+    let (mut keys, mut bytes) = (0i64, 0u64);
+    for (i, r) in results.into_inner().into_iter().enumerate() {
+        let r = r.ok_or_else(|| Error::InvalidArgument("a recovery worker did not report".into()))??;
+        seq_end = seq_end.max(r.seq_end);
+        keys += r.keys_delta;
+        bytes += r.bytes;
+        ctx.recovery.lock().extend(r.dropped);
+        logs.push(ShardLog { id: i as u32, open: r.open, next_gen: r.next_gen, writes: 0 });
+    }
+    if clean.is_some() {
+        region.store_u64_atomic(layout::CLEAN_ADDR, 0)?;
+        region.persist(layout::CLEAN_ADDR, 8);
+    }
+    let alloc = SlotAlloc::new(&geo, region.pool_count(), &used);
+    let shards = logs.into_iter().map(|l| Shard { log: Mutex::new(l), marker: AtomicU64::new(IDLE) }).collect();
+    Ok(Inner {
+        region,
+        geo,
+        db_id: sb.db_id,
+        shards,
+        alloc: Mutex::new(alloc),
+        index,
+        next_seq: Padded(AtomicU64::new(seq_end)),
+        published: Padded(AtomicU64::new(seq_end - 1)),
+        oldest_snap: Padded(AtomicU64::new(u64::MAX)),
+        snaps: Snaps::default(),
+        poison: Default::default(),
+        closed: Default::default(),
+        counters: Default::default(),
+        keys_at_open: keys.max(0) as u64,
+        recovery_us: t0.elapsed().as_micros() as u64,
+        replayed_bytes: bytes,
+        verify_reads: ctx.opts.native.verify_reads,
+    })
+}
+
+/// Replay shard `id`'s segments (ordered by generation) into `index`.
+fn replay_shard(
+    region: &Region,
+    g: &Geometry,
+    index: &Index,
+    id: usize,
+    segs: &[Seg],
+    clean: Option<&Clean>,
+) -> Result<Replayed> {
+    let mut out = Replayed { next_gen: segs.last().map_or(1, |s| s.gen + 1), ..Replayed::default() };
+    let tail = clean.and_then(|c| c.tails.get(id).copied());
+    for (i, seg) in segs.iter().enumerate() {
+        let newest = i + 1 == segs.len();
+        let limit = match seg.sealed {
+            Some(l) => Some(l as usize),
+            None if !newest => {
+                return Err(region.corruption(seg.addr, "an unsealed segment is not its shard's newest"));
+            }
+            None => match tail {
+                Some(t) if t.gen == seg.gen => Some(t.len as usize),
+                Some(t) => {
+                    return Err(region.corruption(
+                        seg.addr,
+                        format!("the clean-close record ends shard {id} in generation {}, not {}", t.gen, seg.gen),
+                    ))
+                }
+                None => None,
+            },
+        };
+        let cap = g.capacity(u64::from(seg.span));
+        let base = seg.addr + SEG_HEADER_LEN;
+        let data = region.slice_checked(base, cap as usize, "segment")?;
+        let (end, how) = scan(data, 0, seg.gen, limit, &mut |rec, e| {
+            let loc = base + (rec + e.offset) as u64;
+            let tomb = e.kind == Kind::Delete;
+            out.seq_end = out.seq_end.max(e.seq + 1);
+            match index.link(e.key, NewVersion { seq: e.seq, loc, tomb, gate: None }, u64::MAX) {
+                Linked::Newest(prev) => {
+                    let was_live = prev.is_some_and(|(_, t)| !t);
+                    out.keys_delta += i64::from(!tomb) - i64::from(was_live);
+                }
+                Linked::Shadowed | Linked::Duplicate => {}
+            }
+        });
+        out.bytes += end as u64;
+        match how {
+            End::Complete => {}
+            End::Torn => out.dropped.push(Dropped {
+                file: region.locate(base + end as u64).0,
+                offset: region.locate(base + end as u64).1,
+                len: cap - end as u64,
+                reason: DropReason::TornTail,
+            }),
+            End::Damaged(d) => return Err(region.corruption(base + end as u64, d)),
+        }
+        if newest && seg.sealed.is_none() {
+            out.open = Some(OpenSeg { addr: seg.addr, gen: seg.gen, len: end as u64, cap });
+        }
+    }
+    Ok(out)
+}

@@ -1,0 +1,295 @@
+//! The mechanisms of `native`, each shown running: writers on several shards, crash
+//! recovery of concurrent writers under the strict PM model, snapshot isolation and the
+//! reclamation of old versions, conditional writes under races, records larger than a
+//! segment, and the strict end a clean close gives every log.
+
+use std::collections::BTreeMap;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Barrier};
+
+use crossbeam_epoch as epoch;
+
+use super::Native;
+use crate::batch::BatchOp;
+use crate::engine::{Cond, Engine};
+use crate::fs::FaultFs;
+use crate::options::{NativeOptions, Options, Preset};
+use crate::pm::sim::{CrashModel, SimDevice};
+
+fn opts(dev: &SimDevice, fs: &FaultFs) -> Options {
+    crate::testing::sim_options(Preset::Native, dev, fs)
+}
+
+fn open(o: &Options, fs: &FaultFs, fresh: bool) -> crate::Result<Native> {
+    Native::open(crate::engine::test_ctx(o, fs, fresh, 7))
+}
+
+fn design(e: &Native, name: &str) -> u64 {
+    e.stats().design.get(name).copied().unwrap_or_else(|| panic!("no design figure {name}"))
+}
+
+fn put(k: &[u8], v: &[u8]) -> BatchOp {
+    BatchOp::Put { key: k.to_vec(), value: v.to_vec() }
+}
+
+/// Versions in `key`'s chain, newest first.
+fn chain(e: &Native, key: &[u8]) -> Vec<u64> {
+    let g = epoch::pin();
+    let mg = super::index::MapGuard::new();
+    let Some(slot) = e.inner.index.get(key, &mg) else { return vec![] };
+    let mut out = Vec::new();
+    let mut v = slot.head(&g);
+    while let Some(x) = v {
+        out.push(x.seq);
+        v = x.older(&g);
+    }
+    out
+}
+
+/// Writer `w`'s version `i` of its key `k`: the version is readable back from the value.
+fn val(w: usize, k: usize, i: u32) -> Vec<u8> {
+    let mut v = format!("w{w}k{k}v{i:06}#").into_bytes();
+    v.resize(40 + (i as usize * 37) % 300, b'x');
+    v
+}
+
+fn version_of(v: &[u8]) -> u32 {
+    let s = std::str::from_utf8(v).unwrap();
+    let i = s.find('v').unwrap();
+    s[i + 1..i + 7].parse().unwrap()
+}
+
+/// Four writers put and batch their own keys while the strict model crashes the device at
+/// a PM event; every write acknowledged before the crash must be there after reopening
+/// (a newer version of the same writer is fine: it may have landed unacknowledged), and a
+/// batch shows all its keys at one version.
+#[test]
+fn concurrent_writers_use_several_shards_and_every_acknowledged_write_survives_a_crash() {
+    for (round, point) in [400u64, 1500, 3000, 4200, 5600, 7000].into_iter().enumerate() {
+        let dev = SimDevice::new();
+        let fs = FaultFs::new();
+        let o = opts(&dev, &fs);
+        let e = Arc::new(open(&o, &fs, true).unwrap());
+        let start = dev.events();
+        dev.crash_before_event(start + point);
+        let acked: Vec<BTreeMap<usize, u32>> = std::thread::scope(|s| {
+            let hs: Vec<_> = (0..4)
+                .map(|w| {
+                    let e = e.clone();
+                    let dev = dev.clone();
+                    s.spawn(move || {
+                        let mut acked = BTreeMap::new();
+                        for i in 0..400u32 {
+                            let k = (i as usize * 7 + w) % 10;
+                            let ops: Vec<BatchOp> = if i.is_multiple_of(5) {
+                                (0..3).map(|j| put(format!("w{w}-b{j}").as_bytes(), &val(w, 100 + j, i))).collect()
+                            } else {
+                                vec![put(format!("w{w}-{k}").as_bytes(), &val(w, k, i))]
+                            };
+                            e.write(&ops, Cond::None).unwrap();
+                            if !dev.crashed() {
+                                if i.is_multiple_of(5) {
+                                    acked.insert(100, i);
+                                } else {
+                                    acked.insert(k, i);
+                                }
+                            }
+                        }
+                        acked
+                    })
+                })
+                .collect();
+            hs.into_iter().map(|h| h.join().unwrap()).collect()
+        });
+        assert!(dev.crashed(), "round {round}: crash point {point} not reached");
+        assert!(design(&e, "shard_busy_skips") > 0 || design(&e, "segments_created") >= 2, "writers shared one shard");
+        drop(e);
+        let dev2 = dev.simulate_crash_with(round as u64, CrashModel::strict(0.5));
+        let o2 = opts(&dev2, &fs);
+        let e2 = open(&o2, &fs, false).unwrap();
+        for (w, keys) in acked.iter().enumerate() {
+            for (&k, &i) in keys {
+                if k == 100 {
+                    let got: Vec<u32> = (0..3)
+                        .map(|j| version_of(&e2.get(format!("w{w}-b{j}").as_bytes()).unwrap().expect("batch key lost")))
+                        .collect();
+                    assert!(got.iter().all(|&g| g == got[0]), "round {round}: batch torn: {got:?}");
+                    assert!(got[0] >= i, "round {round}: acknowledged batch {i} of writer {w} lost (got {})", got[0]);
+                } else {
+                    let v = e2.get(format!("w{w}-{k}").as_bytes()).unwrap().expect("acknowledged key lost");
+                    assert!(
+                        version_of(&v) >= i,
+                        "round {round}: writer {w} key {k}: acked {i}, got {}",
+                        version_of(&v)
+                    );
+                }
+            }
+        }
+        assert!(e2.check().unwrap().is_empty());
+    }
+}
+
+/// A snapshot reads its point in time while writers overwrite; the versions it needed are
+/// cut from the chains once it is dropped and the keys are written again.
+#[test]
+fn snapshots_keep_their_view_and_old_versions_are_reclaimed_after_them() {
+    let dev = SimDevice::new();
+    let fs = FaultFs::new();
+    let e = Arc::new(open(&opts(&dev, &fs), &fs, true).unwrap());
+    for k in 0..20u32 {
+        e.write(&[put(format!("k{k:02}").as_bytes(), b"v0")], Cond::None).unwrap();
+    }
+    let snap = e.snapshot().unwrap();
+    let stop = Arc::new(AtomicBool::new(false));
+    let writer = {
+        let e = e.clone();
+        let stop = stop.clone();
+        std::thread::spawn(move || {
+            let mut n = 0u32;
+            while !stop.load(Ordering::Relaxed) || n < 200 {
+                let k = n % 20;
+                e.write(&[put(format!("k{k:02}").as_bytes(), format!("v{}", n + 1).as_bytes())], Cond::None).unwrap();
+                if n.is_multiple_of(7) {
+                    e.write(&[BatchOp::Delete { key: format!("k{k:02}").into_bytes() }], Cond::None).unwrap();
+                }
+                n += 1;
+            }
+        })
+    };
+    for _ in 0..50 {
+        for k in 0..20u32 {
+            assert_eq!(snap.get(format!("k{k:02}").as_bytes()).unwrap().as_deref(), Some(b"v0".as_slice()));
+        }
+        let mut it = snap.iter().unwrap();
+        it.seek_to_first().unwrap();
+        let mut n = 0;
+        while it.valid() {
+            assert_eq!(it.value(), Some(b"v0".as_slice()));
+            n += 1;
+            it.next().unwrap();
+        }
+        assert_eq!(n, 20);
+    }
+    stop.store(true, Ordering::Relaxed);
+    writer.join().unwrap();
+    // The snapshot kept one old version per key alive.
+    assert!((0..20).any(|k| chain(&e, format!("k{k:02}").as_bytes()).len() >= 2));
+    drop(snap);
+    assert_eq!(design(&e, "live_snapshots"), 0);
+    // Writes after the release (and a publication) trim every chain down to what a reader
+    // without a snapshot needs.
+    for round in 0..40u32 {
+        for k in 0..20u32 {
+            e.write(&[put(format!("k{k:02}").as_bytes(), format!("r{round}").as_bytes())], Cond::None).unwrap();
+        }
+    }
+    for k in 0..20u32 {
+        let c = chain(&e, format!("k{k:02}").as_bytes());
+        assert!(c.len() <= 2, "key {k}: {} versions kept after the snapshot was dropped", c.len());
+    }
+}
+
+/// Racing `insert_if_absent`s of one key (and plain puts of others in between) have exactly
+/// one winner per key, and the value stored is the winner's.
+#[test]
+fn racing_conditional_inserts_have_one_winner() {
+    let dev = SimDevice::new();
+    let fs = FaultFs::new();
+    let e = Arc::new(open(&opts(&dev, &fs), &fs, true).unwrap());
+    let barrier = Arc::new(Barrier::new(4));
+    let wins: Vec<Vec<u32>> = std::thread::scope(|s| {
+        let hs: Vec<_> = (0..4u8)
+            .map(|t| {
+                let e = e.clone();
+                let barrier = barrier.clone();
+                s.spawn(move || {
+                    barrier.wait();
+                    let mut won = Vec::new();
+                    for k in 0..100u32 {
+                        let op = put(format!("c{k}").as_bytes(), &[b'a' + t; 30]);
+                        if e.write(&[op], Cond::Absent).unwrap() {
+                            won.push(k);
+                        }
+                        e.write(&[put(format!("p{t}-{k}").as_bytes(), b"x")], Cond::None).unwrap();
+                    }
+                    won
+                })
+            })
+            .collect();
+        hs.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    for k in 0..100u32 {
+        let winners: Vec<usize> = (0..4).filter(|&t| wins[t].contains(&k)).collect();
+        assert_eq!(winners.len(), 1, "key c{k}: winners {winners:?}");
+        let v = e.get(format!("c{k}").as_bytes()).unwrap().unwrap();
+        assert_eq!(v, vec![b'a' + winners[0] as u8; 30]);
+    }
+    // update_if_present sees a delete made before it.
+    e.write(&[BatchOp::Delete { key: b"c0".to_vec() }], Cond::None).unwrap();
+    assert!(!e.write(&[put(b"c0", b"z")], Cond::Present).unwrap());
+    assert!(e.write(&[put(b"c1", b"z")], Cond::Present).unwrap());
+}
+
+/// A record larger than a segment slot gets a run of slots; logs, seals and the run survive
+/// a reopen, and so does a crash right after it.
+#[test]
+fn a_record_larger_than_a_segment_spans_slots() {
+    let dev = SimDevice::new();
+    let fs = FaultFs::new();
+    let o = opts(&dev, &fs).native(NativeOptions { shards: 2, segment_size: 16 << 10, verify_reads: true });
+    let e = open(&o, &fs, true).unwrap();
+    let big: Vec<u8> = (0..40_000u32).map(|i| (i % 251) as u8).collect();
+    let o = o.max_value_size(64 << 10);
+    e.write(&[put(b"small", b"s")], Cond::None).unwrap();
+    e.write(&[put(b"big", &big)], Cond::None).unwrap();
+    e.write(&[put(b"after", b"a")], Cond::None).unwrap();
+    assert!(design(&e, "segments_created") >= 2);
+    drop(e);
+    let dev2 = dev.simulate_crash_with(1, CrashModel::strict(0.5));
+    let e2 = open(&opts(&dev2, &fs).native(o.native.clone()), &fs, false).unwrap();
+    assert_eq!(e2.get(b"big").unwrap(), Some(big));
+    assert_eq!(e2.get(b"after").unwrap().as_deref(), Some(b"a".as_slice()));
+    assert!(e2.check().unwrap().is_empty());
+}
+
+/// After a clean close every log's end is known: damage in the last record of an open
+/// segment is corruption. After a crash the same bytes are a torn tail: dropped, reported.
+#[test]
+fn a_clean_close_makes_every_log_end_strict() {
+    for clean in [true, false] {
+        let dev = SimDevice::new();
+        let fs = FaultFs::new();
+        let o = opts(&dev, &fs).native(NativeOptions { shards: 1, segment_size: 16 << 10, verify_reads: false });
+        let e = open(&o, &fs, true).unwrap();
+        e.write(&[put(b"a", b"first")], Cond::None).unwrap();
+        e.write(&[put(b"b", b"second-value")], Cond::None).unwrap();
+        let loc = {
+            let g = epoch::pin();
+            let mg = super::index::MapGuard::new();
+            e.inner.index.get(b"b", &mg).unwrap().head(&g).unwrap().loc
+        };
+        if clean {
+            e.close().unwrap();
+        }
+        drop(e);
+        let dev2 = if clean { dev.clone() } else { dev.simulate_crash_with(3, CrashModel::strict(0.0)) };
+        // The last byte of the value of "b": inside its entry, covered by its checksum.
+        let at = loc + 12 + 1 + 11;
+        let pool = (at / o.pm_pool_size) as usize;
+        let off = (at % o.pm_pool_size) as usize;
+        let old = dev2.durable_image(pool).unwrap()[off];
+        assert!(dev2.poke(pool, off, &[old ^ 0x40]));
+        if clean {
+            let err = open(&opts(&dev2, &fs).native(o.native.clone()), &fs, false).err();
+            let err = err.expect("damage after a clean close must not open");
+            assert!(err.is_corruption(), "{err}");
+        } else {
+            let ctx = crate::engine::test_ctx(&opts(&dev2, &fs).native(o.native.clone()), &fs, false, 7);
+            let report = ctx.recovery.clone();
+            let e2 = Native::open(ctx).unwrap();
+            assert_eq!(e2.get(b"a").unwrap().as_deref(), Some(b"first".as_slice()));
+            assert_eq!(e2.get(b"b").unwrap(), None, "the torn last write is dropped");
+            assert!(report.lock().iter().any(|d| d.reason == crate::format::log::DropReason::TornTail));
+        }
+    }
+}
