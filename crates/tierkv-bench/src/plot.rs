@@ -53,7 +53,7 @@ pub const PALETTE: [RGBColor; 9] = [
 ];
 
 /// Engines with a fixed colour (index into [`PALETTE`]); `limit` is black.
-const FIXED: [&str; 7] = ["pmekv", "slmdb", "hpdk", "lightkv", "hoakv", "leveldb", "rocksdb"];
+const FIXED: [&str; 8] = ["pmekv", "slmdb", "hpdk", "lightkv", "hoakv", "leveldb", "rocksdb", "native"];
 
 /// The colour of each engine of `engines` (in that order): the named engines keep theirs
 /// in every plot, others (variants such as `hpdk/nt`) take the free colours in order of

@@ -207,7 +207,7 @@ fn hoakv_layouts() {
 #[test]
 fn native_layouts() {
     use tierkv::engine::native::layout::{
-        decode_seal, encode_record, seal_word, Clean, EntryIn, Kind, SegHeader, Superblock, Tail,
+        decode_seal, encode_record, seal_word, Clean, EntryIn, Kind, SegHeader, SegTag, Superblock, Tail,
     };
     let id = 0x1122_3344_5566_7788;
     let sb = Superblock { shards: 4, stride: 0x3fc0, slots_per_pool: 64, db_id: id };
@@ -223,16 +223,18 @@ fn native_layouts() {
     assert_eq!(hex(&sb.encode()), want);
     assert_eq!(Superblock::decode(&sb.encode()), Ok(sb));
 
-    let h = SegHeader { shard: 2, gen: 5, span: 1, db_id: id };
+    let h = SegHeader { shard: 2, gen: 5, span: 1, salt: 0xa1b2_c3d4, db_id: id };
     let want = "544b564e53454700".to_string() // magic "TKVNSEG\0"
         + "01000000" // format version 1
         + "02000000" // shard
         + "0500000000000000" // generation
         + "8877665544332211" // store id
         + "01000000" // span
-        + "2a243be7" // crc
+        + "d4c3b2a1" // salt
+        + "77ea2b59" // crc
+        + &zeros(4)
         + &zeros(8) // seal word: open
-        + &zeros(16);
+        + &zeros(8);
     assert_eq!(hex(&h.encode()), want);
     assert_eq!(SegHeader::decode(&h.encode()), Ok(Some(h)));
     assert_eq!(seal_word(5, 4096), 0x3ad2_49c0_0000_1000);
@@ -242,7 +244,7 @@ fn native_layouts() {
         EntryIn { kind: Kind::Put, key: b"alpha", value: b"one" },
         EntryIn { kind: Kind::Delete, key: b"beta", value: b"" },
     ];
-    let want = "7ce4d259".to_string() // record crc
+    let want = "4cad2507".to_string() // record crc (salt 0xa1b2c3d4 mixed in)
         + "40000000" // length 64
         + "07000000" // generation
         + "02000000" // entries
@@ -250,7 +252,8 @@ fn native_layouts() {
         + "deafcee2" + "03000000" + "0500" + "01" + "00" + "616c706861" + "6f6e65" // put alpha=one
         + "a9fe3a76" + "00000000" + "0400" + "02" + "00" + "62657461" // delete beta
         + "00000000"; // padding to 8
-    assert_eq!(hex(&encode_record(7, 100, &entries)), want);
+    let tag = SegTag { gen: 7, salt: 0xa1b2_c3d4 };
+    assert_eq!(hex(&encode_record(tag, 100, &entries)), want);
 
     let c = Clean { next_seq: 42, tails: vec![Tail { gen: 3, len: 4096 }, Tail { gen: 0, len: 0 }] };
     let want = "544b564e434c4e00".to_string() // magic "TKVNCLN\0"

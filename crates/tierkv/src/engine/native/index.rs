@@ -34,7 +34,7 @@
 //! - A version with a sequence number at or below the published sequence number has an open
 //!   gate.
 
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 
 use crossbeam_epoch::{self as epoch, Atomic, Guard, Owned, Shared};
@@ -45,8 +45,11 @@ use scc::{HashIndex, TreeIndex};
 pub(crate) struct Version {
     /// Its sequence number.
     pub seq: u64,
-    /// PM address of its log entry.
-    pub loc: u64,
+    /// PM address of its log entry; changes only when the log cleaner moves the entry
+    /// (same bytes, same sequence number, new place).
+    loc: AtomicU64,
+    /// Bytes of its log entry.
+    pub size: u32,
     /// A delete.
     pub tomb: bool,
     /// Set for versions of a multi-entry batch: open once the whole batch is linked.
@@ -55,6 +58,12 @@ pub(crate) struct Version {
 }
 
 impl Version {
+    /// PM address of its log entry.
+    #[inline]
+    pub fn loc(&self) -> u64 {
+        self.loc.load(Ordering::Acquire)
+    }
+
     /// Visible to a reader without a snapshot (its batch, if any, is wholly linked).
     #[inline]
     pub fn visible(&self) -> bool {
@@ -127,6 +136,8 @@ impl Drop for Slot {
 pub(crate) struct NewVersion {
     pub seq: u64,
     pub loc: u64,
+    /// Bytes of its log entry.
+    pub size: u32,
     pub tomb: bool,
     pub gate: Option<Arc<AtomicBool>>,
 }
@@ -135,8 +146,8 @@ pub(crate) struct NewVersion {
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum Linked {
     /// It is the key's newest version; the previous newest was this one (`Some((loc,
-    /// tomb))`) or the key had none.
-    Newest(Option<(u64, bool)>),
+    /// size, tomb))`) or the key had none.
+    Newest(Option<(u64, u32, bool)>),
     /// A newer version was already linked: this one is dead on arrival.
     Shadowed,
     /// A version with the same sequence number was already there (replay of a record seen
@@ -199,6 +210,73 @@ impl Index {
         self.hash.entry_sync(key.into()).or_insert_with(|| s.clone()).get().clone()
     }
 
+    /// Fill an empty index with one version per key: `(key, seq, loc)`, sorted by key,
+    /// keys distinct, no deletes. The tree and the hash are filled by two threads at once.
+    /// Nothing else may use the index meanwhile (open).
+    pub fn bulk_load(&self, entries: &[(&[u8], u64, u64, u32)]) {
+        let slots: Vec<Arc<Slot>> = entries
+            .iter()
+            .map(|&(_, seq, loc, size)| {
+                let s = Slot::new();
+                let v = Version { seq, loc: AtomicU64::new(loc), size, tomb: false, gate: None, next: Atomic::null() };
+                s.head.store(Owned::new(v), Ordering::Release);
+                Arc::new(s)
+            })
+            .collect();
+        // Grown once, up front (held until the end: the reservation lapses when dropped).
+        let _room = self.hash.reserve(entries.len());
+        std::thread::scope(|s| {
+            s.spawn(|| {
+                for (e, slot) in entries.iter().zip(&slots) {
+                    let _ = self.tree.insert_sync(e.0.into(), slot.clone());
+                }
+            });
+            for (e, slot) in entries.iter().zip(&slots) {
+                let _ = self.hash.insert_sync(e.0.into(), slot.clone());
+            }
+        });
+    }
+
+    /// The log cleaner moved `key`'s entry with sequence number `seq` from `from` to `to`:
+    /// point the version at its new place. Returns false (the copy is dead) when no such
+    /// version is in the chain any more.
+    pub fn relocate(&self, key: &[u8], seq: u64, from: u64, to: u64) -> bool {
+        let g = MapGuard::new();
+        let Some(slot) = self.hash.peek(key, &g) else { return false };
+        let _l = slot.lock.lock();
+        let eg = epoch::pin();
+        let mut v = slot.head(&eg);
+        while let Some(x) = v {
+            if x.seq == seq {
+                return x.loc.compare_exchange(from, to, Ordering::AcqRel, Ordering::Acquire).is_ok();
+            }
+            if x.seq < seq {
+                return false;
+            }
+            v = x.older(&eg);
+        }
+        false
+    }
+
+    /// Whether `key` has a version with sequence number `seq` at `loc` (a live entry for the
+    /// log cleaner), and whether the key has a slot at all.
+    pub fn holds(&self, key: &[u8], seq: u64, loc: u64) -> (bool, bool) {
+        let g = MapGuard::new();
+        let Some(slot) = self.hash.peek(key, &g) else { return (false, false) };
+        let eg = epoch::pin();
+        let mut v = slot.head(&eg);
+        while let Some(x) = v {
+            if x.seq == seq {
+                return (x.loc() == loc, true);
+            }
+            if x.seq < seq {
+                break;
+            }
+            v = x.older(&eg);
+        }
+        (false, true)
+    }
+
     /// Link `v` into `key`'s chain in sequence order, then trim the chain below the newest
     /// version `<= keep` (see the module docs).
     pub fn link(&self, key: &[u8], v: NewVersion, keep: u64) -> Linked {
@@ -206,7 +284,14 @@ impl Index {
         let _l = slot.lock.lock();
         let guard = epoch::pin();
         let head = slot.head.load(Ordering::Acquire, &guard);
-        let new = Owned::new(Version { seq: v.seq, loc: v.loc, tomb: v.tomb, gate: v.gate, next: Atomic::null() });
+        let new = Owned::new(Version {
+            seq: v.seq,
+            loc: AtomicU64::new(v.loc),
+            size: v.size,
+            tomb: v.tomb,
+            gate: v.gate,
+            next: Atomic::null(),
+        });
         // SAFETY: chain versions outlive the guard (see `Version::older`).
         let linked = match unsafe { head.as_ref() } {
             None => {
@@ -216,7 +301,7 @@ impl Index {
             Some(h) if h.seq < v.seq => {
                 new.next.store(head, Ordering::Relaxed);
                 slot.head.store(new, Ordering::Release);
-                Linked::Newest(Some((h.loc, h.tomb)))
+                Linked::Newest(Some((h.loc(), h.size, h.tomb)))
             }
             Some(h) => {
                 // Find the last version newer than `v`; link below it.
@@ -272,7 +357,7 @@ mod tests {
     use super::*;
 
     fn v(seq: u64) -> NewVersion {
-        NewVersion { seq, loc: seq * 100, tomb: false, gate: None }
+        NewVersion { seq, loc: seq * 100, size: 10, tomb: false, gate: None }
     }
 
     fn chain(ix: &Index, key: &[u8]) -> Vec<u64> {
@@ -292,7 +377,7 @@ mod tests {
     fn versions_link_in_sequence_order_and_trim_below_keep() {
         let ix = Index::new();
         assert_eq!(ix.link(b"k", v(5), 0), Linked::Newest(None));
-        assert_eq!(ix.link(b"k", v(9), 0), Linked::Newest(Some((500, false))));
+        assert_eq!(ix.link(b"k", v(9), 0), Linked::Newest(Some((500, 10, false))));
         // A writer that lost the race links below the newer version.
         assert_eq!(ix.link(b"k", v(7), 0), Linked::Shadowed);
         assert_eq!(ix.link(b"k", v(7), 0), Linked::Duplicate);

@@ -9,12 +9,13 @@
 //! touching the index. A refill takes 16 entries after a seek and doubles up to 256 along
 //! a walk, so a short range read copies little and a long one re-descends the tree rarely.
 //!
-//! Values are not copied: `value()` borrows the log entry in PM, verified (checksum over
-//! sequence number, key and value) when the batch is filled. Log segments are never
-//! reused in this version, so the borrow stays valid as long as the region lives, which the
-//! iterator's snapshot keeps alive. Values lie in PM in write order, not key order: the
-//! refill walks the keys first and prefetches every value, then verifies them, so the
-//! memory misses of a batch overlap.
+//! Values are not copied: `value()` borrows the log entry in PM, checked when the batch is
+//! filled (its structure and key; its checksum too with `NativeOptions::verify_reads` —
+//! every record was verified once when it was replayed or written). A segment the log
+//! cleaner empties is not reused while a snapshot registered before that lives, and the
+//! iterator holds one, so the borrow stays valid. Values lie in PM in write order, not key
+//! order: the refill walks the keys first and prefetches every value, then checks them, so
+//! the memory misses of a batch overlap.
 //!
 //! A key with no version at the snapshot (created after it) is left out of the batch, and
 //! a deleted key shows as a tombstone, which [`crate::DbIterator`] skips.
@@ -89,7 +90,7 @@ impl NativeIter {
                 let Some(v) = slot.find(self.snap.seq, &eg) else { return false };
                 let start = keys.len();
                 keys.extend_from_slice(k);
-                let loc = (!v.tomb).then_some(v.loc);
+                let loc = (!v.tomb).then_some(v.loc());
                 if let Some(b) = loc.and_then(|l| inner.region.slice(l, 64)) {
                     crate::pm::flush::prefetch(b);
                 }

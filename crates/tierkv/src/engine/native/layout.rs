@@ -27,7 +27,7 @@ const CLEAN_MAGIC: &[u8; 8] = b"TKVNCLN\0";
 /// Bytes of a segment header; records start after it.
 pub const SEG_HEADER_LEN: u64 = 64;
 /// Offset of the 8-byte seal word inside a segment header.
-pub const SEAL_OFFSET: u64 = 40;
+pub const SEAL_OFFSET: u64 = 48;
 /// Bytes of a record header.
 pub const RECORD_HEADER_LEN: usize = 24;
 /// Bytes of an entry header.
@@ -111,6 +111,18 @@ impl Superblock {
     }
 }
 
+/// What ties a record to the segment it was written in: the segment's generation (low 32
+/// bits in every record header) and its random salt (mixed into every record checksum), so
+/// neither the records of an earlier life of a reused slot nor a record that a value
+/// happens to contain verify as records of this segment.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct SegTag {
+    /// The segment's generation.
+    pub gen: u64,
+    /// The segment's salt.
+    pub salt: u32,
+}
+
 /// A segment header (the seal word is separate: it changes after the header is written).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct SegHeader {
@@ -120,6 +132,8 @@ pub struct SegHeader {
     pub gen: u64,
     /// Slots covered (1, or more for a record larger than one slot).
     pub span: u32,
+    /// Random, chosen when the segment is created.
+    pub salt: u32,
     /// The store's identity.
     pub db_id: u64,
 }
@@ -134,9 +148,15 @@ impl SegHeader {
         b[16..24].copy_from_slice(&self.gen.to_le_bytes());
         b[24..32].copy_from_slice(&self.db_id.to_le_bytes());
         b[32..36].copy_from_slice(&self.span.to_le_bytes());
-        let c = crc::masked(&b[0..36]);
-        b[36..40].copy_from_slice(&c.to_le_bytes());
+        b[36..40].copy_from_slice(&self.salt.to_le_bytes());
+        let c = crc::masked(&b[0..40]);
+        b[40..44].copy_from_slice(&c.to_le_bytes());
         b
+    }
+
+    /// The tag of its records.
+    pub fn tag(&self) -> SegTag {
+        SegTag { gen: self.gen, salt: self.salt }
     }
 
     /// Decode. `Ok(None)`: no segment magic (a free slot). `Err`: the magic is there but
@@ -152,8 +172,9 @@ impl SegHeader {
         let gen = c.u64().ok_or("segment header truncated")?;
         let db_id = c.u64().ok_or("segment header truncated")?;
         let span = c.u32().ok_or("segment header truncated")?;
+        let salt = c.u32().ok_or("segment header truncated")?;
         let stored = c.u32().ok_or("segment header truncated")?;
-        let want = crc::masked(b.get(0..36).ok_or("segment header truncated")?);
+        let want = crc::masked(b.get(0..40).ok_or("segment header truncated")?);
         if stored != want {
             return Err(format!("segment header checksum mismatch (stored {stored:#x}, computed {want:#x})"));
         }
@@ -163,7 +184,7 @@ impl SegHeader {
         if span == 0 || gen == 0 {
             return Err(format!("implausible segment header: gen {gen}, span {span}"));
         }
-        Ok(Some(SegHeader { shard, gen, span, db_id }))
+        Ok(Some(SegHeader { shard, gen, span, salt, db_id }))
     }
 }
 
@@ -246,15 +267,15 @@ pub struct RecordHeader {
 }
 
 impl RecordHeader {
-    /// A record of `len` bytes and `count` entries from sequence number `seq`, in a segment
-    /// of generation `gen`.
-    pub fn new(len: u32, gen: u64, count: u32, seq: u64) -> RecordHeader {
+    /// A record of `len` bytes and `count` entries from sequence number `seq`, in the
+    /// segment `tag`.
+    pub fn new(len: u32, tag: SegTag, count: u32, seq: u64) -> RecordHeader {
         let mut h = [0u8; RECORD_HEADER_LEN];
         h[4..8].copy_from_slice(&len.to_le_bytes());
-        h[8..12].copy_from_slice(&(gen as u32).to_le_bytes());
+        h[8..12].copy_from_slice(&(tag.gen as u32).to_le_bytes());
         h[12..16].copy_from_slice(&count.to_le_bytes());
         h[16..24].copy_from_slice(&seq.to_le_bytes());
-        let crc = crc32c::crc32c(&h[4..24]);
+        let crc = crc32c::crc32c_append(crc32c::crc32c(&tag.salt.to_le_bytes()), &h[4..24]);
         RecordHeader { h, crc }
     }
 
@@ -272,12 +293,12 @@ impl RecordHeader {
 
 /// Encode a whole record (tests and the golden-bytes test; the write path writes the same
 /// bytes piece by piece straight into PM).
-pub fn encode_record(gen: u64, seq: u64, entries: &[EntryIn<'_>]) -> Vec<u8> {
+pub fn encode_record(tag: SegTag, seq: u64, entries: &[EntryIn<'_>]) -> Vec<u8> {
     let body: usize = entries.iter().map(|e| entry_len(e.key.len(), e.value.len())).sum();
     let len = record_len(body);
     let hdrs: Vec<[u8; ENTRY_HEADER_LEN]> =
-        entries.iter().enumerate().map(|(i, e)| entry_header(seq + i as u64, e)).collect();
-    let mut rh = RecordHeader::new(len as u32, gen, entries.len() as u32, seq);
+        entries.iter().enumerate().map(|(i, e)| entry_header(seq.wrapping_add(i as u64), e)).collect();
+    let mut rh = RecordHeader::new(len as u32, tag, entries.len() as u32, seq);
     for h in &hdrs {
         rh.add(h);
     }
@@ -326,11 +347,11 @@ pub fn claimed_len(b: &[u8], gen: u64) -> Option<usize> {
     Some(len)
 }
 
-/// Decode and verify the record at the start of `b` (a segment's remaining bytes) for a
-/// segment of generation `gen`; calls `f` for every entry once the whole record verified.
-/// Returns the record's length and first sequence number. `Err(detail)`: not a valid record.
-pub fn decode_record<'a>(b: &'a [u8], gen: u64, mut f: impl FnMut(EntryOut<'a>)) -> Result<(usize, u64), String> {
-    let len = claimed_len(b, gen).ok_or("no plausible record header")?;
+/// Decode and verify the record at the start of `b` (a segment's remaining bytes) for the
+/// segment `tag`; calls `f` for every entry once the whole record verified. Returns the
+/// record's length and first sequence number. `Err(detail)`: not a valid record.
+pub fn decode_record<'a>(b: &'a [u8], tag: SegTag, mut f: impl FnMut(EntryOut<'a>)) -> Result<(usize, u64), String> {
+    let len = claimed_len(b, tag.gen).ok_or("no plausible record header")?;
     let rec = b.get(..len).ok_or("record runs past the segment")?;
     let mut c = Cursor::new(rec);
     let stored = c.u32().ok_or("truncated")?;
@@ -338,12 +359,12 @@ pub fn decode_record<'a>(b: &'a [u8], gen: u64, mut f: impl FnMut(EntryOut<'a>))
     c.skip(4).ok_or("truncated")?;
     let count = c.u32().ok_or("truncated")?;
     let seq = c.u64().ok_or("truncated")?;
-    let mut rc = crc32c::crc32c(rec.get(4..24).ok_or("truncated")?);
+    let mut rc = crc32c::crc32c_append(crc32c::crc32c(&tag.salt.to_le_bytes()), rec.get(4..24).ok_or("truncated")?);
     let mut pos = RECORD_HEADER_LEN;
     let mut entries = Vec::with_capacity(count.min(1024) as usize);
     for i in 0..u64::from(count) {
         let h = rec.get(pos..pos + ENTRY_HEADER_LEN).ok_or("entry header runs past the record")?;
-        let e = decode_entry(rec, pos, seq + i)?;
+        let e = decode_entry(rec, pos, seq.wrapping_add(i))?;
         rc = crc32c::crc32c_append(rc, h);
         pos += entry_len(e.key.len(), e.value.len());
         entries.push(e);
@@ -461,20 +482,23 @@ mod tests {
             EntryIn { kind: Kind::Put, key: b"alpha", value: b"one" },
             EntryIn { kind: Kind::Delete, key: b"beta", value: b"" },
         ];
-        let rec = encode_record(7, 100, &entries);
+        let tag = SegTag { gen: 7, salt: 0x5a17 };
+        let rec = encode_record(tag, 100, &entries);
         let mut seen = Vec::new();
         let (len, seq) =
-            decode_record(&rec, 7, |e| seen.push((e.seq, e.kind, e.key.to_vec(), e.value.to_vec()))).unwrap();
+            decode_record(&rec, tag, |e| seen.push((e.seq, e.kind, e.key.to_vec(), e.value.to_vec()))).unwrap();
         assert_eq!((len, seq), (rec.len(), 100));
         assert_eq!(seen[0], (100, Kind::Put, b"alpha".to_vec(), b"one".to_vec()));
         assert_eq!(seen[1], (101, Kind::Delete, b"beta".to_vec(), vec![]));
-        // Another generation's segment does not accept it (stale records of a reused slot).
-        assert!(decode_record(&rec, 8, |_| {}).is_err());
+        // Another generation's segment does not accept it (stale records of a reused slot),
+        // nor a segment of the same generation with another salt (another shard's).
+        assert!(decode_record(&rec, SegTag { gen: 8, ..tag }, |_| {}).is_err());
+        assert!(decode_record(&rec, SegTag { salt: 1, ..tag }, |_| {}).is_err());
         for i in 0..rec.len() - 3 {
             let mut bad = rec.clone();
             bad[i] ^= 0x10;
             let mut called = false;
-            let r = decode_record(&bad, 7, |_| called = true);
+            let r = decode_record(&bad, tag, |_| called = true);
             // Padding bytes are not covered; everything else is.
             if i < RECORD_HEADER_LEN + 2 * ENTRY_HEADER_LEN + 5 + 3 + 4 {
                 assert!(r.is_err(), "flip at {i} accepted");

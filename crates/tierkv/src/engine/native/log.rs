@@ -12,6 +12,8 @@
 //! complete header; a header that does not verify is damage, never a torn creation.
 
 use std::collections::BTreeSet;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
 
 use crate::error::{Error, Result};
 use crate::pm::Region;
@@ -43,18 +45,41 @@ impl Geometry {
             .then_some(pool * self.slots_per_pool + off / self.stride)
     }
 
+    /// The slot holding PM address `a` (a segment's start or any byte of its records).
+    pub fn slot_holding(&self, a: u64) -> u64 {
+        let pool = a / self.pool_size;
+        let off = (a % self.pool_size).saturating_sub(crate::pm::POOL_HEADER_LEN);
+        pool * self.slots_per_pool + (off / self.stride).min(self.slots_per_pool - 1)
+    }
+
     /// Bytes of records a segment of `span` slots holds.
     pub fn capacity(&self, span: u64) -> u64 {
         span * self.stride - SEG_HEADER_LEN
     }
 }
 
-/// Free slots, and growth of the region when there are none.
+/// A segment the log cleaner emptied, waiting until no reader can still hold a location
+/// in it.
+#[derive(Debug)]
+pub(crate) struct Retired {
+    /// Its first slot and span.
+    pub slot: u64,
+    pub span: u64,
+    /// The next sequence number when it was retired: a snapshot or iterator registered at
+    /// or below it may have read locations in it.
+    pub freed_at: u64,
+    /// Set once every epoch-pinned reader of that time has unpinned (a `get` between
+    /// loading a location and reading it).
+    pub ready: Arc<AtomicBool>,
+}
+
+/// Free slots, retired segments, and growth of the region when there are none.
 #[derive(Debug, Default)]
 pub(crate) struct SlotAlloc {
     free: BTreeSet<u64>,
     /// Slots of pools the allocator knows (`pools * slots_per_pool`).
     known: u64,
+    retired: Vec<Retired>,
 }
 
 impl SlotAlloc {
@@ -63,12 +88,38 @@ impl SlotAlloc {
     pub fn new(g: &Geometry, pools: usize, used: &BTreeSet<u64>) -> SlotAlloc {
         let known = pools as u64 * g.slots_per_pool;
         let free = (1..known).filter(|s| !used.contains(s)).collect();
-        SlotAlloc { free, known }
+        SlotAlloc { free, known, retired: Vec::new() }
     }
 
     /// Free slots.
     pub fn free_slots(&self) -> usize {
         self.free.len()
+    }
+
+    /// Segments retired and not yet reusable.
+    pub fn retired(&self) -> usize {
+        self.retired.len()
+    }
+
+    /// Hand a cleaned segment back (reusable once no reader can hold a location in it).
+    pub fn retire(&mut self, r: Retired) {
+        self.retired.push(r);
+    }
+
+    /// Make retired segments free whose readers are gone: every live snapshot or iterator
+    /// is newer than the retirement (`oldest_snapshot > freed_at`) and the epoch moved on.
+    pub fn reclaim(&mut self, oldest_snapshot: u64) -> usize {
+        let mut n = 0;
+        let free = &mut self.free;
+        self.retired.retain(|r| {
+            let reusable = r.ready.load(Ordering::Acquire) && oldest_snapshot > r.freed_at;
+            if reusable {
+                free.extend(r.slot..r.slot + r.span);
+                n += 1;
+            }
+            !reusable
+        });
+        n
     }
 
     /// Take `span` contiguous free slots of one pool; grows the region when none are free.
@@ -124,7 +175,8 @@ impl SlotAlloc {
 pub(crate) struct OpenSeg {
     /// PM address of its header.
     pub addr: u64,
-    pub gen: u64,
+    /// Its generation and salt.
+    pub tag: layout::SegTag,
     /// Bytes of records written.
     pub len: u64,
     /// Bytes of records it can hold.
@@ -191,7 +243,7 @@ mod tests {
         let g = Geometry { stride: 4096, slots_per_pool: 4, pool_size: 16384 + 64 };
         let used: BTreeSet<u64> = [2].into_iter().collect();
         // Pool 0: slot 0 is meta, 1 free, 2 used, 3 free; pool 1: 4..8 free.
-        let a = SlotAlloc { free: [1, 3, 4, 5, 6, 7].into_iter().collect(), known: 8 };
+        let a = SlotAlloc { free: [1, 3, 4, 5, 6, 7].into_iter().collect(), known: 8, retired: Vec::new() };
         assert_eq!(a.find_run(&g, 2), Some(4), "3 and 4 are contiguous numbers but in two pools");
         assert_eq!(a.find_run(&g, 1), Some(1));
         assert_eq!(a.find_run(&g, 4), Some(4));

@@ -8,12 +8,18 @@
 //! 3. Each shard's segments are ordered by generation. Every one but the newest must be
 //!    sealed. The newest, when unsealed, ends where the clean-close record says (a clean
 //!    close) or at its first bad record (a crash; see [`super::scan`]).
-//! 4. Workers replay shards in parallel, linking every entry into the index; the index
-//!    keeps the version with the highest sequence number, whatever order shards replay in.
+//! 4. Workers replay shards in parallel, each keeping the newest entry of every key it sees
+//!    in a map of its own (keys borrowed from PM, no copy); the maps are merged by sequence
+//!    number, so the order in which shards replay does not matter. Keys whose newest entry
+//!    is a delete are dropped. Then the index is built in one pass from the survivors,
+//!    sorted by key: the ordered map and the hash map are filled by two threads at once
+//!    ([`Index::bulk_load`]). Replaying into the live index instead (a link per record) took
+//!    1.83 s for 1.5 M records of 500,000 keys here; most of it hash probes and tree
+//!    inserts repeated for every overwrite.
 //! 5. The next sequence number is one past the highest seen (or the clean-close record's).
 //!    The clean-close record is invalidated before the store accepts a write.
 
-use std::collections::BTreeSet;
+use std::collections::{BTreeSet, HashMap};
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Instant;
@@ -25,7 +31,7 @@ use crate::error::{Error, Result};
 use crate::format::log::{DropReason, Dropped};
 use crate::pm::Region;
 
-use super::index::{Index, Linked, NewVersion};
+use super::index::Index;
 use super::layout::{self, Clean, Kind, SegHeader, Superblock, SEG_HEADER_LEN};
 use super::log::{Geometry, OpenSeg, ShardLog, SlotAlloc};
 use super::scan::{scan, End};
@@ -35,7 +41,7 @@ use super::{Inner, Padded, Shard, Snaps, IDLE};
 #[derive(Debug, Clone, Copy)]
 pub(super) struct Seg {
     pub addr: u64,
-    pub gen: u64,
+    pub tag: layout::SegTag,
     pub span: u32,
     /// Bytes of records when sealed.
     pub sealed: Option<u32>,
@@ -97,7 +103,7 @@ pub(super) fn find_segments(region: &Region, g: &Geometry, sb: &Superblock) -> R
                 return Err(region.corruption(addr, "seal length beyond the segment"));
             }
             let shard = by_shard.get_mut(h.shard as usize).ok_or_else(|| region.corruption(addr, "shard"))?;
-            shard.push(Seg { addr, gen: h.gen, span: h.span, sealed });
+            shard.push(Seg { addr, tag: h.tag(), span: h.span, sealed });
             used.extend(slot..slot + u64::from(h.span));
             k += u64::from(h.span);
         }
@@ -105,15 +111,20 @@ pub(super) fn find_segments(region: &Region, g: &Geometry, sb: &Superblock) -> R
     Ok((by_shard, used))
 }
 
+/// The newest entry of a key seen by a replay: sequence number, location, delete.
+type Newest = (u64, u64, bool, u32);
+
 /// What replaying one shard found.
 #[derive(Debug, Default)]
-struct Replayed {
+struct Replayed<'a> {
     open: Option<OpenSeg>,
     next_gen: u64,
     /// One past the highest sequence number seen.
     seq_end: u64,
     bytes: u64,
-    keys_delta: i64,
+    /// Segments replayed: address → (generation, span, bytes of records, sealed).
+    segs: Vec<(u64, layout::SegTag, u64, u64, bool)>,
+    newest: HashMap<&'a [u8], Newest, foldhash::fast::RandomState>,
     dropped: Vec<Dropped>,
 }
 
@@ -138,17 +149,18 @@ pub(super) fn open(ctx: &EngineCtx) -> Result<Inner> {
     let geo = geometry(&region, &sb)?;
     let (mut by_shard, used) = find_segments(&region, &geo, &sb)?;
     for segs in &mut by_shard {
-        segs.sort_by_key(|s| s.gen);
-        if let Some(w) = segs.windows(2).find(|w| w[0].gen == w[1].gen) {
-            return Err(region.corruption(w[1].addr, format!("two segments of generation {} in one shard", w[1].gen)));
+        segs.sort_by_key(|s| s.tag.gen);
+        if let Some(w) = segs.windows(2).find(|w| w[0].tag.gen == w[1].tag.gen) {
+            return Err(
+                region.corruption(w[1].addr, format!("two segments of generation {} in one shard", w[1].tag.gen))
+            );
         }
     }
     let nshards = sb.shards as usize;
     let clean_raw = region.slice_checked(layout::CLEAN_ADDR, Clean::encoded_len(nshards), "clean-close record")?;
     let clean = Clean::decode(clean_raw, nshards);
 
-    let index = Index::new();
-    let results: Mutex<Vec<Option<Result<Replayed>>>> = Mutex::new((0..nshards).map(|_| None).collect());
+    let results: Mutex<Vec<Option<Result<Replayed<'_>>>>> = Mutex::new((0..nshards).map(|_| None).collect());
     let next = AtomicUsize::new(0);
     let workers = std::thread::available_parallelism().map(|n| n.get()).unwrap_or(2).min(nshards).max(1);
     std::thread::scope(|s| {
@@ -156,7 +168,7 @@ pub(super) fn open(ctx: &EngineCtx) -> Result<Inner> {
             s.spawn(|| loop {
                 let i = next.fetch_add(1, Ordering::Relaxed);
                 let Some(segs) = by_shard.get(i) else { break };
-                let r = replay_shard(&region, &geo, &index, i, segs, clean.as_ref());
+                let r = replay_shard(&region, &geo, i, segs, clean.as_ref());
                 if let Some(slot) = results.lock().get_mut(i) {
                     *slot = Some(r);
                 }
@@ -165,27 +177,78 @@ pub(super) fn open(ctx: &EngineCtx) -> Result<Inner> {
     });
     let mut logs = Vec::with_capacity(nshards);
     let mut seq_end = clean.as_ref().map_or(1, |c| c.next_seq).max(1);
-    let (mut keys, mut bytes) = (0i64, 0u64);
+    let mut bytes = 0u64;
+    let mut maps = Vec::with_capacity(nshards);
+    let mut seg_list = Vec::new();
     for (i, r) in results.into_inner().into_iter().enumerate() {
         let r = r.ok_or_else(|| Error::InvalidArgument("a recovery worker did not report".into()))??;
         seq_end = seq_end.max(r.seq_end);
-        keys += r.keys_delta;
         bytes += r.bytes;
         ctx.recovery.lock().extend(r.dropped);
         logs.push(ShardLog { id: i as u32, open: r.open, next_gen: r.next_gen, writes: 0 });
+        maps.push(r.newest);
+        seg_list.extend(r.segs);
     }
+    let t_replay = t0.elapsed();
+    // Merge into the largest map: the newest entry of each key wins.
+    maps.sort_by_key(|m| std::cmp::Reverse(m.len()));
+    let mut it = maps.into_iter();
+    let mut newest = it.next().unwrap_or_default();
+    for m in it {
+        for (k, v) in m {
+            let e = newest.entry(k).or_insert(v);
+            if v.0 > e.0 {
+                *e = v;
+            }
+        }
+    }
+    // Live bytes per slot (of the newest entries; deletes kept count as live: the log
+    // cleaner keeps them too), for the dead-byte counters of the cleaner.
+    let mut live_bytes: HashMap<u64, u64, foldhash::fast::RandomState> = HashMap::default();
+    for v in newest.values() {
+        *live_bytes.entry(geo.slot_holding(v.1)).or_insert(0) += u64::from(v.3);
+    }
+    let mut live: Vec<(&[u8], u64, u64, u32)> =
+        newest.into_iter().filter(|(_, v)| !v.2).map(|(k, (seq, loc, _, size))| (k, seq, loc, size)).collect();
+    live.sort_unstable_by(|a, b| a.0.cmp(b.0));
+    let keys = live.len() as u64;
+    let t_sort = t0.elapsed();
+    let index = Index::new();
+    index.bulk_load(&live);
+    let phases_us = [t_replay, t_sort - t_replay, t0.elapsed() - t_sort].map(|d| d.as_micros() as u64);
+    drop(live);
     if clean.is_some() {
         region.store_u64_atomic(layout::CLEAN_ADDR, 0)?;
         region.persist(layout::CLEAN_ADDR, 8);
     }
     let alloc = SlotAlloc::new(&geo, region.pool_count(), &used);
     let shards = logs.into_iter().map(|l| Shard { log: Mutex::new(l), marker: AtomicU64::new(IDLE) }).collect();
+    let dead: Box<[std::sync::OnceLock<Box<[AtomicU64]>>]> =
+        (0..crate::pm::MAX_POOLS).map(|_| std::sync::OnceLock::new()).collect();
+    let mut segs = std::collections::BTreeMap::new();
+    for (addr, tag, span, used, sealed) in seg_list {
+        // Everything of a segment that is not a newest entry is dead: the segment's first
+        // slot carries the count (the cleaner sums a segment's slots).
+        let live: u64 =
+            (0..span).map(|i| live_bytes.get(&geo.slot_holding(addr + i * geo.stride)).copied().unwrap_or(0)).sum();
+        let slot = geo.slot_holding(addr);
+        let pool = (slot / geo.slots_per_pool) as usize;
+        if let Some(arr) = dead.get(pool) {
+            let arr = arr.get_or_init(|| (0..geo.slots_per_pool).map(|_| AtomicU64::new(0)).collect());
+            if let Some(d) = arr.get((slot % geo.slots_per_pool) as usize) {
+                d.store(used.saturating_sub(live), Ordering::Relaxed);
+            }
+        }
+        segs.insert(addr, super::SegMeta { tag, span, sealed: sealed.then_some(used) });
+    }
     Ok(Inner {
         region,
         geo,
         db_id: sb.db_id,
         shards,
         alloc: Mutex::new(alloc),
+        segs: Mutex::new(segs),
+        dead,
         index,
         next_seq: Padded(AtomicU64::new(seq_end)),
         published: Padded(AtomicU64::new(seq_end - 1)),
@@ -194,23 +257,25 @@ pub(super) fn open(ctx: &EngineCtx) -> Result<Inner> {
         poison: Default::default(),
         closed: Default::default(),
         counters: Default::default(),
-        keys_at_open: keys.max(0) as u64,
+        gc_counters: Default::default(),
+        cleaning: Default::default(),
+        keys_at_open: keys,
         recovery_us: t0.elapsed().as_micros() as u64,
+        recovery_phases_us: phases_us,
         replayed_bytes: bytes,
         verify_reads: ctx.opts.native.verify_reads,
     })
 }
 
-/// Replay shard `id`'s segments (ordered by generation) into `index`.
-fn replay_shard(
-    region: &Region,
+/// Replay shard `id`'s segments (ordered by generation): the newest entry of every key.
+fn replay_shard<'a>(
+    region: &'a Region,
     g: &Geometry,
-    index: &Index,
     id: usize,
     segs: &[Seg],
     clean: Option<&Clean>,
-) -> Result<Replayed> {
-    let mut out = Replayed { next_gen: segs.last().map_or(1, |s| s.gen + 1), ..Replayed::default() };
+) -> Result<Replayed<'a>> {
+    let mut out = Replayed { next_gen: segs.last().map_or(1, |s| s.tag.gen + 1), ..Replayed::default() };
     let tail = clean.and_then(|c| c.tails.get(id).copied());
     for (i, seg) in segs.iter().enumerate() {
         let newest = i + 1 == segs.len();
@@ -220,11 +285,11 @@ fn replay_shard(
                 return Err(region.corruption(seg.addr, "an unsealed segment is not its shard's newest"));
             }
             None => match tail {
-                Some(t) if t.gen == seg.gen => Some(t.len as usize),
+                Some(t) if t.gen == seg.tag.gen => Some(t.len as usize),
                 Some(t) => {
                     return Err(region.corruption(
                         seg.addr,
-                        format!("the clean-close record ends shard {id} in generation {}, not {}", t.gen, seg.gen),
+                        format!("the clean-close record ends shard {id} in generation {}, not {}", t.gen, seg.tag.gen),
                     ))
                 }
                 None => None,
@@ -233,16 +298,14 @@ fn replay_shard(
         let cap = g.capacity(u64::from(seg.span));
         let base = seg.addr + SEG_HEADER_LEN;
         let data = region.slice_checked(base, cap as usize, "segment")?;
-        let (end, how) = scan(data, 0, seg.gen, limit, &mut |rec, e| {
+        let (end, how) = scan(data, 0, seg.tag, limit, &mut |rec, e| {
             let loc = base + (rec + e.offset) as u64;
             let tomb = e.kind == Kind::Delete;
-            out.seq_end = out.seq_end.max(e.seq + 1);
-            match index.link(e.key, NewVersion { seq: e.seq, loc, tomb, gate: None }, u64::MAX) {
-                Linked::Newest(prev) => {
-                    let was_live = prev.is_some_and(|(_, t)| !t);
-                    out.keys_delta += i64::from(!tomb) - i64::from(was_live);
-                }
-                Linked::Shadowed | Linked::Duplicate => {}
+            out.seq_end = out.seq_end.max(e.seq.saturating_add(1));
+            let size = layout::entry_len(e.key.len(), e.value.len()) as u32;
+            let n = out.newest.entry(e.key).or_insert((e.seq, loc, tomb, size));
+            if e.seq > n.0 {
+                *n = (e.seq, loc, tomb, size);
             }
         });
         out.bytes += end as u64;
@@ -257,8 +320,9 @@ fn replay_shard(
             End::Damaged(d) => return Err(region.corruption(base + end as u64, d)),
         }
         if newest && seg.sealed.is_none() {
-            out.open = Some(OpenSeg { addr: seg.addr, gen: seg.gen, len: end as u64, cap });
+            out.open = Some(OpenSeg { addr: seg.addr, tag: seg.tag, len: end as u64, cap });
         }
+        out.segs.push((seg.addr, seg.tag, u64::from(seg.span), end as u64, seg.sealed.is_some()));
     }
     Ok(out)
 }

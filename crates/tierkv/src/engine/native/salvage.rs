@@ -4,7 +4,8 @@
 //! The store's whole state is its logs: every intact record is a batch of entries with
 //! sequence numbers, so salvage hands every entry of every verifying record to the sink
 //! with its sequence number as the [`Order`] (sequence numbers are never reused; two
-//! copies of one number carry the same content). The walk trusts nothing it cannot verify:
+//! copies of one number — an entry and the log cleaner's copy of it — carry the same
+//! content). The walk trusts nothing it cannot verify:
 //! - the superblock, when it fails its checks, is reported and the geometry is taken from
 //!   the options (as a new store would get it);
 //! - every slot of every pool is visited; a segment header that fails its checks is
@@ -127,7 +128,7 @@ pub(crate) fn walk(pm: &dyn PmRead, g: &Geometry, db_id: u64, shards: u32, f: &m
             };
             let mut start = 0usize;
             loop {
-                let (end, how) = scan(data, start, h.gen, limit.map(|l| l as usize), &mut |_, e| {
+                let (end, how) = scan(data, start, h.tag(), limit.map(|l| l as usize), &mut |_, e| {
                     f(Event::Entry { key: e.key, value: e.value, seq: e.seq, tomb: e.kind == Kind::Delete })
                 });
                 match how {
@@ -138,7 +139,7 @@ pub(crate) fn walk(pm: &dyn PmRead, g: &Geometry, db_id: u64, shards: u32, f: &m
                     }
                     End::Damaged(detail) => {
                         f(Event::Bad { addr: base + end as u64, detail });
-                        match intact_after(data, end, h.gen) {
+                        match intact_after(data, end, h.tag()) {
                             Some(p) if limit.is_none_or(|l| p < l as usize) => start = p,
                             _ => break,
                         }
