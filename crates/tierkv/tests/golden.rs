@@ -212,26 +212,26 @@ fn native_layouts() {
     let id = 0x1122_3344_5566_7788;
     let sb = Superblock { shards: 4, stride: 0x3fc0, slots_per_pool: 64, db_id: id };
     let want = "544b564e41545600".to_string() // magic "TKVNATV\0"
-        + "01000000" // format version 1
+        + "02000000" // format version 2
         + "04000000" // shards
         + "c03f000000000000" // stride
         + "40000000" // slots per pool
         + "00000000"
         + "8877665544332211" // store id
-        + "4a1645dc" // crc
+        + "7c91fb7d" // crc
         + &zeros(20);
     assert_eq!(hex(&sb.encode()), want);
     assert_eq!(Superblock::decode(&sb.encode()), Ok(sb));
 
     let h = SegHeader { shard: 2, gen: 5, span: 1, salt: 0xa1b2_c3d4, db_id: id };
     let want = "544b564e53454700".to_string() // magic "TKVNSEG\0"
-        + "01000000" // format version 1
+        + "02000000" // format version 2
         + "02000000" // shard
         + "0500000000000000" // generation
         + "8877665544332211" // store id
         + "01000000" // span
         + "d4c3b2a1" // salt
-        + "77ea2b59" // crc
+        + "215d95f6" // crc
         + &zeros(4)
         + &zeros(8) // seal word: open
         + &zeros(8);

@@ -491,6 +491,11 @@ impl Region {
         Ok(i)
     }
 
+    /// True while [`Region::grow`] may add a pool (the capacity is not reached).
+    pub fn can_grow(&self) -> bool {
+        self.pool_count() < self.max_pools
+    }
+
     /// Number of pools.
     pub fn pool_count(&self) -> usize {
         self.npools.load(Ordering::Acquire)

@@ -238,24 +238,27 @@ impl Index {
     }
 
     /// The log cleaner moved `key`'s entry with sequence number `seq` from `from` to `to`:
-    /// point the version at its new place. Returns false (the copy is dead) when no such
-    /// version is in the chain any more.
-    pub fn relocate(&self, key: &[u8], seq: u64, from: u64, to: u64) -> bool {
+    /// point the version at its new place. Returns `None` (the copy is dead) when no such
+    /// version is in the chain any more, else whether it is the key's newest version (an
+    /// older one is kept only for a snapshot, and its bytes are already counted dead).
+    pub fn relocate(&self, key: &[u8], seq: u64, from: u64, to: u64) -> Option<bool> {
         let g = MapGuard::new();
-        let Some(slot) = self.hash.peek(key, &g) else { return false };
+        let slot = self.hash.peek(key, &g)?;
         let _l = slot.lock.lock();
         let eg = epoch::pin();
         let mut v = slot.head(&eg);
+        let mut newest = true;
         while let Some(x) = v {
             if x.seq == seq {
-                return x.loc.compare_exchange(from, to, Ordering::AcqRel, Ordering::Acquire).is_ok();
+                return x.loc.compare_exchange(from, to, Ordering::AcqRel, Ordering::Acquire).ok().map(|_| newest);
             }
             if x.seq < seq {
-                return false;
+                return None;
             }
+            newest = false;
             v = x.older(&eg);
         }
-        false
+        None
     }
 
     /// Whether `key` has a version with sequence number `seq` at `loc` (a live entry for the

@@ -12,7 +12,9 @@ use crate::format::{crc, Cursor};
 use crate::pm::{LINE, POOL_HEADER_LEN};
 
 /// Format version of the `native` layout. Bump on any incompatible change.
-pub const FORMAT_VERSION: u32 = 1;
+/// History: 1 (first version); 2 (segment salt in the header and in every record
+/// checksum; seal word moved to offset 48). A version-1 store is refused at open.
+pub const FORMAT_VERSION: u32 = 2;
 
 /// The superblock: first thing in the meta slot.
 pub const SUPERBLOCK_ADDR: u64 = POOL_HEADER_LEN;

@@ -67,7 +67,9 @@
 //! the copies, zeroes the segment's magic and retires it. A retired segment is reused once
 //! no snapshot or iterator registered before its retirement lives and the epoch moved on
 //! (a `get` may have read a location in it). It runs in `compact()`, and in a writer that
-//! finds fewer free slots than shards (a short write stall).
+//! starts a new segment when half of the sealed log is dead or PM is short (fewer free
+//! slots than shards and the region at its capacity): a short write stall, like LevelDB's,
+//! that keeps the log within about twice its live data.
 //!
 //! # What this version does not do yet (issue 22, stated in the closing note)
 //! - The capacity tier (cold records to SSTables on disk) and a background cleaner thread.
@@ -417,6 +419,19 @@ impl Inner {
         }
     }
 
+    /// True when at least half of the bytes of sealed segments are dead (and at least four
+    /// segments' worth): the log's space amplification reached 2×.
+    fn mostly_dead(&self) -> bool {
+        let (mut used, mut dead) = (0u64, 0u64);
+        for (&a, m) in self.segs.lock().iter() {
+            if let Some(u) = m.sealed {
+                used += u;
+                dead += self.dead_bytes(a, m.span).min(u);
+            }
+        }
+        dead >= 4 * self.geo.stride && 2 * dead >= used
+    }
+
     /// Dead bytes of the segment at `addr` of `span` slots.
     fn dead_bytes(&self, addr: u64, span: u64) -> u64 {
         (0..span).filter_map(|i| self.dead_at(addr + i * self.geo.stride)).map(|d| d.load(Ordering::Relaxed)).sum()
@@ -520,8 +535,9 @@ impl Inner {
             let mut one = std::iter::once(EntryIn { kind: e.kind, key: e.key, value: e.value });
             let at = self.append(log, e.seq, 1, len, &mut one, false)?;
             let to = at + RECORD_HEADER_LEN as u64;
-            if has_slot && !self.index.relocate(e.key, e.seq, loc, to) {
-                // Superseded while it was copied: the copy is dead.
+            if has_slot && self.index.relocate(e.key, e.seq, loc, to) != Some(true) {
+                // Superseded while it was copied, or an older version kept for a snapshot
+                // (counted dead when it was superseded): the copy counts as dead.
                 self.add_dead(to, size);
             }
             self.gc_counters.add(G_RELOCATED, 1);
@@ -624,12 +640,12 @@ impl Inner {
         let low = {
             let mut a = self.alloc.lock();
             a.reclaim(self.oldest_snap.0.load(Ordering::SeqCst));
-            a.free_slots() < self.shards.len()
+            a.free_slots() < self.shards.len() && !self.region.can_grow()
         };
-        if low && may_clean {
-            // PM is short: the writer that finds it so cleans a few segments first (like a
-            // write stall); what it frees becomes reusable once no reader can hold it. A
-            // damaged segment is left for `check` and `compact` to report.
+        if may_clean && (low || self.mostly_dead()) {
+            // PM is short, or half the log is dead: the writer that starts a segment then
+            // cleans a few first (like a write stall); what it frees becomes reusable once
+            // no reader can hold it. A damaged segment is left for `check` and `compact`.
             if let Err(e) = self.clean(log, 4) {
                 if !e.is_corruption() {
                     return Err(e);
@@ -647,6 +663,7 @@ impl Inner {
             a.take(&self.geo, &self.region, span)?
         };
         let addr = self.geo.addr(slot);
+        debug_assert!(!self.segs.lock().contains_key(&addr), "slot {slot} handed out while in use");
         if let Some(o) = log.open.take() {
             seal_segment(&self.region, o.addr, o.tag.gen, o.len)?;
             if let Some(m) = self.segs.lock().get_mut(&o.addr) {
