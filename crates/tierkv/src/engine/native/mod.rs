@@ -253,6 +253,22 @@ impl Inner {
         m.saturating_sub(1)
     }
 
+    /// Wait until every write numbered at or below `target` has completed (ignoring the
+    /// write in flight on shard `skip`): spin briefly, then yield (the writers waited for
+    /// are past their number and never wait for the caller). Returns whether it waited.
+    fn wait_visible(&self, target: u64, skip: Option<usize>) -> bool {
+        let mut spins = 0u32;
+        while self.visible(skip) < target {
+            spins += 1;
+            if spins < 64 {
+                std::hint::spin_loop();
+            } else {
+                std::thread::yield_now();
+            }
+        }
+        spins > 0
+    }
+
     /// Advance the published sequence number; returns it.
     fn publish(&self) -> u64 {
         let v = self.visible(None);
@@ -276,15 +292,7 @@ impl Inner {
         // already returned). The wait is for writers already past their fence or about to
         // take their number; none of them waits for a snapshot.
         let c = self.next_seq.0.load(Ordering::SeqCst);
-        let mut spins = 0u32;
-        while self.visible(None) < c - 1 {
-            spins += 1;
-            if spins < 64 {
-                std::hint::spin_loop();
-            } else {
-                std::thread::yield_now();
-            }
-        }
+        self.wait_visible(c - 1, None);
         let mut live = self.snaps.live.lock();
         let p = self.published.0.load(Ordering::SeqCst);
         *live.entry(p).or_insert(0) += 1;
@@ -604,16 +612,7 @@ impl Inner {
     /// Wait until every write numbered below `base` has completed, then decide `cond` on
     /// the key's newest version below `base`.
     fn condition_holds(&self, si: usize, base: u64, ops: &[BatchOp], cond: Cond) -> bool {
-        let mut spins = 0u32;
-        while self.visible(Some(si)) < base - 1 {
-            spins += 1;
-            if spins < 64 {
-                std::hint::spin_loop();
-            } else {
-                std::thread::yield_now();
-            }
-        }
-        if spins > 0 {
+        if self.wait_visible(base - 1, Some(si)) {
             self.counters.add(C_COND_WAITS, 1);
         }
         let Some(op) = ops.first() else { return true };
