@@ -64,10 +64,27 @@ impl Db {
             fs.create_dir_all(&dir)?;
         }
         let lock_path = dir.join("LOCK");
-        let lock = fs.lock(&lock_path).map_err(|e| match e.kind() {
-            std::io::ErrorKind::WouldBlock => Error::Locked(dir.clone()),
-            _ => Error::Io(std::io::Error::new(e.kind(), format!("cannot lock {}: {e}", lock_path.display()))),
-        })?;
+        // The lock is an `flock` on `LOCK`. A process that forks (another thread spawning a
+        // child) shares the lock with the child until the child execs and closes the
+        // descriptor, so a handle closed just before can look held for a moment: retry
+        // for up to 200 ms before reporting `Locked`.
+        let mut tries = 0;
+        let lock = loop {
+            match fs.lock(&lock_path) {
+                Ok(l) => break l,
+                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock && tries < 40 => {
+                    tries += 1;
+                    std::thread::sleep(std::time::Duration::from_millis(5));
+                }
+                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => return Err(Error::Locked(dir.clone())),
+                Err(e) => {
+                    return Err(Error::Io(std::io::Error::new(
+                        e.kind(),
+                        format!("cannot lock {}: {e}", lock_path.display()),
+                    )))
+                }
+            }
+        };
         let path = dir.join(OPTIONS_FILE);
         let (record, fresh) = if fs.exists(&path) {
             let raw = fs.read_all(&path)?;
