@@ -48,8 +48,9 @@
 //! has linked its versions. Each shard advertises the sequence number of the write in
 //! flight on it (its *marker*); the published number is the smallest marker (or the next
 //! sequence number) minus one, kept as a running maximum. Writers publish every 32 writes
-//! per shard and a snapshot publishes when it is taken, so taking one never waits for a
-//! writer. Old versions are cut when a writer of the key finds them below the newest
+//! per shard and a snapshot publishes when it is taken. Taking one first waits until every
+//! write numbered below the counter at the call has linked (so it includes every write
+//! acknowledged before it); writers never wait for snapshots. Old versions are cut when a writer of the key finds them below the newest
 //! version every current and future snapshot can need ([`index`]'s trimming rule).
 //!
 //! # Conditional writes
