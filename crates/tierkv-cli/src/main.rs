@@ -29,7 +29,7 @@ struct Target {
     #[arg(long)]
     dir: PathBuf,
     /// Preset (for a new store; an existing store must match). Default: the store's own,
-    /// or pmekv for a new store.
+    /// or native for a new store.
     #[arg(long)]
     preset: Option<String>,
     /// PM pool directory (default <dir>/pm).
@@ -243,7 +243,7 @@ enum Cmd {
         #[arg(long)]
         dir: Option<PathBuf>,
         /// Preset to soak.
-        #[arg(long, default_value = "pmekv")]
+        #[arg(long, default_value = "native")]
         preset: String,
         /// Kill/reopen/verify cycles.
         #[arg(long, default_value_t = 10)]

@@ -31,7 +31,7 @@ fn put_get_delete_scan_with_exit_codes() {
     let d = t.path().join("db");
     let d = d.to_str().unwrap();
     assert_eq!(code(&tierkv(&["put", "--dir", d, "alpha", "one"], None)), 0);
-    assert_eq!(code(&tierkv(&["put", "--dir", d, "--preset", "pmekv", "k\\x01", "-"], Some(b"bin\x00\xffval"))), 0);
+    assert_eq!(code(&tierkv(&["put", "--dir", d, "--preset", "native", "k\\x01", "-"], Some(b"bin\x00\xffval"))), 0);
     assert_eq!(code(&tierkv(&["put", "--dir", d, "zeta", "last"], None)), 0);
     let g = tierkv(&["get", "--dir", d, "k\\x01"], None);
     assert_eq!(code(&g), 0);
@@ -51,7 +51,7 @@ fn put_get_delete_scan_with_exit_codes() {
     let st = tierkv(&["stats", "--dir", d], None);
     assert_eq!(code(&st), 0);
     let json: serde_json::Value = serde_json::from_slice(&st.stdout).unwrap();
-    assert_eq!(json["preset"], "pmekv");
+    assert_eq!(json["preset"], "native", "native is the default preset");
     assert_eq!(json["keys"], 2);
     let c = tierkv(&["check", "--dir", d], None);
     assert_eq!(code(&c), 0, "{}", String::from_utf8_lossy(&c.stdout));
@@ -81,7 +81,8 @@ fn check_reports_damage_with_exit_3() {
     let t = tmp();
     let d = t.path().join("db");
     let ds = d.to_str().unwrap();
-    assert_eq!(code(&tierkv(&["put", "--dir", ds, "k", "UNIQUE-VALUE-BYTES"], None)), 0);
+    // pmekv: its PM layout (a value checksummed on every read, the superblock at 64).
+    assert_eq!(code(&tierkv(&["put", "--dir", ds, "--preset", "pmekv", "k", "UNIQUE-VALUE-BYTES"], None)), 0);
     // Damage the value in the PM pool: the store opens, but check finds the bad checksum.
     let pool = d.join("pm/pool-000000");
     let mut img = std::fs::read(&pool).unwrap();

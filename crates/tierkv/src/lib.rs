@@ -5,7 +5,7 @@
 //! ```no_run
 //! use tierkv::{Db, Options, Preset, WriteBatch};
 //! # fn main() -> tierkv::Result<()> {
-//! let db = Db::open("/tmp/tierkv-demo", Options::new().preset(Preset::Pmekv))?;
+//! let db = Db::open("/tmp/tierkv-demo", Options::new().preset(Preset::Native))?;
 //! db.put(b"key", b"value")?;
 //! assert_eq!(db.get(b"key")?, Some(b"value".to_vec()));
 //! let mut batch = WriteBatch::new();

@@ -26,7 +26,6 @@ pub const MAX_VALUE_SIZE: usize = 64 << 20;
 pub enum Preset {
     /// PMEKV (Micromachines 2020): DRAM B+-tree of key → value pointer, values in a PM heap,
     /// KeyNodes persisted in PM, two-tier log. See [`crate::engine::pmekv`].
-    #[default]
     Pmekv,
     /// SLM-DB (FAST '19): PM skiplist MemTable without a WAL, persistent B+-tree in PM over
     /// one level of SSTables on disk, selective compaction. See [`crate::engine::slmdb`].
@@ -42,9 +41,10 @@ pub enum Preset {
     /// index over a PM hot vlog, a leveled LSM cold store with partial KV separation and
     /// value groups. See [`crate::engine::hoakv`].
     Hoakv,
-    /// tierkv's own design: per-shard PM logs written without a shared lock, a concurrent
-    /// ordered DRAM index of versions with lock-free reads, native snapshots. See
-    /// [`crate::engine::native`].
+    /// tierkv's own design, and the default: per-shard PM logs written without a shared
+    /// lock, a concurrent ordered DRAM index of versions with lock-free reads, native
+    /// snapshots, cold keys moved to SSTables on disk. See [`crate::engine::native`].
+    #[default]
     Native,
 }
 
@@ -117,11 +117,34 @@ pub struct NativeOptions {
     /// [`crate::engine::native`]). `true` costs a checksum over every value read (about
     /// 0.1 µs per KiB here). May change between opens.
     pub verify_reads: bool,
+    /// DRAM the index of PM-resident keys may use, in bytes (about 300 bytes per key plus
+    /// the key; see `Stats::dram_bytes`). Past it, the capacity tier moves cold keys
+    /// (CLOCK: not read or written for a whole turn of its hand) to SSTables on disk,
+    /// where a key costs its share of a table's index block and bloom filter (about 10
+    /// bits plus a few bytes). 0 (the default) = no DRAM bound. May change between opens.
+    pub dram_budget: u64,
+    /// Share of [`Options::pm_capacity`] the live log data may fill before the capacity
+    /// tier moves cold keys to disk (it moves them until 10 points below). Ignored when
+    /// `pm_capacity` is 0 (no PM bound). Default 0.7; range 0.1..=0.95. May change
+    /// between opens.
+    pub pm_watermark: f64,
+    /// Run the capacity tier and the log cleaner on a background thread (checked every
+    /// 100 ms and when a shard starts a segment). `false`: only [`crate::Db::compact`]
+    /// and writers short of PM run them (tests that want every move in the calling
+    /// thread). Default `true`.
+    pub background: bool,
 }
 
 impl Default for NativeOptions {
     fn default() -> Self {
-        NativeOptions { shards: 0, segment_size: 4 << 20, verify_reads: false }
+        NativeOptions {
+            shards: 0,
+            segment_size: 4 << 20,
+            verify_reads: false,
+            dram_budget: 0,
+            pm_watermark: 0.7,
+            background: true,
+        }
     }
 }
 
@@ -414,7 +437,7 @@ impl Default for HoakvOptions {
 /// How to open a store. Build with [`Options::new`] and the chained setters.
 #[derive(Clone)]
 pub struct Options {
-    /// The design to run. Default [`Preset::Pmekv`] (the only preset this build hosts).
+    /// The design to run. Default [`Preset::Native`].
     pub preset: Preset,
     /// Create the directory and store if missing. Default `true`.
     pub create_if_missing: bool,
@@ -701,6 +724,9 @@ impl Options {
         }
         if self.preset == Preset::Native && (n.segment_size < (16 << 10) || !n.segment_size.is_multiple_of(4096)) {
             return bad(format!("native.segment_size {} must be a multiple of 4 KiB, at least 16 KiB", n.segment_size));
+        }
+        if !(0.1..=0.95).contains(&n.pm_watermark) {
+            return bad(format!("native.pm_watermark {} must be within 0.1..=0.95", n.pm_watermark));
         }
         let p = &self.pmekv;
         if !(4..=1024).contains(&p.node_capacity) {

@@ -32,9 +32,18 @@ pub fn sim_options(preset: Preset, dev: &SimDevice, fs: &FaultFs) -> Options {
 }
 
 /// `native` scaled down so that small tests fill, seal and chain segments: 4 shards of
-/// 16 KiB segments (a 16 KiB value takes a segment of two slots).
+/// 16 KiB segments (a 16 KiB value takes a segment of two slots), and a DRAM budget of
+/// about 200 index slots, so that every shared suite with more keys runs the capacity
+/// tier (cold keys moved to SSTables). No background thread: writers starting a segment
+/// and `compact` move and clean, so crash points are deterministic.
 pub fn native_small() -> NativeOptions {
-    NativeOptions { shards: 4, segment_size: 16 << 10, verify_reads: false }
+    NativeOptions {
+        shards: 4,
+        segment_size: 16 << 10,
+        dram_budget: 200 * 292,
+        background: false,
+        ..NativeOptions::default()
+    }
 }
 
 /// HoaKV scaled down so that small tests promote and demote keys, separate values into the

@@ -82,12 +82,22 @@ fn bad_options_are_refused() {
     invalid(Db::open(t.path(), Options::new().pm_pool_size(1000)));
     invalid(Db::open(t.path(), Options::new().max_key_size(70_000)));
     invalid(Db::open(t.path(), Options::new().max_value_size((64 << 20) + 1)));
-    invalid(Db::open(t.path(), Options::new().pmekv(PmekvOptions { node_capacity: 2, ..Default::default() })));
-    invalid(Db::open(t.path(), Options::new().pmekv(PmekvOptions { key_log_size: 100, ..Default::default() })));
+    let pmekv = || Options::new().preset(tierkv::Preset::Pmekv);
+    invalid(Db::open(t.path(), pmekv().pmekv(PmekvOptions { node_capacity: 2, ..Default::default() })));
+    invalid(Db::open(t.path(), pmekv().pmekv(PmekvOptions { key_log_size: 100, ..Default::default() })));
     // Logs that do not fit the pool.
     invalid(Db::open(
         t.path().join("small"),
-        Options::new().pm_pool_size(1 << 20).pmekv(PmekvOptions { key_log_size: 1 << 20, ..Default::default() }),
+        pmekv().pm_pool_size(1 << 20).pmekv(PmekvOptions { key_log_size: 1 << 20, ..Default::default() }),
+    ));
+    // The default preset's own.
+    invalid(Db::open(
+        t.path(),
+        Options::new().native(tierkv::NativeOptions { pm_watermark: 0.99, ..Default::default() }),
+    ));
+    invalid(Db::open(
+        t.path(),
+        Options::new().native(tierkv::NativeOptions { segment_size: 5000, ..Default::default() }),
     ));
     assert!("nope".parse::<tierkv::Preset>().is_err());
 }

@@ -212,26 +212,26 @@ fn native_layouts() {
     let id = 0x1122_3344_5566_7788;
     let sb = Superblock { shards: 4, stride: 0x3fc0, slots_per_pool: 64, db_id: id };
     let want = "544b564e41545600".to_string() // magic "TKVNATV\0"
-        + "02000000" // format version 2
+        + "03000000" // format version 3
         + "04000000" // shards
         + "c03f000000000000" // stride
         + "40000000" // slots per pool
         + "00000000"
         + "8877665544332211" // store id
-        + "7c91fb7d" // crc
+        + "c1c8711d" // crc
         + &zeros(20);
     assert_eq!(hex(&sb.encode()), want);
     assert_eq!(Superblock::decode(&sb.encode()), Ok(sb));
 
     let h = SegHeader { shard: 2, gen: 5, span: 1, salt: 0xa1b2_c3d4, db_id: id };
     let want = "544b564e53454700".to_string() // magic "TKVNSEG\0"
-        + "02000000" // format version 2
+        + "03000000" // format version 3
         + "02000000" // shard
         + "0500000000000000" // generation
         + "8877665544332211" // store id
         + "01000000" // span
         + "d4c3b2a1" // salt
-        + "215d95f6" // crc
+        + "dcf30698" // crc
         + &zeros(4)
         + &zeros(8) // seal word: open
         + &zeros(8);
@@ -266,4 +266,27 @@ fn native_layouts() {
         + "00000000";
     assert_eq!(hex(&c.encode()), want);
     assert_eq!(Clean::decode(&c.encode(), 2), Some(c));
+
+    // A moved entry (kind 3, no value) alone in its record.
+    let moved = [EntryIn { kind: Kind::Moved, key: b"alpha", value: b"" }];
+    let want = "d8a0d3c6".to_string() // record crc
+        + "30000000" // length 48
+        + "07000000" // generation
+        + "01000000" // one entry
+        + "6400000000000000" // its sequence number: the moved version's (100)
+        + "2165e4ab" + "00000000" + "0500" + "03" + "00" + "616c706861" // moved alpha
+        + "00000000000000"; // padding to 8
+    assert_eq!(hex(&encode_record(tag, 100, &moved)), want);
+
+    // A version-2 superblock is read as this version's; version 1 is refused.
+    let with_version = |v: u32| {
+        let mut b = sb.encode();
+        b[8..12].copy_from_slice(&v.to_le_bytes());
+        let c = tierkv::format::crc::masked(&b[0..40]);
+        b[40..44].copy_from_slice(&c.to_le_bytes());
+        b
+    };
+    assert_eq!(Superblock::decode(&with_version(2)), Ok(sb));
+    assert!(Superblock::decode(&with_version(1)).is_err());
+    assert!(Superblock::decode(&with_version(4)).is_err());
 }

@@ -21,7 +21,7 @@ fn opts(dev: &SimDevice, fs: &FaultFs, pool: u64, segment: u64) -> tierkv::Optio
     tierkv::testing::sim_options(Preset::Native, dev, fs).pm_pool_size(pool).native(NativeOptions {
         shards: 4,
         segment_size: segment,
-        verify_reads: false,
+        ..tierkv::testing::native_small()
     })
 }
 
@@ -103,4 +103,41 @@ fn a_write_racing_close_is_refused_or_kept() {
             assert_eq!(db2.get(k).unwrap().as_deref(), Some(v.as_slice()), "round {round}: acknowledged write lost");
         }
     }
+}
+
+/// With `pm_capacity` set, live log data past `pm_watermark` of it moves to disk: four
+/// times the PM capacity in values fits, every value reads back (also after a reopen),
+/// and PM never runs out. (No background thread: writers move as they start segments.)
+#[test]
+fn data_four_times_the_pm_capacity_fits_through_the_capacity_tier() {
+    let dev = SimDevice::new();
+    let fs = FaultFs::new();
+    let o = || {
+        tierkv::testing::sim_options(Preset::Native, &dev, &fs)
+            .pm_pool_size(1 << 20)
+            .pm_capacity(2 << 20)
+            .native(NativeOptions { dram_budget: 0, ..tierkv::testing::native_small() })
+    };
+    let db = Db::open("/db", o()).unwrap();
+    let mut m = std::collections::BTreeMap::new();
+    for i in 0..8000u32 {
+        let k = format!("key{:05}", (i * 7919) % 8000).into_bytes();
+        let v = vec![(i % 251) as u8; 1000];
+        db.put(&k, &v).unwrap_or_else(|e| panic!("put {i}: {e} {:?}", db.stats().design));
+        m.insert(k, v);
+    }
+    let s = db.stats();
+    let d = |k: &str| s.design.get(k).copied().unwrap_or(0);
+    assert!(d("cold_keys_moved") > 4000, "{:?}", s.design);
+    assert!(s.pm.pools <= 2);
+    assert!(d("pm_live_log_bytes") <= 2 << 20, "{:?}", s.design);
+    for (k, v) in &m {
+        assert_eq!(db.get(k).unwrap().as_ref(), Some(v));
+    }
+    assert!(db.check().unwrap().is_empty());
+    db.close().unwrap();
+    drop(db);
+    let db = Db::open("/db", o()).unwrap();
+    let n = db.scan(..).unwrap().map(|r| r.unwrap()).filter(|(k, v)| m.get(k) == Some(v)).count();
+    assert_eq!(n, m.len());
 }

@@ -13,10 +13,21 @@ const _: () = {
     send_sync::<Db>();
 };
 
+/// `pmekv` (whose PM traffic the counts below describe; `native`'s capacity tier has its
+/// own test in `tests/native.rs`).
 fn opts() -> Options {
-    Options::new().pm_pool_size(1 << 20).pm_sync(true).pm_write_latency_ns(200).pm_write_bandwidth_mbps(2000).pmekv(
-        PmekvOptions { kv_log_size: 256 << 10, key_log_size: 256 << 10, writeback_interval_ms: 0, node_capacity: 16 },
-    )
+    Options::new()
+        .preset(tierkv::Preset::Pmekv)
+        .pm_pool_size(1 << 20)
+        .pm_sync(true)
+        .pm_write_latency_ns(200)
+        .pm_write_bandwidth_mbps(2000)
+        .pmekv(PmekvOptions {
+            kv_log_size: 256 << 10,
+            key_log_size: 256 << 10,
+            writeback_interval_ms: 0,
+            node_capacity: 16,
+        })
 }
 
 #[test]

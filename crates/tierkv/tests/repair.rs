@@ -116,8 +116,18 @@ fn damaged_bytes_in_every_structure_are_salvaged_every_preset() {
             keys_differ += d;
             with_loss += u64::from(d > 0);
         }
-        let mut names = fs.list(&dir()).unwrap();
-        names.retain(|n| n != "LOCK" && n != "OPTIONS");
+        // Every file, those one directory down (`native`'s `cold/`) included.
+        let mut names = Vec::new();
+        for n in fs.list(&dir()).unwrap() {
+            if n == "LOCK" || n == "OPTIONS" {
+                continue;
+            }
+            if fs.read_all(&dir().join(&n)).is_ok() {
+                names.push(n);
+            } else if let Ok(sub) = fs.list(&dir().join(&n)) {
+                names.extend(sub.into_iter().map(|s| format!("{n}/{s}")));
+            }
+        }
         names.sort();
         for name in &names {
             let data = fs.read_all(&dir().join(name)).unwrap();

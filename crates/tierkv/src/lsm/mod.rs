@@ -215,6 +215,8 @@ pub struct LsmCounters {
     pub tombstones_dropped: AtomicU64,
     /// Times a writer waited for a flush or for level 0 to shrink.
     pub write_stalls: AtomicU64,
+    /// Entries written by [`Lsm::ingest`].
+    pub ingested: AtomicU64,
 }
 
 /// A picked compaction.
@@ -276,6 +278,104 @@ pub type DurableHook = Arc<dyn Fn() -> Result<()> + Send + Sync>;
 impl std::fmt::Debug for Lsm {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Lsm").field("dir", &self.dir).finish()
+    }
+}
+
+/// The tables of one version of the tree, pinned: each `Arc<Table>` keeps its file
+/// readable after a compaction removed it, so a reader holding a view sees the tables as
+/// they were when it was taken, for as long as it likes, without blocking compactions.
+/// (The MemTables are not part of it: [`Lsm::ingest`] users never write through them.)
+#[derive(Clone, Debug)]
+pub struct TablesView(Arc<Levels>);
+
+impl TablesView {
+    /// The newest entry of `key` in the view's tables: `Some(None)` for a tombstone,
+    /// `None` when absent. Bloom filters first; at most one table per level ≥ 1.
+    pub fn get(&self, key: &[u8]) -> Result<Option<Option<Vec<u8>>>> {
+        let cur = &self.0;
+        for f in cur.levels.first().into_iter().flatten() {
+            if key >= f.meta.smallest.as_slice() && key <= f.meta.largest.as_slice() {
+                if let Some(e) = f.table.get_cached(key)? {
+                    return Ok(Some(kind_value(e)));
+                }
+            }
+        }
+        for lvl in cur.levels.iter().skip(1) {
+            let i = lvl.partition_point(|f| f.meta.largest.as_slice() < key);
+            if let Some(f) = lvl.get(i) {
+                if f.meta.smallest.as_slice() <= key {
+                    if let Some(e) = f.table.get_cached(key)? {
+                        return Ok(Some(kind_value(e)));
+                    }
+                }
+            }
+        }
+        Ok(None)
+    }
+
+    /// The tables named by the MANIFEST in `dir`, opened read-only (tools that salvage a
+    /// store: nothing is created, removed or rewritten). A torn last MANIFEST record is
+    /// dropped; tables that fail to open are reported to `lost` and left out.
+    pub fn read_only(fs: &dyn Fs, dir: &Path, lost: &mut dyn FnMut(&Path, String)) -> Result<TablesView> {
+        let (version, _, _) = Manifest::recover(fs, dir)?;
+        let cache = BlockCache::new(1 << 20);
+        let levels_n = version.files.values().map(|m| m.level as usize + 1).max().unwrap_or(0).max(2);
+        let mut levels = Levels { levels: vec![Vec::new(); levels_n] };
+        for (&n, m) in &version.files {
+            let path = dir.join(table_name(n));
+            match Table::open_cached(fs, &path, n, &cache) {
+                Ok(table) => {
+                    if let Some(l) = levels.levels.get_mut(m.level as usize) {
+                        l.push(Arc::new(TFile { number: n, meta: m.clone(), table }));
+                    }
+                }
+                Err(e) => lost(&path, e.to_string()),
+            }
+        }
+        sort_levels(&mut levels);
+        Ok(TablesView(Arc::new(levels)))
+    }
+
+    /// No table at all.
+    pub fn is_empty(&self) -> bool {
+        self.0.levels.iter().all(Vec::is_empty)
+    }
+
+    /// Entries of the view's tables (tombstones and copies shadowed by newer tables
+    /// included: an upper bound of the keys they hold).
+    pub fn entries(&self) -> u64 {
+        self.0.levels.iter().flatten().map(|f| f.meta.total).sum()
+    }
+
+    /// Tables in the view.
+    pub fn tables(&self) -> usize {
+        self.0.levels.iter().map(Vec::len).sum()
+    }
+
+    /// Bytes of the view's tables.
+    pub fn bytes(&self) -> u64 {
+        (0..self.0.levels.len()).map(|l| self.0.bytes(l)).sum()
+    }
+
+    /// DRAM the view's tables hold for their index blocks and bloom filters.
+    pub fn dram_bytes(&self) -> u64 {
+        self.0.levels.iter().flatten().map(|f| f.table.dram_bytes()).sum()
+    }
+
+    /// The view's tables as internal iterators, newest first (level-0 tables newest
+    /// first, then one concatenating iterator per level ≥ 1); merged, newest wins.
+    pub fn sources(&self) -> Vec<BoxedIter> {
+        let cur = &self.0;
+        let mut out: Vec<BoxedIter> = Vec::new();
+        for f in cur.levels.first().into_iter().flatten() {
+            out.push(Box::new(TableIter::new(f.table.clone(), true)));
+        }
+        for l in 1..cur.levels.len() {
+            if !cur.levels[l].is_empty() {
+                out.push(Box::new(LevelIter::new(cur.clone(), l)));
+            }
+        }
+        out
     }
 }
 
@@ -659,25 +759,70 @@ impl Lsm {
                 return Ok(Some(v));
             }
         }
-        let cur = self.current.read().clone();
-        for f in &cur.levels[0] {
-            if key >= f.meta.smallest.as_slice() && key <= f.meta.largest.as_slice() {
-                if let Some(e) = f.table.get_cached(key)? {
-                    return Ok(Some(kind_value(e)));
-                }
+        self.tables().get(key)
+    }
+
+    /// The tables of the current version, pinned (see [`TablesView`]).
+    pub fn tables(&self) -> TablesView {
+        TablesView(self.current.read().clone())
+    }
+
+    /// Write `entries` (sorted by key, keys distinct; `None` is a tombstone) as one new
+    /// level-0 table and commit it: the table is fsynced, then named in the MANIFEST (the
+    /// commit point), then installed as the newest table, so it shadows every older one.
+    /// No WAL and no MemTable are involved (the caller's own log holds the entries until
+    /// this returns). Returns the entries written. Runs under the job lock, so it waits
+    /// for a running flush or compaction; a background compaction is signalled after.
+    pub fn ingest(&self, entries: &mut dyn Iterator<Item = Result<(Vec<u8>, Option<Vec<u8>>)>>) -> Result<u64> {
+        self.poison.check()?;
+        let job = self.job.lock();
+        let n = self.next_number();
+        let mut b = self.new_builder(n)?;
+        let mut count = 0u64;
+        let mut last: Option<Vec<u8>> = None;
+        for e in entries {
+            let (k, v) = e?;
+            if last.as_ref().is_some_and(|l| *l >= k) {
+                return Err(Error::InvalidArgument("ingested entries must be sorted by key, keys distinct".into()));
             }
-        }
-        for lvl in cur.levels.iter().skip(1) {
-            let i = lvl.partition_point(|f| f.meta.largest.as_slice() < key);
-            if let Some(f) = lvl.get(i) {
-                if f.meta.smallest.as_slice() <= key {
-                    if let Some(e) = f.table.get_cached(key)? {
-                        return Ok(Some(kind_value(e)));
-                    }
-                }
+            match &v {
+                Some(v) => b.add(Kind::Put, &k, v)?,
+                None => b.add(Kind::Delete, &k, &[])?,
             }
+            count += 1;
+            last = Some(k);
         }
-        Ok(None)
+        if count == 0 {
+            drop(b);
+            let _ = self.fs.remove(&self.dir.join(table_name(n)));
+            return Ok(0);
+        }
+        let meta = b.finish()?;
+        self.fs.sync_dir(&self.dir)?;
+        let fm = FileMeta {
+            total: meta.entries,
+            live: meta.entries,
+            size: meta.size,
+            smallest: meta.smallest,
+            largest: meta.largest,
+            level: 0,
+        };
+        let next = self.version.lock().version.next_file;
+        self.commit(vec![Edit::AddFile(n, fm.clone()), Edit::NextFile(next)])?;
+        {
+            let t = self.open_table(n, fm)?;
+            let mut levels = (**self.current.read()).clone();
+            levels.levels[0].insert(0, t);
+            *self.current.write() = Arc::new(levels);
+        }
+        self.counters.ingested.fetch_add(count, Ordering::Relaxed);
+        drop(job);
+        if self.opts.background {
+            self.signal();
+        } else {
+            self.maybe_compact_inline()?;
+        }
+        Ok(count)
     }
 
     /// The sources of the tree, newest first, each an [`InternalIterator`]: the MemTable,

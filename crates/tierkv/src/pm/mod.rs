@@ -496,6 +496,16 @@ impl Region {
         self.pool_count() < self.max_pools
     }
 
+    /// Bytes the region may reach ([`RegionConfig::capacity`] rounded to whole pools), or 0
+    /// when it has no bound but the pool count.
+    pub fn capacity(&self) -> u64 {
+        if self.max_pools >= MAX_POOLS {
+            0
+        } else {
+            self.max_pools as u64 * self.pool_size
+        }
+    }
+
     /// Number of pools.
     pub fn pool_count(&self) -> usize {
         self.npools.load(Ordering::Acquire)

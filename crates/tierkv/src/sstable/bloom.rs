@@ -66,6 +66,11 @@ impl Bloom {
         true
     }
 
+    /// Bytes of the filter's bits.
+    pub fn bytes(&self) -> usize {
+        self.bits.len()
+    }
+
     /// `k u8 | bits`.
     pub fn encode(&self) -> Vec<u8> {
         let mut v = Vec::with_capacity(1 + self.bits.len());

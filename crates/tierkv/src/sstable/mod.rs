@@ -440,6 +440,13 @@ impl Table {
         Ok(t)
     }
 
+    /// DRAM the open table holds: its index entries (key, handle, vector overhead) and its
+    /// bloom filter.
+    pub fn dram_bytes(&self) -> u64 {
+        let index: usize = self.index.iter().map(|(k, _)| k.len() + 24 + std::mem::size_of::<Handle>()).sum();
+        (index + self.filter.bytes() + std::mem::size_of::<Table>()) as u64
+    }
+
     /// Open `path` as table number `id` whose point reads go through `cache`.
     pub fn open_cached(fs: &dyn Fs, path: &Path, id: u64, cache: &Arc<BlockCache>) -> Result<Arc<Table>> {
         let mut t = Table::load(fs, path)?;

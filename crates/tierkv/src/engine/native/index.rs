@@ -6,8 +6,12 @@
 //!   hash probe, lock-free, ~0.3 µs at 1 M keys here) and a `TreeIndex` (a lock-free B+-tree)
 //!   for ordered iteration. A key is put in both when it is first written, before its first
 //!   version is linked, so a reader that can see a version can find the key in either map.
-//!   Overwrites touch only the slot. Keys are never removed in this version (a deleted key
-//!   keeps its slot with a tombstone version). Both maps may move their entries (a hash
+//!   Overwrites touch only the slot. A key leaves the maps only when the capacity tier
+//!   moved its newest version to disk ([`Index::remove`]): the slot is marked *gone*
+//!   and taken out of both maps under its own lock and the key's *stripe* lock, which
+//!   every creation of a slot also takes, so a writer never links into a slot that left
+//!   the maps (it finds the mark under the slot lock and starts over) and never brings a
+//!   gone slot back. Both maps may move their entries (a hash
 //!   resize, a leaf split) and hand out references to stale copies: the value is an `Arc`,
 //!   so every copy points at the one slot and no update is lost.
 //! - **Chain**: a slot's `head` points to its newest version; each version points to the
@@ -84,11 +88,38 @@ impl Version {
 pub(crate) struct Slot {
     lock: Mutex<()>,
     head: Atomic<Version>,
+    /// CLOCK reference bit: set by reads and writes, cleared by the capacity tier's hand
+    /// (a key found clear has not been used for a whole turn: it is cold).
+    hot: AtomicBool,
+    /// Taken out of the maps (its key's newest version moved to disk); set under `lock`.
+    gone: AtomicBool,
+    /// Sequence number of the version the capacity tier last moved to disk (0: none): a
+    /// moved version waiting for its slot's removal is not moved again.
+    pub moved: AtomicU64,
 }
 
 impl Slot {
     fn new() -> Slot {
-        Slot { lock: Mutex::new(()), head: Atomic::null() }
+        Slot {
+            lock: Mutex::new(()),
+            head: Atomic::null(),
+            hot: AtomicBool::new(true),
+            gone: AtomicBool::new(false),
+            moved: AtomicU64::new(0),
+        }
+    }
+
+    /// Mark the key as used (a plain load first: no cache-line write when already set).
+    #[inline]
+    pub fn touch(&self) {
+        if !self.hot.load(Ordering::Relaxed) {
+            self.hot.store(true, Ordering::Relaxed);
+        }
+    }
+
+    /// The CLOCK hand passes: whether the key was used since it last passed (and clear it).
+    pub fn second_chance(&self) -> bool {
+        self.hot.load(Ordering::Relaxed) && self.hot.swap(false, Ordering::Relaxed)
     }
 
     /// The newest version.
@@ -155,10 +186,20 @@ pub(crate) enum Linked {
     Duplicate,
 }
 
+/// Stripes of the slot-creation lock.
+const STRIPES: usize = 256;
+
+#[repr(align(64))]
+#[derive(Default)]
+struct Stripe(Mutex<()>);
+
 /// The index.
 pub(crate) struct Index {
     hash: HashIndex<Box<[u8]>, Arc<Slot>, foldhash::fast::RandomState>,
     tree: TreeIndex<Box<[u8]>, Arc<Slot>>,
+    /// Creation and removal of a key's slot hold its stripe (by key hash).
+    stripes: Box<[Stripe]>,
+    hasher: foldhash::fast::FixedState,
 }
 
 /// A guard of the maps' memory (readers hold one while they use a slot reference).
@@ -166,7 +207,18 @@ pub(crate) type MapGuard = scc::Guard;
 
 impl Index {
     pub fn new() -> Index {
-        Index { hash: HashIndex::with_hasher(foldhash::fast::RandomState::default()), tree: TreeIndex::new() }
+        Index {
+            hash: HashIndex::with_hasher(foldhash::fast::RandomState::default()),
+            tree: TreeIndex::new(),
+            stripes: (0..STRIPES).map(|_| Stripe::default()).collect(),
+            hasher: foldhash::fast::FixedState::default(),
+        }
+    }
+
+    fn stripe(&self, key: &[u8]) -> &Mutex<()> {
+        use std::hash::BuildHasher;
+        let h = self.hasher.hash_one(key) as usize;
+        &self.stripes[h % STRIPES].0
     }
 
     /// Keys (slots), tombstoned ones included.
@@ -187,8 +239,18 @@ impl Index {
 
     /// The slot of `key`, created (in both maps) if it has none. A new slot goes into the
     /// tree first and into the hash second: writers find slots through the hash, so no
-    /// version is linked into a slot an iterator could not find.
+    /// version is linked into a slot an iterator could not find. Creation holds the key's
+    /// stripe, as removal does: a slot found under it is in both maps and not gone.
     fn slot(&self, key: &[u8]) -> Arc<Slot> {
+        {
+            let g = MapGuard::new();
+            if let Some(s) = self.hash.peek(key, &g) {
+                if !s.gone.load(Ordering::Acquire) {
+                    return s.clone();
+                }
+            }
+        }
+        let _stripe = self.stripe(key).lock();
         {
             let g = MapGuard::new();
             if let Some(s) = self.hash.peek(key, &g) {
@@ -196,29 +258,62 @@ impl Index {
             }
         }
         let mine = Arc::new(Slot::new());
-        let s = match self.tree.insert_sync(key.into(), mine.clone()) {
-            Ok(()) => mine,
-            // Another writer created it first: use its slot.
-            Err(_) => {
-                let g = MapGuard::new();
-                match self.tree.peek(key, &g) {
-                    Some(s) => s.clone(),
-                    None => mine,
-                }
-            }
-        };
-        self.hash.entry_sync(key.into()).or_insert_with(|| s.clone()).get().clone()
+        // Under the stripe no other slot of `key` is in either map (removal takes a slot
+        // out of both before it lets the stripe go), so both inserts succeed.
+        let _ = self.tree.insert_sync(key.into(), mine.clone());
+        let _ = self.hash.insert_sync(key.into(), mine.clone());
+        mine
     }
 
-    /// Fill an empty index with one version per key: `(key, seq, loc)`, sorted by key,
-    /// keys distinct, no deletes. The tree and the hash are filled by two threads at once.
+    /// Take `key`'s slot out of both maps if its newest version is still the one with
+    /// sequence number `seq` (the capacity tier moved it to disk). Returns the version's
+    /// `(loc, size, tomb)` when the slot was removed (its log entry is dead now), else
+    /// `None` (the key was written since: the slot stays and shadows the disk copy).
+    pub fn remove(&self, key: &[u8], seq: u64) -> Option<(u64, u32, bool)> {
+        let _stripe = self.stripe(key).lock();
+        let slot = {
+            let g = MapGuard::new();
+            self.hash.peek(key, &g)?.clone()
+        };
+        let _l = slot.lock.lock();
+        let eg = epoch::pin();
+        let head = slot.head(&eg)?;
+        if head.seq != seq {
+            return None;
+        }
+        let out = (head.loc(), head.size, head.tomb);
+        slot.gone.store(true, Ordering::Release);
+        self.hash.remove_if_sync(key, |s| Arc::ptr_eq(s, &slot));
+        self.tree.remove_if_sync(key, |s| Arc::ptr_eq(s, &slot));
+        Some(out)
+    }
+
+    /// Note that `key`'s version `seq` was moved to disk (see [`Slot::moved`]).
+    pub fn mark_moved(&self, key: &[u8], seq: u64) {
+        let g = MapGuard::new();
+        if let Some(s) = self.hash.peek(key, &g) {
+            s.moved.store(seq, Ordering::Relaxed);
+        }
+    }
+
+    /// The sequence number of `key`'s newest version, if it has a slot.
+    pub fn newest_seq(&self, key: &[u8]) -> Option<u64> {
+        let g = MapGuard::new();
+        let slot = self.hash.peek(key, &g)?;
+        let eg = epoch::pin();
+        slot.head(&eg).map(|h| h.seq)
+    }
+
+    /// Fill an empty index with one version per key: `(key, seq, loc, size, tomb)`, sorted
+    /// by key, keys distinct. The tree and the hash are filled by two threads at once.
     /// Nothing else may use the index meanwhile (open).
-    pub fn bulk_load(&self, entries: &[(&[u8], u64, u64, u32)]) {
+    pub fn bulk_load(&self, entries: &[(&[u8], u64, u64, u32, bool)]) {
         let slots: Vec<Arc<Slot>> = entries
             .iter()
-            .map(|&(_, seq, loc, size)| {
+            .map(|&(_, seq, loc, size, tomb)| {
                 let s = Slot::new();
-                let v = Version { seq, loc: AtomicU64::new(loc), size, tomb: false, gate: None, next: Atomic::null() };
+                s.hot.store(false, Ordering::Relaxed);
+                let v = Version { seq, loc: AtomicU64::new(loc), size, tomb, gate: None, next: Atomic::null() };
                 s.head.store(Owned::new(v), Ordering::Release);
                 Arc::new(s)
             })
@@ -285,6 +380,13 @@ impl Index {
     pub fn link(&self, key: &[u8], v: NewVersion, keep: u64) -> Linked {
         let slot = self.slot(key);
         let _l = slot.lock.lock();
+        if slot.gone.load(Ordering::Acquire) {
+            // Removed after we found it: start over with a new slot (the disk copy the
+            // removal left is older than `v`).
+            drop(_l);
+            return self.link(key, v, keep);
+        }
+        slot.touch();
         let guard = epoch::pin();
         let head = slot.head.load(Ordering::Acquire, &guard);
         let new = Owned::new(Version {

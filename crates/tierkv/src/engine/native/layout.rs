@@ -13,8 +13,13 @@ use crate::pm::{LINE, POOL_HEADER_LEN};
 
 /// Format version of the `native` layout. Bump on any incompatible change.
 /// History: 1 (first version); 2 (segment salt in the header and in every record
-/// checksum; seal word moved to offset 48). A version-1 store is refused at open.
-pub const FORMAT_VERSION: u32 = 2;
+/// checksum; seal word moved to offset 48); 3 (entry kind 3, *moved*: the capacity tier).
+/// A version-1 store is refused at open. A version-2 store is a valid version-3 store:
+/// it is opened, and its superblock rewritten as version 3 (so an older build refuses it
+/// by version instead of failing on a kind-3 entry).
+pub const FORMAT_VERSION: u32 = 3;
+/// The oldest version this build opens.
+pub const MIN_READ_VERSION: u32 = 2;
 
 /// The superblock: first thing in the meta slot.
 pub const SUPERBLOCK_ADDR: u64 = POOL_HEADER_LEN;
@@ -45,6 +50,11 @@ pub enum Kind {
     Put = 1,
     /// 2: the key is deleted (the value is empty).
     Delete = 2,
+    /// 3: the key's entry with this sequence number moved to the capacity tier (the
+    /// store's SSTables on disk); the value is empty. At replay it wins over a put or
+    /// delete of the same sequence number, and a key whose newest entry is one has no
+    /// entry in the DRAM index.
+    Moved = 3,
 }
 
 impl Kind {
@@ -52,6 +62,7 @@ impl Kind {
         match v {
             1 => Some(Kind::Put),
             2 => Some(Kind::Delete),
+            3 => Some(Kind::Moved),
             _ => None,
         }
     }
@@ -103,8 +114,10 @@ impl Superblock {
         if stored != want {
             return Err(format!("superblock checksum mismatch (stored {stored:#x}, computed {want:#x})"));
         }
-        if version != FORMAT_VERSION {
-            return Err(format!("unsupported native format version {version} (this build reads {FORMAT_VERSION})"));
+        if !(MIN_READ_VERSION..=FORMAT_VERSION).contains(&version) {
+            return Err(format!(
+                "unsupported native format version {version} (this build reads {MIN_READ_VERSION} to {FORMAT_VERSION})"
+            ));
         }
         if shards == 0 || shards > 1024 || stride == 0 || !stride.is_multiple_of(LINE) || slots_per_pool < 2 {
             return Err(format!("implausible geometry: {shards} shards, stride {stride}, {slots_per_pool} slots"));
@@ -180,7 +193,7 @@ impl SegHeader {
         if stored != want {
             return Err(format!("segment header checksum mismatch (stored {stored:#x}, computed {want:#x})"));
         }
-        if version != FORMAT_VERSION {
+        if !(MIN_READ_VERSION..=FORMAT_VERSION).contains(&version) {
             return Err(format!("unsupported segment version {version}"));
         }
         if span == 0 || gen == 0 {
@@ -220,7 +233,7 @@ pub fn parse_entry(b: &[u8], seq: u64) -> Result<EntryOut<'_>, String> {
     let key = b.get(ENTRY_HEADER_LEN..ENTRY_HEADER_LEN + klen).ok_or("entry key runs past its range")?;
     let value =
         b.get(ENTRY_HEADER_LEN + klen..ENTRY_HEADER_LEN + klen + vlen).ok_or("entry value runs past its range")?;
-    if h[11] != 0 || (kind == Kind::Delete && vlen != 0) {
+    if h[11] != 0 || (kind != Kind::Put && vlen != 0) {
         return Err("malformed entry header".into());
     }
     Ok(EntryOut { seq, kind, offset: 0, key, value })
@@ -398,8 +411,8 @@ pub fn decode_entry(b: &[u8], pos: usize, seq: u64) -> Result<EntryOut<'_>, Stri
     if want != stored {
         return Err(format!("entry checksum mismatch (stored {stored:#x}, computed {want:#x})"));
     }
-    if kind == Kind::Delete && vlen != 0 {
-        return Err("delete entry with a value".into());
+    if kind != Kind::Put && vlen != 0 {
+        return Err("delete or moved entry with a value".into());
     }
     Ok(EntryOut { seq, kind, offset: pos, key, value })
 }

@@ -72,14 +72,22 @@
 //! slots than shards and the region at its capacity): a short write stall, like LevelDB's,
 //! that keeps the log within about twice its live data.
 //!
+//! # Capacity tier
+//! Past `NativeOptions::dram_budget` or `pm_watermark` × `pm_capacity`, cold keys (CLOCK
+//! bits) move to SSTables on disk under the shared LSM code and leave the index; reads of
+//! them go to disk (bloom filters, usually one block). See [`cold`] for the protocol and
+//! why a crash anywhere in a move is safe. A background thread runs moves and log cleaning
+//! (`NativeOptions::background`); without it writers and `compact()` do.
+//!
 //! # What this version does not do yet (issue 22, stated in the closing note)
-//! - The capacity tier (cold records to SSTables on disk) and a background cleaner thread.
 //! - Index checkpoints: open replays every segment (in parallel over the shards).
-//! - Dropping deletes: a delete of a key that has no older entry left is kept forever.
+//! - Dropping deletes and moved entries: one for a key that has no slot is kept forever.
 //!
 //! # Parameters
-//! [`crate::options::NativeOptions`]: `shards` and `segment_size`, both creation-only.
+//! [`crate::options::NativeOptions`]: `shards` and `segment_size` (creation-only),
+//! `verify_reads`, `dram_budget`, `pm_watermark`, `background`.
 
+mod cold;
 mod index;
 mod iter;
 pub mod layout;
@@ -95,7 +103,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 
 use crossbeam_epoch as epoch;
-use parking_lot::{Mutex, MutexGuard};
+use parking_lot::{Condvar, Mutex, MutexGuard};
 
 use crate::batch::BatchOp;
 use crate::counters::Counters;
@@ -128,6 +136,10 @@ const G_CLEANED: usize = 0;
 const G_RELOCATED: usize = 1;
 const G_RELOCATED_BYTES: usize = 2;
 const G_DROPPED: usize = 3;
+/// DRAM per index slot, measured for 16-byte keys: an entry in each of the two maps (~90
+/// bytes each with the boxed key), the slot (mutex, head, CLOCK bit, in an `Arc`) and one
+/// version (seq, loc, size, gate, next, flags).
+const PER_SLOT_BYTES: u64 = 2 * 90 + 32 + 48;
 /// A sealed segment is cleaned when at least this share of its bytes is dead.
 const CLEAN_DEAD_RATIO: f64 = 0.5;
 
@@ -174,7 +186,7 @@ pub(crate) struct Inner {
     /// The oldest live snapshot's sequence number, or `u64::MAX`.
     oldest_snap: Padded<AtomicU64>,
     snaps: Snaps,
-    poison: Poison,
+    poison: Arc<Poison>,
     closed: AtomicBool,
     counters: Counters<8>,
     gc_counters: Counters<4>,
@@ -191,11 +203,25 @@ pub(crate) struct Inner {
     recovery_phases_us: [u64; 3],
     /// Verify every value read ([`crate::options::NativeOptions::verify_reads`]).
     verify_reads: bool,
+    /// The capacity tier ([`cold`]).
+    cold: cold::Cold,
+    /// [`crate::options::NativeOptions::dram_budget`].
+    dram_budget: u64,
+    /// [`crate::options::NativeOptions::pm_watermark`].
+    pm_watermark: f64,
+    /// A background thread runs the capacity tier and the cleaner.
+    background: bool,
+    /// Wakes the background thread (`true`: work may be due).
+    wake: Mutex<bool>,
+    wake_cv: Condvar,
+    /// Set to stop the background thread.
+    stop: AtomicBool,
 }
 
 /// The `native` engine.
 pub struct Native {
     inner: Arc<Inner>,
+    worker: Mutex<Option<std::thread::JoinHandle<()>>>,
 }
 
 impl std::fmt::Debug for Native {
@@ -217,7 +243,29 @@ fn thread_shard() -> usize {
 impl Native {
     /// Open (or create) the store described by `ctx`.
     pub fn open(ctx: EngineCtx) -> Result<Native> {
-        Ok(Native { inner: Arc::new(recovery::open(&ctx)?) })
+        let inner = Arc::new(recovery::open(&ctx)?);
+        let worker = if inner.background {
+            let me = inner.clone();
+            Some(std::thread::Builder::new().name("tierkv-native".into()).spawn(move || me.worker_loop())?)
+        } else {
+            None
+        };
+        Ok(Native { inner, worker: Mutex::new(worker) })
+    }
+
+    /// Stop the background thread and wait for it.
+    fn stop_worker(&self) {
+        self.inner.stop.store(true, Ordering::Release);
+        self.inner.signal();
+        if let Some(h) = self.worker.lock().take() {
+            let _ = h.join();
+        }
+    }
+}
+
+impl Drop for Native {
+    fn drop(&mut self) {
+        self.stop_worker();
     }
 }
 
@@ -238,6 +286,99 @@ impl Inner {
         }
         self.counters.add(C_BUSY_SKIPS, n as u64);
         (pref, self.shards[pref].log.lock())
+    }
+
+    /// Wake the background thread.
+    fn signal(&self) {
+        *self.wake.lock() = true;
+        self.wake_cv.notify_one();
+    }
+
+    /// The background thread: every 100 ms, or when woken, move cold keys to disk while
+    /// over the capacity tier's bound, take moved slots out of the index, and clean
+    /// mostly dead segments. A failure poisons the store (a damaged segment is left for
+    /// `check`, as a writer's cleaning leaves it).
+    fn worker_loop(self: Arc<Self>) {
+        loop {
+            {
+                let mut w = self.wake.lock();
+                if !*w && !self.stop.load(Ordering::Acquire) {
+                    self.wake_cv.wait_for(&mut w, std::time::Duration::from_millis(100));
+                }
+                *w = false;
+            }
+            if self.stop.load(Ordering::Acquire) || self.closed.load(Ordering::Acquire) {
+                return;
+            }
+            if self.poison.is_set() {
+                continue;
+            }
+            let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| self.maintain()));
+            match r {
+                Ok(Ok(())) => {}
+                Ok(Err(Error::Closed)) => {}
+                // A failed move or clean is skipped (the keys stay in PM, the segment stays
+                // in the log), counted, and tried again later; writers that run short of PM
+                // get `PmFull`, as without a background thread.
+                Ok(Err(e)) => self.cold.failed(&e),
+                Err(_) => self.poison.set("background move/clean panicked".into()),
+            }
+        }
+    }
+
+    /// One round of background work (see [`Inner::worker_loop`]).
+    fn maintain(&self) -> Result<()> {
+        let over = self.over_budget(0.0);
+        let pending = self.cold.has_pending();
+        let dirty = self.mostly_dead() || self.pm_tight();
+        if !over && !pending && !dirty {
+            return Ok(());
+        }
+        let (_, mut log) = self.acquire_shard();
+        if self.closed.load(Ordering::Acquire) {
+            return Err(Error::Closed);
+        }
+        if over || pending {
+            self.move_cold(&mut log, true, false)?;
+        }
+        if self.mostly_dead() || self.pm_tight() {
+            self.clean(&mut log, 8)?;
+        }
+        Ok(())
+    }
+
+    /// Take `span` free slots. Short of them, with segments retired and waiting only for
+    /// the epoch to move on, it pushes the epoch (a few pins and flushes run the deferred
+    /// retirements) before giving up with [`Error::PmFull`].
+    fn take_slot(&self, span: u64) -> Result<u64> {
+        let mut tries = 0;
+        loop {
+            let r = {
+                let mut a = self.alloc.lock();
+                a.reclaim(self.oldest_snap.0.load(Ordering::SeqCst));
+                a.take(&self.geo, &self.region, span)
+            };
+            match r {
+                Err(Error::PmFull(_)) if tries < 16 && self.alloc.lock().retired() > 0 => {
+                    tries += 1;
+                    epoch::pin().flush();
+                    std::thread::yield_now();
+                }
+                r => return r,
+            }
+        }
+    }
+
+    /// The region is at its capacity with fewer free slots than shards.
+    fn pm_tight(&self) -> bool {
+        let mut a = self.alloc.lock();
+        a.reclaim(self.oldest_snap.0.load(Ordering::SeqCst));
+        a.free_slots() < 2 * self.shards.len() && !self.region.can_grow()
+    }
+
+    /// DRAM of the index of PM-resident keys (an estimate per slot, see `stats_impl`).
+    fn index_dram_bytes(&self) -> u64 {
+        self.index.slots() as u64 * (PER_SLOT_BYTES + 16)
     }
 
     /// The largest sequence number at or below which every write has completed, ignoring
@@ -400,7 +541,7 @@ impl Inner {
         cond: Cond,
         len: u64,
     ) -> Result<bool> {
-        if cond != Cond::None && !self.condition_holds(si, base, ops, cond) {
+        if cond != Cond::None && !self.condition_holds(si, base, ops, cond)? {
             return Ok(false);
         }
         let user: u64 = ops.iter().map(|op| (op.key().len() + op_value(op).len()) as u64).sum();
@@ -531,11 +672,18 @@ impl Inner {
         }
         for (rec, e) in entries {
             let loc = base + (rec + e.offset) as u64;
-            let tomb = e.kind == Kind::Delete;
-            let (live, has_slot) = self.index.holds(e.key, e.seq, loc);
-            // A delete whose key has no slot (open drops keys whose newest entry deletes
-            // them) is kept: older puts of the key may still lie in other segments.
-            if !(live || (tomb && !has_slot)) {
+            let (keep, has_slot) = if e.kind == Kind::Moved {
+                // A moved entry matters while the key has no slot or its slot still holds
+                // the moved version (its removal waits for a snapshot): see [`cold`].
+                (self.index.newest_seq(e.key).is_none_or(|n| n <= e.seq), false)
+            } else {
+                let (live, has_slot) = self.index.holds(e.key, e.seq, loc);
+                // A delete whose key has no slot (open drops keys whose newest entry
+                // deletes them) is kept: older puts of the key may still lie in other
+                // segments.
+                (live || (e.kind == Kind::Delete && !has_slot), has_slot)
+            };
+            if !keep {
                 self.gc_counters.add(G_DROPPED, 1);
                 continue;
             }
@@ -612,20 +760,25 @@ impl Inner {
 
     /// Wait until every write numbered below `base` has completed, then decide `cond` on
     /// the key's newest version below `base`.
-    fn condition_holds(&self, si: usize, base: u64, ops: &[BatchOp], cond: Cond) -> bool {
+    fn condition_holds(&self, si: usize, base: u64, ops: &[BatchOp], cond: Cond) -> Result<bool> {
         if self.wait_visible(base - 1, Some(si)) {
             self.counters.add(C_COND_WAITS, 1);
         }
-        let Some(op) = ops.first() else { return true };
+        let Some(op) = ops.first() else { return Ok(true) };
         let guard = epoch::pin();
         let mg = index::MapGuard::new();
-        let present =
-            self.index.get(op.key(), &mg).and_then(|s| s.find(base - 1, &guard).map(|v| !v.tomb)).unwrap_or(false);
-        match cond {
+        let in_index = self.index.get(op.key(), &mg).and_then(|s| s.find(base - 1, &guard).map(|v| !v.tomb));
+        // Not in the index: the disk tier decides (it holds only versions below `keep`,
+        // below `base`).
+        let present = match in_index {
+            Some(p) => p,
+            None => self.cold.get(op.key(), None)?.flatten().is_some(),
+        };
+        Ok(match cond {
             Cond::None => true,
             Cond::Absent => !present,
             Cond::Present => present,
-        }
+        })
     }
 
     /// The shard's open segment with room for `len` bytes: seal the current one and start a
@@ -642,7 +795,15 @@ impl Inner {
             a.reclaim(self.oldest_snap.0.load(Ordering::SeqCst));
             a.free_slots() < self.shards.len() && !self.region.can_grow()
         };
-        if may_clean && (low || self.mostly_dead()) {
+        if may_clean && !self.background && self.over_budget(0.0) {
+            // No background thread: the writer that starts a segment moves one batch of
+            // cold keys to disk. A failure (a damaged entry, a full disk) is counted and
+            // skipped: the write goes on, the keys stay in PM.
+            if let Err(e) = self.move_cold(log, false, false) {
+                self.cold.failed(&e);
+            }
+        }
+        if may_clean && (low || (!self.background && self.mostly_dead())) {
             // PM is short, or half the log is dead: the writer that starts a segment then
             // cleans a few first (like a write stall); what it frees becomes reusable once
             // no reader can hold it. A damaged segment is left for `check` and `compact`.
@@ -657,11 +818,7 @@ impl Inner {
                 return Ok(o);
             }
         }
-        let slot = {
-            let mut a = self.alloc.lock();
-            a.reclaim(self.oldest_snap.0.load(Ordering::SeqCst));
-            a.take(&self.geo, &self.region, span)?
-        };
+        let slot = self.take_slot(span)?;
         let addr = self.geo.addr(slot);
         debug_assert!(!self.segs.lock().contains_key(&addr), "slot {slot} handed out while in use");
         if let Some(o) = log.open.take() {
@@ -683,18 +840,21 @@ impl Inner {
         self.segs.lock().insert(addr, SegMeta { tag: h.tag(), span, sealed: None });
         let o = OpenSeg { addr, tag: h.tag(), len: 0, cap: self.geo.capacity(span) };
         log.open = Some(o);
+        if self.background {
+            self.signal();
+        }
         Ok(o)
     }
 
     fn stats_impl(&self) -> Stats {
-        let keys =
-            (self.keys_at_open + self.counters.get(C_KEYS_ADDED)).saturating_sub(self.counters.get(C_KEYS_REMOVED));
+        // Exact while the capacity tier is empty; with keys on disk, the PM-resident live
+        // keys plus the disk tables' entries (an estimate from above: see [`cold`]).
+        let tables = self.cold.lsm.tables();
+        let keys = (self.keys_at_open + self.counters.get(C_KEYS_ADDED))
+            .saturating_sub(self.counters.get(C_KEYS_REMOVED) + self.cold.removed_puts.load(Ordering::Relaxed))
+            + tables.entries();
         let slots = self.index.slots() as u64;
-        // Per key (measured for 16-byte keys): an entry in each of the two maps (~90 bytes
-        // each with the boxed key), the slot (mutex + head, in an `Arc`) and one version
-        // (seq, loc, size, gate, next, flags).
-        let per_slot = 2 * 90 + 32 + 48;
-        let key_bytes_estimate = slots * 16;
+        let cold_dram = tables.dram_bytes();
         let free_slots = self.alloc.lock().free_slots() as u64;
         let live_segments = self.segs.lock().len() as u64;
         Stats::engine(
@@ -702,7 +862,7 @@ impl Inner {
             self.region.stats(),
             self.counters.get(C_USER_BYTES),
             keys,
-            slots * per_slot + key_bytes_estimate,
+            self.index_dram_bytes() + cold_dram,
             &[
                 ("shards", self.shards.len() as u64),
                 ("records", self.counters.get(C_RECORDS)),
@@ -725,6 +885,16 @@ impl Inner {
                 ("recovery_sort_us", self.recovery_phases_us[1]),
                 ("recovery_index_us", self.recovery_phases_us[2]),
                 ("replayed_bytes", self.replayed_bytes),
+                ("cold_keys_moved", self.cold.moved_keys.load(Ordering::Relaxed)),
+                ("cold_batches", self.cold.moved_batches.load(Ordering::Relaxed)),
+                ("cold_slots_removed", self.cold.removed_slots.load(Ordering::Relaxed)),
+                ("cold_disk_reads", self.cold.disk_reads.load(Ordering::Relaxed)),
+                ("cold_move_failures", self.cold.failures.load(Ordering::Relaxed)),
+                ("cold_tables", tables.tables() as u64),
+                ("cold_table_bytes", tables.bytes()),
+                ("cold_dram_bytes", cold_dram),
+                ("index_dram_bytes", self.index_dram_bytes()),
+                ("pm_live_log_bytes", self.live_log_bytes()),
             ],
         )
     }
@@ -735,12 +905,12 @@ impl Inner {
         // Writers wait while the logs are read (they hold their shard while appending).
         let _logs: Vec<MutexGuard<'_, ShardLog>> = self.shards.iter().map(|s| s.log.lock()).collect();
         let mut problems = Vec::new();
-        let mut newest: BTreeMap<Vec<u8>, (u64, bool)> = BTreeMap::new();
+        let mut newest: BTreeMap<Vec<u8>, (u64, Kind)> = BTreeMap::new();
         salvage::walk(&*self.region, &self.geo, self.db_id, self.shards.len() as u32, &mut |ev| match ev {
-            salvage::Event::Entry { key, seq, tomb, .. } => {
-                let e = newest.entry(key.to_vec()).or_insert((seq, tomb));
-                if seq > e.0 {
-                    *e = (seq, tomb);
+            salvage::Event::Entry { key, seq, kind, .. } => {
+                let e = newest.entry(key.to_vec()).or_insert((seq, kind));
+                if seq > e.0 || (seq == e.0 && kind == Kind::Moved) {
+                    *e = (seq, kind);
                 }
             }
             salvage::Event::Bad { addr, detail } => {
@@ -777,6 +947,17 @@ impl Inner {
         if in_tree != self.index.slots() {
             problems.push(format!("{in_tree} keys in the ordered index, {} in the hash index", self.index.slots()));
         }
+        // A key whose newest log entry is a put must have a slot (only a moved entry lets
+        // a key leave the index).
+        for (key, (seq, kind)) in &newest {
+            if *kind == Kind::Put && self.index.newest_seq(key).is_none() {
+                problems.push(format!(
+                    "key {}: its newest log entry (sequence {seq}) has no index slot",
+                    crate::escape(key)
+                ));
+            }
+        }
+        problems.extend(self.cold.lsm.check()?.into_iter().map(|p| format!("capacity tier: {p}")));
         Ok(problems)
     }
 
@@ -791,6 +972,7 @@ impl Inner {
         if self.poison.is_set() {
             return Ok(());
         }
+        self.cold.lsm.close()?;
         let tails = logs
             .iter()
             .map(|l| match l.open {
@@ -832,67 +1014,96 @@ fn op_value(op: &BatchOp) -> &[u8] {
     }
 }
 
-/// A registered snapshot of a `native` store.
+/// A registered snapshot of a `native` store: a sequence number and the disk tier's
+/// tables as they were (see [`cold`]).
 pub(crate) struct NativeSnapshot {
     inner: Arc<Inner>,
     seq: u64,
+    cold: cold::ColdPin,
 }
 
 impl NativeSnapshot {
     fn new(inner: &Arc<Inner>) -> NativeSnapshot {
-        NativeSnapshot { inner: inner.clone(), seq: inner.register_snapshot() }
+        let seq = inner.register_snapshot();
+        NativeSnapshot { inner: inner.clone(), seq, cold: inner.cold.pin() }
+    }
+
+    /// The snapshot's iterator: the index cursor, merged with the pinned disk tables
+    /// (older) when there are any.
+    fn cursor(self) -> crate::iter::BoxedIter {
+        if self.cold.view.is_empty() {
+            return Box::new(iter::NativeIter::new(self));
+        }
+        let mut sources = self.cold.view.sources();
+        sources.insert(0, Box::new(iter::NativeIter::new(self)));
+        Box::new(crate::iter::MergingIterator::new(sources))
     }
 }
 
 impl Drop for NativeSnapshot {
     fn drop(&mut self) {
         self.inner.release_snapshot(self.seq);
+        self.inner.cold.unpin(self.cold.gen);
     }
 }
 
 impl EngineSnapshot for NativeSnapshot {
     fn get(&self, key: &[u8]) -> Result<Option<Vec<u8>>> {
-        get_at(&self.inner, key, self.seq, &mut |v| v.to_vec())
+        get_at(&self.inner, key, self.seq, Some(&self.cold.view), &mut |v| v.to_vec())
     }
 
     fn iter(&self) -> Result<crate::iter::BoxedIter> {
-        Ok(Box::new(iter::NativeIter::new(NativeSnapshot::new_same(self))))
+        Ok(NativeSnapshot::new_same(self).cursor())
     }
 }
 
 impl NativeSnapshot {
-    /// Another registration of the same sequence number (an iterator of a snapshot).
+    /// Another registration of the same sequence number and tables (an iterator of a
+    /// snapshot).
     fn new_same(s: &NativeSnapshot) -> NativeSnapshot {
         let mut live = s.inner.snaps.live.lock();
         *live.entry(s.seq).or_insert(0) += 1;
         s.inner.set_oldest(&live);
         drop(live);
-        NativeSnapshot { inner: s.inner.clone(), seq: s.seq }
+        NativeSnapshot { inner: s.inner.clone(), seq: s.seq, cold: s.inner.cold.pin_again(&s.cold) }
     }
 }
 
-/// `key`'s value as of `at` (`u64::MAX`: the newest visible), handed to `f`.
-fn get_at<T>(inner: &Inner, key: &[u8], at: u64, f: &mut dyn FnMut(&[u8]) -> T) -> Result<Option<T>> {
-    let mg = index::MapGuard::new();
-    let Some(slot) = inner.index.get(key, &mg) else { return Ok(None) };
-    let guard = epoch::pin();
-    let Some(v) = slot.find(at, &guard) else { return Ok(None) };
-    if v.tomb {
-        return Ok(None);
+/// `key`'s value as of `at` (`u64::MAX`: the newest visible), handed to `f`: its newest
+/// version at `at` in the index, else its entry on disk (`view`: a snapshot's tables).
+fn get_at<T>(
+    inner: &Inner,
+    key: &[u8],
+    at: u64,
+    view: Option<&crate::lsm::TablesView>,
+    f: &mut dyn FnMut(&[u8]) -> T,
+) -> Result<Option<T>> {
+    {
+        let mg = index::MapGuard::new();
+        if let Some(slot) = inner.index.get(key, &mg) {
+            slot.touch();
+            let guard = epoch::pin();
+            if let Some(v) = slot.find(at, &guard) {
+                if v.tomb {
+                    return Ok(None);
+                }
+                let value = inner.entry_value(key, v.seq, v.loc())?;
+                return Ok(Some(f(value)));
+            }
+        }
     }
-    let value = inner.entry_value(key, v.seq, v.loc())?;
-    Ok(Some(f(value)))
+    Ok(inner.cold.get(key, view)?.flatten().map(|v| f(&v)))
 }
 
 impl Engine for Native {
     fn get(&self, key: &[u8]) -> Result<Option<Vec<u8>>> {
         self.inner.check_open()?;
-        get_at(&self.inner, key, u64::MAX, &mut |v| v.to_vec())
+        get_at(&self.inner, key, u64::MAX, None, &mut |v| v.to_vec())
     }
 
     fn get_with(&self, key: &[u8], f: &mut dyn FnMut(&[u8])) -> Result<bool> {
         self.inner.check_open()?;
-        Ok(get_at(&self.inner, key, u64::MAX, &mut |v| f(v))?.is_some())
+        Ok(get_at(&self.inner, key, u64::MAX, None, &mut |v| f(v))?.is_some())
     }
 
     fn write(&self, ops: &[BatchOp], cond: Cond) -> Result<bool> {
@@ -901,7 +1112,7 @@ impl Engine for Native {
 
     fn iter(&self) -> Result<crate::iter::BoxedIter> {
         self.inner.check_open()?;
-        Ok(Box::new(iter::NativeIter::new(NativeSnapshot::new(&self.inner))))
+        Ok(NativeSnapshot::new(&self.inner).cursor())
     }
 
     fn has_snapshots(&self) -> bool {
@@ -921,10 +1132,13 @@ impl Engine for Native {
     fn compact(&self) -> Result<()> {
         self.inner.check_open()?;
         let inner = &self.inner;
-        let (_, mut log) = inner.acquire_shard();
-        inner.clean(&mut log, usize::MAX)?;
-        inner.alloc.lock().reclaim(inner.oldest_snap.0.load(Ordering::SeqCst));
-        Ok(())
+        {
+            let (_, mut log) = inner.acquire_shard();
+            inner.move_cold(&mut log, true, true)?;
+            inner.clean(&mut log, usize::MAX)?;
+            inner.alloc.lock().reclaim(inner.oldest_snap.0.load(Ordering::SeqCst));
+        }
+        inner.cold.lsm.flush(true)
     }
 
     fn stats(&self) -> Stats {
@@ -936,6 +1150,7 @@ impl Engine for Native {
     }
 
     fn close(&self) -> Result<()> {
+        self.stop_worker();
         self.inner.close_impl()
     }
 }

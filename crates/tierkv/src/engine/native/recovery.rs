@@ -10,8 +10,10 @@
 //!    close) or at its first bad record (a crash; see [`super::scan`]).
 //! 4. Workers replay shards in parallel, each keeping the newest entry of every key it sees
 //!    in a map of its own (keys borrowed from PM, no copy); the maps are merged by sequence
-//!    number, so the order in which shards replay does not matter. Keys whose newest entry
-//!    is a delete are dropped. Then the index is built in one pass from the survivors,
+//!    number, so the order in which shards replay does not matter (a *moved* entry wins
+//!    over a put or delete of its own sequence number). Keys whose newest entry is moved
+//!    live on disk and get no slot; keys whose newest entry is a delete are dropped, or
+//!    kept as tombstones when the disk tier has tables (the delete must hide them). Then the index is built in one pass from the survivors,
 //!    sorted by key: the ordered map and the hash map are filled by two threads at once
 //!    ([`Index::bulk_load`]). Replaying into the live index instead (a link per record) took
 //!    1.83 s for 1.5 M records of 500,000 keys here; most of it hash probes and tree
@@ -20,7 +22,7 @@
 //!    The clean-close record is invalidated before the store accepts a write.
 
 use std::collections::{BTreeSet, HashMap};
-use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -111,8 +113,15 @@ pub(super) fn find_segments(region: &Region, g: &Geometry, sb: &Superblock) -> R
     Ok((by_shard, used))
 }
 
-/// The newest entry of a key seen by a replay: sequence number, location, delete.
-type Newest = (u64, u64, bool, u32);
+/// The newest entry of a key seen by a replay: sequence number, location, kind, size.
+type Newest = (u64, u64, Kind, u32);
+
+/// Whether entry `a` replaces `b` as a key's newest: a higher sequence number, or a moved
+/// entry over a put or delete of the same number.
+#[inline]
+fn newer(a: &Newest, b: &Newest) -> bool {
+    a.0 > b.0 || (a.0 == b.0 && a.2 == Kind::Moved && b.2 != Kind::Moved)
+}
 
 /// What replaying one shard found.
 #[derive(Debug, Default)]
@@ -144,6 +153,14 @@ pub(super) fn open(ctx: &EngineCtx) -> Result<Inner> {
         if sb.db_id != ctx.db_id {
             return Err(region.corruption(layout::SUPERBLOCK_ADDR, "superblock of another store"));
         }
+        let version = raw.get(8..12).map_or(0, |v| u32::from_le_bytes([v[0], v[1], v[2], v[3]]));
+        if version < layout::FORMAT_VERSION {
+            // An older version's store is a valid store of this one: mark it as this one's.
+            let b = sb.encode();
+            // SAFETY: the store is being opened; nothing else uses the region yet.
+            unsafe { region.write(layout::SUPERBLOCK_ADDR, &b)? };
+            region.persist(layout::SUPERBLOCK_ADDR, 64);
+        }
         sb
     };
     let geo = geometry(&region, &sb)?;
@@ -156,6 +173,9 @@ pub(super) fn open(ctx: &EngineCtx) -> Result<Inner> {
             );
         }
     }
+    let poison = Arc::new(crate::poison::Poison::default());
+    let cancel = Arc::new(crate::jobs::Cancel::new(ctx.opts.job_probe.clone()));
+    let cold = super::cold::Cold::open(ctx, Arc::new(crate::poison::Poison::default()), cancel)?;
     let nshards = sb.shards as usize;
     let clean_raw = region.slice_checked(layout::CLEAN_ADDR, Clean::encoded_len(nshards), "clean-close record")?;
     let clean = Clean::decode(clean_raw, nshards);
@@ -197,7 +217,7 @@ pub(super) fn open(ctx: &EngineCtx) -> Result<Inner> {
     for m in it {
         for (k, v) in m {
             let e = newest.entry(k).or_insert(v);
-            if v.0 > e.0 {
+            if newer(&v, e) {
                 *e = v;
             }
         }
@@ -208,10 +228,14 @@ pub(super) fn open(ctx: &EngineCtx) -> Result<Inner> {
     for v in newest.values() {
         *live_bytes.entry(geo.slot_holding(v.1)).or_insert(0) += u64::from(v.3);
     }
-    let mut live: Vec<(&[u8], u64, u64, u32)> =
-        newest.into_iter().filter(|(_, v)| !v.2).map(|(k, (seq, loc, _, size))| (k, seq, loc, size)).collect();
+    let keep_tombs = cold.nonempty();
+    let mut live: Vec<(&[u8], u64, u64, u32, bool)> = newest
+        .into_iter()
+        .filter(|(_, v)| v.2 == Kind::Put || (v.2 == Kind::Delete && keep_tombs))
+        .map(|(k, (seq, loc, kind, size))| (k, seq, loc, size, kind == Kind::Delete))
+        .collect();
     live.sort_unstable_by(|a, b| a.0.cmp(b.0));
-    let keys = live.len() as u64;
+    let keys = live.iter().filter(|e| !e.4).count() as u64;
     let t_sort = t0.elapsed();
     let index = Index::new();
     index.bulk_load(&live);
@@ -254,7 +278,7 @@ pub(super) fn open(ctx: &EngineCtx) -> Result<Inner> {
         published: Padded(AtomicU64::new(seq_end - 1)),
         oldest_snap: Padded(AtomicU64::new(u64::MAX)),
         snaps: Snaps::default(),
-        poison: Default::default(),
+        poison,
         closed: Default::default(),
         counters: Default::default(),
         gc_counters: Default::default(),
@@ -264,6 +288,13 @@ pub(super) fn open(ctx: &EngineCtx) -> Result<Inner> {
         recovery_phases_us: phases_us,
         replayed_bytes: bytes,
         verify_reads: ctx.opts.native.verify_reads,
+        cold,
+        dram_budget: ctx.opts.native.dram_budget,
+        pm_watermark: ctx.opts.native.pm_watermark,
+        background: ctx.opts.native.background,
+        wake: Mutex::new(false),
+        wake_cv: parking_lot::Condvar::new(),
+        stop: AtomicBool::new(false),
     })
 }
 
@@ -300,12 +331,12 @@ fn replay_shard<'a>(
         let data = region.slice_checked(base, cap as usize, "segment")?;
         let (end, how) = scan(data, 0, seg.tag, limit, &mut |rec, e| {
             let loc = base + (rec + e.offset) as u64;
-            let tomb = e.kind == Kind::Delete;
             out.seq_end = out.seq_end.max(e.seq.saturating_add(1));
             let size = layout::entry_len(e.key.len(), e.value.len()) as u32;
-            let n = out.newest.entry(e.key).or_insert((e.seq, loc, tomb, size));
-            if e.seq > n.0 {
-                *n = (e.seq, loc, tomb, size);
+            let v = (e.seq, loc, e.kind, size);
+            let n = out.newest.entry(e.key).or_insert(v);
+            if newer(&v, n) {
+                *n = v;
             }
         });
         out.bytes += end as u64;

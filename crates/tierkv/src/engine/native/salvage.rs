@@ -26,6 +26,8 @@ use super::log::Geometry;
 use super::scan::{intact_after, scan, End};
 use crate::engine::EngineCtx;
 use crate::error::Result;
+use crate::fs::Fs;
+use crate::iter::InternalIterator;
 use crate::pm::media::{open_media, Media};
 use crate::pm::{Region, POOL_HEADER_LEN};
 use crate::repair::{Lost, SalvageSink};
@@ -73,7 +75,7 @@ impl PmRead for Media {
 /// What the walk finds.
 pub(crate) enum Event<'a> {
     /// An entry of an intact record.
-    Entry { key: &'a [u8], value: &'a [u8], seq: u64, tomb: bool },
+    Entry { key: &'a [u8], value: &'a [u8], seq: u64, kind: Kind },
     /// Something that fails its checks at `addr`.
     Bad { addr: u64, detail: String },
     /// A torn tail at `addr` (dropped, as at open).
@@ -129,7 +131,7 @@ pub(crate) fn walk(pm: &dyn PmRead, g: &Geometry, db_id: u64, shards: u32, f: &m
             let mut start = 0usize;
             loop {
                 let (end, how) = scan(data, start, h.tag(), limit.map(|l| l as usize), &mut |_, e| {
-                    f(Event::Entry { key: e.key, value: e.value, seq: e.seq, tomb: e.kind == Kind::Delete })
+                    f(Event::Entry { key: e.key, value: e.value, seq: e.seq, kind: e.kind })
                 });
                 match how {
                     End::Complete => break,
@@ -174,8 +176,57 @@ pub(crate) fn salvage(ctx: &EngineCtx, sink: &mut dyn SalvageSink) -> Result<()>
         return Ok(());
     }
     let db_id = if ctx.db_id != 0 { ctx.db_id } else { sb.db_id };
+    // The capacity tier: every entry of its tables at the lowest order (a key whose moved
+    // entry in PM was lost still comes back), then each moved entry in PM brings the disk
+    // entry of its key at its own sequence number (orders are `2 × seq`, `+ 1` for moved
+    // entries: a moved entry wins over the put it moved).
+    let cold_dir = ctx.dir.join(super::cold::COLD_DIR);
+    let view = if ctx.fs.exists(&cold_dir.join("CURRENT")) {
+        let mut lost_tables = Vec::new();
+        let v =
+            crate::lsm::TablesView::read_only(&ctx.fs, &cold_dir, &mut |p, d| lost_tables.push((p.to_path_buf(), d)));
+        for (file, detail) in lost_tables {
+            sink.lost(Lost { file, offset: 0, key: None, detail });
+        }
+        match v {
+            Ok(v) => Some(v),
+            Err(e) => {
+                sink.lost(Lost { file: cold_dir.clone(), offset: 0, key: None, detail: e.to_string() });
+                None
+            }
+        }
+    } else {
+        None
+    };
+    if let Some(v) = &view {
+        let mut it = crate::iter::MergingIterator::new(v.sources());
+        let mut r = it.seek_to_first();
+        while r.is_ok() && it.valid() {
+            sink.record(it.key(), it.value(), 0);
+            r = it.next();
+        }
+        if let Err(e) = r {
+            sink.lost(Lost { file: cold_dir.clone(), offset: 0, key: None, detail: e.to_string() });
+        }
+    }
     walk(&media, &g, db_id, sb.shards, &mut |ev| match ev {
-        Event::Entry { key, value, seq, tomb } => sink.record(key, (!tomb).then_some(value), u128::from(seq)),
+        Event::Entry { key, value, seq, kind: Kind::Moved } => {
+            let order = 2 * u128::from(seq) + 1;
+            match view.as_ref().map(|v| v.get(key)) {
+                Some(Ok(Some(v))) => sink.record(key, v.as_deref(), order),
+                Some(Ok(None)) | None => sink.record(key, None, order),
+                Some(Err(e)) => sink.lost(Lost {
+                    file: cold_dir.clone(),
+                    offset: 0,
+                    key: Some(key.to_vec()),
+                    detail: format!("the disk entry of a moved key: {e}"),
+                }),
+            }
+            let _ = value;
+        }
+        Event::Entry { key, value, seq, kind } => {
+            sink.record(key, (kind == Kind::Put).then_some(value), 2 * u128::from(seq))
+        }
         Event::Bad { addr, detail } => {
             let (file, offset) = media.locate(addr);
             sink.lost(Lost { file, offset, key: None, detail });

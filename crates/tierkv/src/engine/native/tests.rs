@@ -236,7 +236,7 @@ fn racing_conditional_inserts_have_one_winner() {
 fn a_record_larger_than_a_segment_spans_slots() {
     let dev = SimDevice::new();
     let fs = FaultFs::new();
-    let o = opts(&dev, &fs).native(NativeOptions { shards: 2, segment_size: 16 << 10, verify_reads: true });
+    let o = opts(&dev, &fs).native(NativeOptions { shards: 2, verify_reads: true, ..crate::testing::native_small() });
     let e = open(&o, &fs, true).unwrap();
     let big: Vec<u8> = (0..40_000u32).map(|i| (i % 251) as u8).collect();
     let o = o.max_value_size(64 << 10);
@@ -259,7 +259,7 @@ fn a_clean_close_makes_every_log_end_strict() {
     for clean in [true, false] {
         let dev = SimDevice::new();
         let fs = FaultFs::new();
-        let o = opts(&dev, &fs).native(NativeOptions { shards: 1, segment_size: 16 << 10, verify_reads: false });
+        let o = opts(&dev, &fs).native(NativeOptions { shards: 1, ..crate::testing::native_small() });
         let e = open(&o, &fs, true).unwrap();
         e.write(&[put(b"a", b"first")], Cond::None).unwrap();
         e.write(&[put(b"b", b"second-value")], Cond::None).unwrap();
@@ -464,4 +464,210 @@ fn writers_keep_the_log_within_twice_the_live_data() {
     // were counted live, so fully dead segments showed ~42 % dead and were never cleaned
     // (21 segments for ~3 of live data).
     assert_model(&e, &m, "after the churn");
+}
+
+/// `native` with a DRAM budget of `slots` index slots and no background thread.
+fn cold_opts(dev: &SimDevice, fs: &FaultFs, slots: u64) -> Options {
+    opts(dev, fs)
+        .native(NativeOptions { dram_budget: slots * (super::PER_SLOT_BYTES + 16), ..crate::testing::native_small() })
+}
+
+fn ck(i: u32) -> Vec<u8> {
+    format!("c{i:05}").into_bytes()
+}
+
+fn cv(i: u32, round: u32) -> Vec<u8> {
+    format!("r{round}-{i}-").repeat(12).into_bytes()
+}
+
+/// Every key of the model through `get` and through an ordered walk (forward), and no
+/// other key.
+fn assert_cold_model(e: &Native, m: &BTreeMap<Vec<u8>, Vec<u8>>, ctx: &str) {
+    for (k, v) in m {
+        assert_eq!(e.get(k).unwrap().as_ref(), Some(v), "{ctx}: get {}", String::from_utf8_lossy(k));
+    }
+    let mut it = e.iter().unwrap();
+    it.seek_to_first().unwrap();
+    let mut seen = Vec::new();
+    while it.valid() {
+        if let Some(v) = it.value() {
+            seen.push((it.key().to_vec(), v.to_vec()));
+        }
+        it.next().unwrap();
+    }
+    let want: Vec<_> = m.iter().map(|(k, v)| (k.clone(), v.clone())).collect();
+    assert_eq!(seen.len(), want.len(), "{ctx}: the walk saw {} keys, the model has {}", seen.len(), want.len());
+    assert!(seen == want, "{ctx}: the walk differs from the model");
+}
+
+/// Past its DRAM budget the store moves cold keys to disk tables (and out of the index);
+/// they read back through `get` and iterators, overwrites and deletes of moved keys win
+/// over their disk copies, keys read often stay in PM, and all of it holds after a clean
+/// reopen and after a crash.
+#[test]
+fn cold_keys_move_to_disk_and_read_back() {
+    let dev = SimDevice::new();
+    let fs = FaultFs::new();
+    let o = cold_opts(&dev, &fs, 100);
+    let e = open(&o, &fs, true).unwrap();
+    let mut m = BTreeMap::new();
+    // Keys 0..20 are read between the passes of the hand: they stay hot.
+    for i in 0..1500u32 {
+        e.write(&[put(&ck(i), &cv(i, 0))], Cond::None).unwrap();
+        m.insert(ck(i), cv(i, 0));
+        if i >= 20 && i % 10 == 0 {
+            for j in 0..20u32 {
+                assert_eq!(e.get(&ck(j)).unwrap(), Some(cv(j, 0)));
+            }
+        }
+    }
+    for _ in 0..3 {
+        for i in 0..20u32 {
+            assert_eq!(e.get(&ck(i)).unwrap(), Some(cv(i, 0)));
+        }
+        e.compact().unwrap();
+    }
+    let moved = design(&e, "cold_keys_moved");
+    assert!(moved >= 1300, "only {moved} keys moved: {:?}", e.stats().design);
+    assert!(design(&e, "cold_slots_removed") >= 1300);
+    assert!(design(&e, "index_slots") <= 200, "the index kept {} slots", design(&e, "index_slots"));
+    assert!(design(&e, "cold_tables") > 0 && design(&e, "cold_table_bytes") > 0);
+    for i in 0..20u32 {
+        assert!(e.inner.index.newest_seq(&ck(i)).is_some(), "hot key {i} left PM");
+    }
+    assert_cold_model(&e, &m, "after the move");
+    let reads = design(&e, "cold_disk_reads");
+    assert!(reads > 0, "no read went to disk");
+    // Overwrite and delete keys that live on disk now.
+    for i in (100..1500u32).step_by(7) {
+        e.write(&[put(&ck(i), &cv(i, 1))], Cond::None).unwrap();
+        m.insert(ck(i), cv(i, 1));
+    }
+    for i in (103..1500u32).step_by(11) {
+        e.write(&[BatchOp::Delete { key: ck(i) }], Cond::None).unwrap();
+        m.remove(&ck(i));
+    }
+    // Conditional writes consult the disk tier.
+    assert!(!e.write(&[put(&ck(1001), b"no")], Cond::Absent).unwrap() || !m.contains_key(&ck(1001)));
+    assert!(e.write(&[put(&ck(1002), &cv(1002, 2))], Cond::Present).unwrap() == m.contains_key(&ck(1002)));
+    if m.contains_key(&ck(1002)) {
+        m.insert(ck(1002), cv(1002, 2));
+    }
+    assert_cold_model(&e, &m, "after overwrites and deletes of moved keys");
+    // Move again (the new versions and the deletes go to disk too), clean the log.
+    e.compact().unwrap();
+    e.compact().unwrap();
+    assert!(design(&e, "cold_keys_moved") > moved);
+    assert_cold_model(&e, &m, "after the second move");
+    assert!(e.check().unwrap().is_empty(), "{:?}", e.check().unwrap());
+    // A crash: the moved entries in PM send the keys to disk again.
+    drop(e);
+    let dev2 = dev.simulate_crash_with(3, CrashModel::strict(0.5));
+    let e2 = open(&cold_opts(&dev2, &fs, 100), &fs, false).unwrap();
+    assert!(design(&e2, "index_slots") < 600, "recovery put moved keys back into the index");
+    assert_cold_model(&e2, &m, "after a crash");
+    assert!(e2.check().unwrap().is_empty(), "{:?}", e2.check().unwrap());
+    e2.close().unwrap();
+    drop(e2);
+    let e3 = open(&cold_opts(&dev2, &fs, 100), &fs, false).unwrap();
+    assert_cold_model(&e3, &m, "after a clean reopen");
+}
+
+/// A snapshot taken before keys move reads them through the moves (the slots wait for it
+/// to end), and one taken after overwrites of moved keys reads the disk copies.
+#[test]
+fn snapshots_read_through_moves_to_disk() {
+    let dev = SimDevice::new();
+    let fs = FaultFs::new();
+    let e = open(&cold_opts(&dev, &fs, 50), &fs, true).unwrap();
+    let mut m0 = BTreeMap::new();
+    for i in 0..600u32 {
+        e.write(&[put(&ck(i), &cv(i, 0))], Cond::None).unwrap();
+        m0.insert(ck(i), cv(i, 0));
+    }
+    // Writers moved some keys already; their slots leave now (no snapshot lives).
+    e.inner.remove_moved();
+    let (moved, removed) = (design(&e, "cold_keys_moved"), design(&e, "cold_slots_removed"));
+    let snap = e.snapshot().unwrap();
+    e.compact().unwrap();
+    e.compact().unwrap();
+    assert!(design(&e, "cold_keys_moved") > moved + 100, "{moved} → {}", design(&e, "cold_keys_moved"));
+    assert_eq!(design(&e, "cold_slots_removed"), removed, "slots removed under a snapshot older than their move");
+    for (k, v) in &m0 {
+        assert_eq!(snap.get(k).unwrap().as_ref(), Some(v));
+    }
+    drop(snap);
+    e.compact().unwrap();
+    assert!(design(&e, "cold_slots_removed") > removed + 100, "slots not removed once the snapshot ended");
+    // Keys now on disk; a snapshot, then overwrites: the snapshot reads the disk copies.
+    let snap = e.snapshot().unwrap();
+    let mut m1 = m0.clone();
+    for i in (0..600u32).step_by(3) {
+        e.write(&[put(&ck(i), &cv(i, 1))], Cond::None).unwrap();
+        m1.insert(ck(i), cv(i, 1));
+    }
+    e.compact().unwrap();
+    e.compact().unwrap();
+    let mut it = snap.iter().unwrap();
+    it.seek_to_first().unwrap();
+    let mut n = 0;
+    while it.valid() {
+        assert_eq!(Some(&it.value().unwrap().to_vec()), m0.get(it.key()));
+        n += 1;
+        it.next().unwrap();
+    }
+    assert_eq!(n, m0.len());
+    for (k, v) in &m0 {
+        assert_eq!(snap.get(k).unwrap().as_ref(), Some(v));
+    }
+    drop(it);
+    drop(snap);
+    assert_cold_model(&e, &m1, "after the snapshot ended");
+}
+
+/// A crash at PM events of a `compact` that moves keys to disk and cleans (strict model,
+/// and the file layer dropping what was not fsynced): afterwards every key has its value.
+#[test]
+fn a_crash_anywhere_in_a_move_to_disk_loses_nothing() {
+    let dev = SimDevice::new();
+    let fs = FaultFs::new();
+    let e = open(&cold_opts(&dev, &fs, 40), &fs, true).unwrap();
+    let mut m = BTreeMap::new();
+    for i in 0..400u32 {
+        e.write(&[put(&ck(i), &cv(i, 0))], Cond::None).unwrap();
+        m.insert(ck(i), cv(i, 0));
+    }
+    for i in (0..400u32).step_by(5) {
+        e.write(&[BatchOp::Delete { key: ck(i) }], Cond::None).unwrap();
+        m.remove(&ck(i));
+    }
+    e.close().unwrap();
+    drop(e);
+    // Count the PM events of one pass on a copy of the store (devices and file systems
+    // are copied: `crash` keeps what is durable).
+    let probe = dev.simulate_crash_with(0, CrashModel::strict(0.0));
+    let pfs = fs.crash();
+    let ep = open(&cold_opts(&probe, &pfs, 40), &pfs, false).unwrap();
+    let start = probe.events();
+    ep.compact().unwrap();
+    let events = probe.events() - start;
+    assert!(design(&ep, "cold_keys_moved") > 100 && events > 50, "{events} events");
+    drop(ep);
+    let mut points = 0;
+    for (i, at) in (1..events).step_by((events as usize / 16).max(1)).enumerate() {
+        let d = dev.simulate_crash_with(100, CrashModel::strict(0.0));
+        let cfs = fs.crash();
+        let e = open(&cold_opts(&d, &cfs, 40), &cfs, false).unwrap();
+        d.crash_before_event(d.events() + at);
+        let _ = e.compact();
+        assert!(d.crashed(), "event {at} not reached");
+        drop(e);
+        let afs = cfs.crash();
+        let after = d.simulate_crash_with(i as u64, CrashModel::strict(0.5));
+        let e2 = open(&cold_opts(&after, &afs, 40), &afs, false).unwrap();
+        assert_cold_model(&e2, &m, &format!("crash at move event {at} of {events}"));
+        assert!(e2.check().unwrap().is_empty(), "{:?}", e2.check().unwrap());
+        points += 1;
+    }
+    assert!(points >= 10);
 }
