@@ -146,9 +146,9 @@ impl IterCore {
     }
 }
 
-/// Make an iterator over `range` from `make` (a `Db` or a `Snapshot`), registered with the
-/// store so that `close()` can end it. Called without the GIL; `make` runs under the lock
-/// that keeps its source open.
+/// Wrap `it` (made from a `Db` or a `Snapshot` over `range`) and register it with the store,
+/// so that `close()` can end it; `Error::Closed` (and `it` dropped) if the store is closing.
+/// Called without the GIL.
 pub(crate) fn make(
     shared: &Arc<Shared>,
     range: &Range,
