@@ -46,7 +46,8 @@ pub fn open(py: Python<'_>, path: PathBuf, preset: &str, options: Option<&Bound<
 ///
 /// A `Db` may be shared between threads: every store call releases the GIL, so calls from
 /// several threads run in parallel. `close()` waits for calls in flight; later calls, and
-/// iterators or snapshots still open, raise `ClosedError`.
+/// iterators or snapshots still open, raise `ClosedError`. A store still open when the
+/// interpreter exits is closed by an `atexit` hook.
 #[pyclass(module = "tierkv", frozen)]
 #[derive(Debug)]
 pub struct Db {

@@ -62,5 +62,14 @@ fn tierkv_module(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<snapshot::Snapshot>()?;
     m.add_class::<iter::RangeIterator>()?;
     errors::register(m)?;
+    // Close the stores still open when the interpreter exits (see `shared`).
+    let hook = wrap_pyfunction!(close_all_at_exit, m)?;
+    py.import("atexit")?.call_method1("register", (hook,))?;
     Ok(())
+}
+
+/// Close every tierkv store still open (registered with `atexit`).
+#[pyfunction]
+fn close_all_at_exit(py: Python<'_>) {
+    py.detach(shared::close_all_at_exit)
 }

@@ -14,8 +14,10 @@
 //! - Lock order: `db` → `children` → a child's slot. A child's slot is never held while
 //!   taking `children` or `db` (`close()` releases `children` before it visits the slots).
 //! - Objects made from a `Db` keep the `Shared` alive (an `Arc`): a store is closed by
-//!   `close()`, by leaving its `with` block, or when the `Db` and everything made from it are
-//!   gone.
+//!   `close()`, by leaving its `with` block, when the `Db` and everything made from it are
+//!   gone, or at interpreter exit ([`close_all_at_exit`], an `atexit` hook: CPython does not
+//!   promise to free module globals at exit, and a store that is not closed is recovered as
+//!   after a crash at its next open — correct, but slower for the presets that replay logs).
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Weak};
@@ -48,6 +50,22 @@ struct Children {
     prune_at: usize,
 }
 
+/// Every store this process opened, for [`close_all_at_exit`].
+static OPEN: Mutex<Vec<Weak<Shared>>> = Mutex::new(Vec::new());
+
+/// Close every store still open (the `atexit` hook). A store opened by another process
+/// (this one is a child made by `os.fork()` that exits through the interpreter) is left
+/// alone: its owner still uses it. Call without the GIL.
+pub(crate) fn close_all_at_exit() {
+    let open = std::mem::take(&mut *OPEN.lock());
+    for shared in open.iter().filter_map(Weak::upgrade) {
+        if shared.pid == std::process::id() {
+            // Nothing to report to at exit; the store is crash-safe if this fails.
+            let _ = shared.close();
+        }
+    }
+}
+
 /// The open store and its live iterators and snapshots.
 #[derive(Debug)]
 pub(crate) struct Shared {
@@ -55,15 +73,22 @@ pub(crate) struct Shared {
     /// Set when `close()` starts (read with the GIL held, so never a lock).
     closing: AtomicBool,
     children: Mutex<Children>,
+    /// The process that opened the store.
+    pid: u32,
 }
 
 impl Shared {
     pub(crate) fn new(db: tierkv::Db) -> Arc<Shared> {
-        Arc::new(Shared {
+        let shared = Arc::new(Shared {
             db: RwLock::new(Some(db)),
             closing: AtomicBool::new(false),
             children: Mutex::new(Children::default()),
-        })
+            pid: std::process::id(),
+        });
+        let mut open = OPEN.lock();
+        open.retain(|w| w.strong_count() > 0);
+        open.push(Arc::downgrade(&shared));
+        shared
     }
 
     /// Run `f` on the open store; `Error::Closed` once closed. Call without the GIL.

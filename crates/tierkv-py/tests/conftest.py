@@ -8,6 +8,23 @@ import tierkv
 # Figures measured by tests (not asserted), printed at the end of the run.
 REPORT = []
 
+# Small PM pools for the tests: a pool file is allocated whole (256 MiB by default), and
+# stores are made by the hundred here. Each preset's PM structures scaled to fit.
+_POOL = {"pm_pool_size": 1 << 23}
+SMALL = {
+    "native": dict(_POOL),
+    "pmekv": dict(_POOL, pmekv={"kv_log_size": 1 << 18, "key_log_size": 1 << 18}),
+    "slmdb": dict(_POOL, slmdb={"memtable_size": 1 << 20}),
+    "hpdk": dict(_POOL, hpdk={"vlog_pool_size": 1 << 20}),
+    "lightkv": dict(_POOL, lightkv={"segment_size": 1 << 20}),
+    "hoakv": dict(_POOL, hoakv={"vtable_size": 1 << 20}),
+}
+
+
+def open_small(path, preset="native", **options):
+    """`tierkv.open` with the preset's small-PM options (overridable)."""
+    return tierkv.open(path, preset=preset, **dict(SMALL[preset], **options))
+
 
 @pytest.fixture
 def path(tmp_path):
@@ -16,7 +33,7 @@ def path(tmp_path):
 
 @pytest.fixture
 def db(path):
-    with tierkv.open(path) as d:
+    with open_small(path) as d:
         yield d
 
 

@@ -8,6 +8,7 @@ import pathlib
 import pytest
 
 import tierkv
+from conftest import open_small
 
 
 def test_module_surface():
@@ -92,7 +93,7 @@ def test_str_error_says_to_encode(db):
 
 
 def test_limits_are_invalid_argument_and_write_nothing(path):
-    with tierkv.open(path, max_value_size=1000) as db:
+    with open_small(path, max_value_size=1000) as db:
         with pytest.raises(tierkv.InvalidArgument):
             db[b"x" * 65536] = b"v"
         with pytest.raises(ValueError):
@@ -209,7 +210,7 @@ def test_snapshot(db):
 
 @pytest.mark.parametrize("preset", ["native", "pmekv"])
 def test_stats_check_compact_flush(path, preset):
-    with tierkv.open(path, preset=preset) as db:
+    with open_small(path, preset=preset) as db:
         for i in range(100):
             db[b"k%03d" % i] = b"x" * 100
         s = db.stats()
@@ -226,7 +227,7 @@ def test_stats_check_compact_flush(path, preset):
 
 def test_every_preset_opens_and_snapshots(tmp_path):
     for preset in tierkv.PRESETS:
-        with tierkv.open(tmp_path / preset, preset=preset) as db:
+        with open_small(tmp_path / preset, preset=preset) as db:
             db[b"k"] = b"1"
             snap = db.snapshot()
             db[b"k"] = b"2"
@@ -235,18 +236,18 @@ def test_every_preset_opens_and_snapshots(tmp_path):
 
 
 def test_close_reopen_and_durability(path):
-    db = tierkv.open(path)
+    db = open_small(path)
     db[b"k"] = b"v"
     assert not db.closed
     db.close()
     db.close()  # idempotent
     assert db.closed and "closed" in repr(db)
-    with tierkv.open(path) as db2:
+    with open_small(path) as db2:
         assert db2[b"k"] == b"v"
 
 
 def test_closed_db_raises_closed_error(path):
-    db = tierkv.open(path)
+    db = open_small(path)
     db[b"a"] = b"1"
     db[b"b"] = b"2"
     it = db.items()
@@ -273,12 +274,12 @@ def test_closed_db_raises_closed_error(path):
         with pytest.raises(tierkv.ClosedError):
             call()
     # The iterator and snapshot objects still exist, but the store is free to reopen.
-    with tierkv.open(path) as db2:
+    with open_small(path) as db2:
         assert db2[b"b"] == b"2" and b"c" not in db2
 
 
 def test_open_errors(path, tmp_path):
-    with tierkv.open(path, preset="native", native={"shards": 4}) as db:
+    with tierkv.open(path, preset="native", native={"shards": 4}, pm_pool_size=1 << 22) as db:
         assert db.preset == "native"
         with pytest.raises(tierkv.LockedError):
             tierkv.open(path)
@@ -306,7 +307,7 @@ def test_open_errors(path, tmp_path):
 
 
 def test_corruption_is_an_exception_not_a_crash(path):
-    with tierkv.open(path) as db:
+    with open_small(path) as db:
         for i in range(100):
             db[b"key%03d" % i] = b"value-%03d" % i * 10
     pool = sorted(p for p in glob.glob(str(path / "pm" / "*")) if os.path.isfile(p))[0]
@@ -321,3 +322,44 @@ def test_corruption_is_an_exception_not_a_crash(path):
             db.check()
     assert e.value.file == pool and e.value.offset <= at and "checksum" in e.value.detail
     assert isinstance(e.value, tierkv.Error)
+
+
+def test_interpreter_exit_closes_open_stores(path):
+    """A script that never closes its store exits cleanly (the atexit hook closes it, with
+    an iterator and a snapshot still open) and its writes are there."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, tierkv\n"
+        "db = tierkv.open(sys.argv[1], pm_pool_size=1 << 23)\n"
+        "db[b'k'] = b'v'\n"
+        "it = db.items(); snap = db.snapshot(); next(it)\n"
+    )
+    r = subprocess.run([sys.executable, "-c", code, str(path)], capture_output=True, timeout=120)
+    assert r.returncode == 0 and r.stderr == b"", r.stderr
+    with open_small(path) as db:
+        assert db[b"k"] == b"v"
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
+def test_a_forked_child_leaves_the_parents_store_alone(path):
+    """A child made by os.fork() that exits through the interpreter (running atexit hooks)
+    does not close or write the store its parent keeps using."""
+    with open_small(path) as db:
+        db[b"before"] = b"1"
+        pid = os.fork()
+        if pid == 0:  # the child: exit through the interpreter's normal shutdown
+            try:
+                import atexit
+
+                atexit._run_exitfuncs()
+            finally:
+                os._exit(0)
+        _, status = os.waitpid(pid, 0)
+        assert status == 0
+        db[b"after"] = b"2"
+        assert db[b"before"] == b"1" and not db.closed
+    with open_small(path) as db:
+        assert db[b"before"] == b"1" and db[b"after"] == b"2"
+        assert db.check() == []

@@ -10,6 +10,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule, run_state_machine_as_test
 
 import tierkv
+from conftest import SMALL
 
 # Few distinct short keys, so operations collide and prefixes share.
 keys = st.binary(min_size=0, max_size=3).map(lambda b: bytes(x % 4 for x in b))
@@ -23,13 +24,6 @@ SETTINGS = settings(
     deadline=None,
     suppress_health_check=[HealthCheck.too_slow],
 )
-
-
-# Small PM pools: a store is made per example, and a fresh 256 MiB pool costs ~0.1 s.
-SMALL = {
-    "native": {"pm_pool_size": 1 << 22},
-    "pmekv": {"pm_pool_size": 1 << 22, "pmekv": {"kv_log_size": 1 << 18, "key_log_size": 1 << 18}},
-}
 
 
 def expected_range(model, start, stop, prefix, reverse):

@@ -7,7 +7,7 @@ import time
 import pytest
 
 import tierkv
-from conftest import REPORT
+from conftest import REPORT, open_small
 
 
 class Counter(threading.Thread):
@@ -43,7 +43,7 @@ def test_a_long_store_call_lets_other_python_threads_run(path):
     sys.setswitchinterval(0.5)
     counter = Counter()
     try:
-        with tierkv.open(path, pm_write_latency_ns=20_000) as db:
+        with open_small(path, pm_write_latency_ns=20_000) as db:
             counter.start()
             counter.started.wait()
             control = progress_during(counter, lambda: sorted(big))
@@ -101,7 +101,7 @@ def test_parallel_read_speedup_is_reported(tmp_path, read_latency_ns):
     """Measured and reported only (a shared 2-core machine gives no stable figure): the same
     number of gets by 1 thread and by 2 threads. With emulated PM read latency the store's
     share of a get grows, and so does the gain from releasing the GIL."""
-    with tierkv.open(tmp_path / "s", pm_read_latency_ns=read_latency_ns) as db:
+    with open_small(tmp_path / "s", pm_read_latency_ns=read_latency_ns) as db:
         keys = [b"key%06d" % i for i in range(2_000)]
         with db.write_batch() as b:
             for k in keys:
@@ -157,7 +157,7 @@ def test_threads_share_a_db(db):
 def test_close_races_with_other_threads(path):
     """Threads hammer a Db while another closes it: each gets ClosedError, never a crash
     or another error, and the store reopens with what they wrote."""
-    db = tierkv.open(path)
+    db = open_small(path)
     for i in range(500):
         db[b"k%04d" % i] = b"v"
     outcomes = []
@@ -191,5 +191,5 @@ def test_close_races_with_other_threads(path):
     for th in ts:
         th.join()
     assert outcomes == ["closed"] * 8
-    with tierkv.open(path) as db2:
+    with open_small(path) as db2:
         assert db2[b"w"] == b"x" and db2[b"k0499"] == b"v"
