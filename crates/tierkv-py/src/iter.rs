@@ -6,7 +6,7 @@
 //! keys and values), so `next(it)` on a fresh iterator costs little and a long scan crosses
 //! the GIL boundary about once per 128 entries. Taking an already fetched entry never waits
 //! for a lock while holding the GIL (it only tries the lock; if another thread holds it, the
-//! call releases the GIL and waits).
+//! call releases the GIL and waits for it).
 
 use std::collections::VecDeque;
 use std::ops::Bound as RangeBound;
@@ -32,11 +32,9 @@ pub(crate) enum Mode {
     Values,
 }
 
-#[derive(Debug)]
-enum Entry {
-    Item(Vec<u8>, Vec<u8>),
-    One(Vec<u8>),
-}
+/// An entry taken from the fetched chunk: the key (or the value alone), and the value for
+/// `items()`.
+type Taken<'py> = (Bound<'py, PyBytes>, Option<Bound<'py, PyBytes>>);
 
 /// Range and direction of an iterator, from `items(start=, stop=, prefix=, reverse=)`.
 #[derive(Debug)]
@@ -72,13 +70,19 @@ impl Range {
 
 /// The tierkv iterator and the entries fetched ahead. Emptied (`None` in its slot) by the
 /// store's `close()`.
+///
+/// Fetched entries are copied into one buffer (`data`, reused from chunk to chunk) and
+/// described by `spans`: no allocation per entry until the Python objects are made.
 #[derive(Debug)]
 pub(crate) struct IterCore {
     /// `None` once the walk ended (or the iterator was closed by the user).
     it: Option<tierkv::DbIterator>,
     reverse: bool,
     mode: Mode,
-    buf: VecDeque<Entry>,
+    data: Vec<u8>,
+    /// `(start in data, key length, value length)` of each entry not yet taken; the key
+    /// (or the value alone, for `values()`) first.
+    spans: VecDeque<(usize, usize, usize)>,
     /// An error met while fetching ahead, raised once the entries before it are taken.
     pending: Option<tierkv::Error>,
     chunk: usize,
@@ -93,26 +97,42 @@ impl IterCore {
             it: Some(it),
             reverse: range.reverse,
             mode: range.mode,
-            buf: VecDeque::new(),
+            data: Vec::new(),
+            spans: VecDeque::new(),
             pending: None,
             chunk: FIRST_CHUNK,
         }
     }
 
-    /// Fetch the next chunk (without the GIL).
+    /// Fetch the next chunk (without the GIL), once the previous one is taken.
     fn fill(&mut self) {
+        if !self.spans.is_empty() {
+            return;
+        }
+        self.data.clear();
         let Some(it) = self.it.as_mut() else { return };
-        let (mut bytes, mut end) = (0usize, false);
-        while self.buf.len() < self.chunk && bytes < MAX_CHUNK_BYTES {
+        let mut end = false;
+        while self.spans.len() < self.chunk && self.data.len() < MAX_CHUNK_BYTES {
             let step = if self.reverse { it.prev_ref() } else { it.next_ref() };
             match step {
                 Ok(Some((k, v))) => {
-                    bytes += k.len() + v.len();
-                    self.buf.push_back(match self.mode {
-                        Mode::Items => Entry::Item(k.to_vec(), v.to_vec()),
-                        Mode::Keys => Entry::One(k.to_vec()),
-                        Mode::Values => Entry::One(v.to_vec()),
-                    });
+                    let at = self.data.len();
+                    let (kl, vl) = match self.mode {
+                        Mode::Items => {
+                            self.data.extend_from_slice(k);
+                            self.data.extend_from_slice(v);
+                            (k.len(), v.len())
+                        }
+                        Mode::Keys => {
+                            self.data.extend_from_slice(k);
+                            (k.len(), 0)
+                        }
+                        Mode::Values => {
+                            self.data.extend_from_slice(v);
+                            (v.len(), 0)
+                        }
+                    };
+                    self.spans.push_back((at, kl, vl));
                 }
                 Ok(None) => {
                     end = true;
@@ -132,17 +152,22 @@ impl IterCore {
         self.chunk = (self.chunk * 2).min(MAX_CHUNK);
     }
 
-    fn next_entry(&mut self) -> tierkv::Result<Option<Entry>> {
-        if self.buf.is_empty() {
-            self.fill();
-        }
-        match self.buf.pop_front() {
-            Some(e) => Ok(Some(e)),
-            None => match self.pending.take() {
-                Some(e) => Err(e),
-                None => Ok(None),
-            },
-        }
+    /// The next fetched entry as `bytes` (key and value for `items()`), `None` if none is
+    /// fetched. Called with the slot's lock held, so it makes only `bytes` objects, which
+    /// are not tracked by the garbage collector: no collection (no `__del__`, no Python
+    /// code that could come back to this iterator) can run while the lock is held.
+    fn take<'py>(&mut self, py: Python<'py>) -> Option<Taken<'py>> {
+        let (at, kl, vl) = self.spans.pop_front()?;
+        let bytes = |from: usize, len: usize| PyBytes::new(py, self.data.get(from..from + len).unwrap_or_default());
+        Some(match self.mode {
+            Mode::Items => (bytes(at, kl), Some(bytes(at + kl, vl))),
+            Mode::Keys | Mode::Values => (bytes(at, kl), None),
+        })
+    }
+
+    /// Nothing fetched and nothing more to fetch.
+    fn exhausted(&self) -> bool {
+        self.spans.is_empty() && self.it.is_none()
     }
 }
 
@@ -185,28 +210,38 @@ impl RangeIterator {
     fn __next__<'py>(slf: &Bound<'py, Self>) -> PyResult<Option<Bound<'py, PyAny>>> {
         let py = slf.py();
         let this = slf.get();
-        // Fast path: an entry fetched ahead, taken only if the lock is free right now.
-        let ready = match this.slot.try_lock() {
-            Some(mut g) => match g.as_mut() {
-                None => return Err(crate::errors::closed(py, "the Db of this iterator")),
-                Some(core) => core.buf.pop_front(),
-            },
-            None => None,
-        };
-        let entry = match ready {
-            Some(e) => Some(e),
-            None => py
-                .detach(|| match this.slot.lock().as_mut() {
-                    None => Err(tierkv::Error::Closed),
-                    Some(core) => core.next_entry(),
-                })
-                .py_err(py)?,
-        };
-        Ok(match entry {
-            None => None,
-            Some(Entry::One(b)) => Some(PyBytes::new(py, &b).into_any()),
-            Some(Entry::Item(k, v)) => Some(PyTuple::new(py, [PyBytes::new(py, &k), PyBytes::new(py, &v)])?.into_any()),
-        })
+        loop {
+            // Take a fetched entry if the lock is free right now (never wait for it with the
+            // GIL held: a thread refilling holds it without the GIL).
+            if let Some(mut g) = this.slot.try_lock() {
+                let Some(core) = g.as_mut() else {
+                    return Err(crate::errors::closed(py, "the Db of this iterator"));
+                };
+                if let Some((first, second)) = core.take(py) {
+                    drop(g);
+                    // The tuple is made after the lock is released (it may start a collection).
+                    return Ok(Some(match second {
+                        None => first.into_any(),
+                        Some(v) => PyTuple::new(py, [first, v])?.into_any(),
+                    }));
+                }
+                if core.exhausted() {
+                    return match core.pending.take() {
+                        Some(e) => Err(crate::errors::to_py(py, e)),
+                        None => Ok(None),
+                    };
+                }
+            }
+            // Refill (or wait for the thread holding the lock) without the GIL.
+            py.detach(|| match this.slot.lock().as_mut() {
+                None => Err(tierkv::Error::Closed),
+                Some(core) => {
+                    core.fill();
+                    Ok(())
+                }
+            })
+            .py_err(py)?;
+        }
     }
 
     /// End the iteration now and release what it holds; later `next()` raises
@@ -215,7 +250,7 @@ impl RangeIterator {
         py.detach(|| {
             if let Some(core) = self.slot.lock().as_mut() {
                 core.it = None;
-                core.buf.clear();
+                core.spans.clear();
                 core.pending = None;
             }
         })

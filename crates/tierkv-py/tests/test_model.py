@@ -126,13 +126,13 @@ def test_store_matches_dict(preset):
 
 
 class LossyStore:
-    """A store wrapper with a planted bug: a delete of a key ending in 0x03 is lost."""
+    """A store wrapper with a planted bug: a delete of a key ending in 0x01 or 0x03 is lost."""
 
     def __init__(self, db):
         self._db = db
 
     def __delitem__(self, k):
-        if not k.endswith(b"\x03"):
+        if not (k.endswith(b"\x01") or k.endswith(b"\x03")):
             del self._db[k]
 
     def __getattr__(self, name):
@@ -156,6 +156,10 @@ def test_model_test_catches_a_lost_delete():
         run_state_machine_as_test(
             LossyVsDict,
             settings=settings(
-                SETTINGS, max_examples=200, database=None, phases=[Phase.generate]  # no shrinking: only "it fails"
+                SETTINGS,
+                max_examples=200,
+                database=None,
+                derandomize=True,  # the same examples every run: this test must not flake
+                phases=[Phase.generate],  # no shrinking: only "it fails" matters
             ),
         )
