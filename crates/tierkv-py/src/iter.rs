@@ -109,6 +109,10 @@ impl IterCore {
         if !self.spans.is_empty() {
             return;
         }
+        if self.data.capacity() > 4 * MAX_CHUNK_BYTES {
+            // A huge value passed by: do not keep its buffer for the rest of the walk.
+            self.data = Vec::new();
+        }
         self.data.clear();
         let Some(it) = self.it.as_mut() else { return };
         let mut end = false;
@@ -226,7 +230,10 @@ impl RangeIterator {
                     }));
                 }
                 if core.exhausted() {
-                    return match core.pending.take() {
+                    let pending = core.pending.take();
+                    drop(g);
+                    // Raised after the lock is released (making the exception allocates).
+                    return match pending {
                         Some(e) => Err(crate::errors::to_py(py, e)),
                         None => Ok(None),
                     };

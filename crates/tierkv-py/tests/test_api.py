@@ -172,6 +172,21 @@ def test_ranges(db):
     assert list(db.keys(prefix=b"\xff")) == []
 
 
+def test_ranges_over_large_and_many_values(db):
+    """Chunked fetching: values over the chunk's byte budget, and many small ones."""
+    big = {b"big%d" % i: bytes([i]) * (1_500_000 + i) for i in range(3)}
+    for k, v in big.items():
+        db[k] = v
+    small = {b"s%05d" % i: b"%d" % i for i in range(1000)}
+    with db.write_batch() as b:
+        for k, v in small.items():
+            b.put(k, v)
+    assert dict(db.items(prefix=b"big")) == big
+    assert list(db.values(prefix=b"big", reverse=True)) == [big[k] for k in sorted(big, reverse=True)]
+    assert list(db.items(prefix=b"s")) == sorted(small.items())
+    assert list(db.keys(start=b"s00500", reverse=True)) == sorted(small, reverse=True)[:500]
+
+
 def test_iterator_is_a_snapshot_of_its_call(db):
     for i in range(300):
         db[b"%04d" % i] = b"v"
