@@ -205,7 +205,7 @@ fn serve_answers_resp_and_closes_the_store_on_sigterm() {
         let d = tmp();
         let dir = d.path().join("db");
         let mut child = Command::new(env!("CARGO_BIN_EXE_tierkv"))
-            .args(["serve", "--port", "0", "--preset", preset, "--dir"])
+            .args(["serve", "--port", "auto", "--preset", preset, "--dir"])
             .arg(&dir)
             .stdout(std::process::Stdio::piped())
             .spawn()

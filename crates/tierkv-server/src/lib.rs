@@ -14,11 +14,18 @@
 //! O(1)), SCAN cursors are server-side handles (the last 65,536 stay valid) rather than
 //! stateless hash-table positions.
 
+pub mod auth;
 pub mod cmd;
+pub mod collections;
 pub mod glob;
 pub mod keys;
+pub mod multi;
 pub mod net;
 pub mod resp;
+pub mod script;
+pub mod strings;
+pub mod tls;
+pub mod txn;
 
 pub use cmd::{Keyspace, Settings};
 pub use net::{Server, ServerConfig};
@@ -27,18 +34,8 @@ use std::sync::Arc;
 
 /// Serve `db` with `cfg` until SIGINT or SIGTERM, then stop the server and close the store
 /// cleanly. `ready` is called with the bound address once the server accepts connections.
-pub fn serve_until_signal(
-    db: Arc<tierkv::Db>,
-    cfg: &ServerConfig,
-    ready: impl FnOnce(std::net::SocketAddr),
-) -> Result<(), String> {
-    let settings = Settings {
-        port: cfg.port,
-        bind: cfg.bind.clone(),
-        timeout_secs: cfg.timeout_secs,
-        max_clients: cfg.max_clients,
-        limits: cfg.limits,
-    };
+pub fn serve_until_signal(db: Arc<tierkv::Db>, cfg: &ServerConfig, ready: impl FnOnce(&Server)) -> Result<(), String> {
+    let settings = Settings::from(cfg);
     // Handlers first: a SIGTERM that arrives as soon as `ready` has announced the server
     // must stop it cleanly, not kill the process with the default action.
     let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().map_err(|e| e.to_string())?;
@@ -49,8 +46,8 @@ pub fn serve_until_signal(
         Ok::<_, String>((term, int))
     })?;
     let ks = Arc::new(Keyspace::new(db.clone(), settings).map_err(|e| e.to_string())?);
-    let server = Server::start(ks, cfg).map_err(|e| format!("cannot listen on {}:{}: {e}", cfg.bind, cfg.port))?;
-    ready(server.addr());
+    let server = Server::start(ks, cfg).map_err(|e| format!("cannot listen on {}: {e}", cfg.bind))?;
+    ready(&server);
     rt.block_on(async {
         tokio::select! {
             _ = term.recv() => {}
