@@ -155,6 +155,8 @@ pub struct Keyspace {
     pub(crate) watches: Mutex<HashMap<Vec<u8>, (u64, usize)>>,
     pub(crate) watching: AtomicUsize,
     pub(crate) scripts: crate::script::Scripts,
+    /// The ports actually bound (plain, TLS; 0: none), shown by CONFIG GET and INFO.
+    ports: Mutex<(u16, u16)>,
     /// Counters shown by INFO.
     pub counters: Counters,
     /// Settings shown by CONFIG GET and INFO.
@@ -362,6 +364,7 @@ impl Keyspace {
             watches: Mutex::new(HashMap::new()),
             watching: AtomicUsize::new(0),
             scripts: crate::script::Scripts::default(),
+            ports: Mutex::new((settings.port, settings.tls_port)),
             counters: Counters::default(),
             settings,
             started: Instant::now(),
@@ -371,6 +374,11 @@ impl Keyspace {
     /// The store.
     pub fn db(&self) -> &Arc<Db> {
         &self.db
+    }
+
+    /// Record the ports the server bound (a requested port 0 picks one).
+    pub fn set_ports(&self, plain: u16, tls: u16) {
+        *self.ports.lock() = (plain, tls);
     }
 
     pub(crate) fn stripe(k: &[u8]) -> usize {
@@ -607,13 +615,14 @@ impl Keyspace {
 
     fn config_params(&self) -> Vec<(&'static str, String)> {
         let s = &self.settings;
+        let (port, tls_port) = *self.ports.lock();
         vec![
             ("save", String::new()),
             ("appendonly", "no".into()),
             ("databases", "1".into()),
             ("maxmemory", "0".into()),
-            ("port", s.port.to_string()),
-            ("tls-port", s.tls_port.to_string()),
+            ("port", port.to_string()),
+            ("tls-port", tls_port.to_string()),
             ("bind", s.bind.clone()),
             ("timeout", s.timeout_secs.to_string()),
             ("maxclients", s.max_clients.to_string()),
@@ -659,7 +668,7 @@ impl Keyspace {
                 env!("CARGO_PKG_VERSION"),
                 std::env::consts::OS,
                 std::process::id(),
-                self.settings.port,
+                self.ports.lock().0,
                 self.started.elapsed().as_secs()
             ));
         }

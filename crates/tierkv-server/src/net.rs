@@ -127,6 +127,7 @@ impl Server {
         };
         let addr = plain.as_ref().map(TcpListener::local_addr).transpose()?;
         let tls_addr = tls.as_ref().map(TcpListener::local_addr).transpose()?;
+        keyspace.set_ports(addr.map_or(0, |a| a.port()), tls_addr.map_or(0, |a| a.port()));
         let (stop, stop_rx) = watch::channel(false);
         let ks = keyspace.clone();
         let cfg = cfg.clone();
