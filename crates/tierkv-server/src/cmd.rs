@@ -222,9 +222,12 @@ pub fn format_score(v: f64) -> String {
     }
 }
 
-/// (name, arity as Redis: n = exactly n words, -n = at least n; flags; first key, last
-/// key, step).
-pub const COMMANDS: &[(&str, i64, &[&str], i64, i64, i64)] = &[
+/// A command table entry: (name, arity as Redis: n = exactly n words, -n = at least n;
+/// flags; first key, last key, step), as COMMAND INFO reports it.
+pub type CommandSpec = (&'static str, i64, &'static [&'static str], i64, i64, i64);
+
+/// Every command tierkv serves.
+pub const COMMANDS: &[CommandSpec] = &[
     ("ping", -1, &["fast"], 0, 0, 0),
     ("echo", 2, &["fast"], 0, 0, 0),
     ("quit", -1, &["fast", "no_auth"], 0, 0, 0),
@@ -290,7 +293,7 @@ pub const COMMANDS: &[(&str, i64, &[&str], i64, i64, i64)] = &[
     ("script", -2, &["noscript", "no_multi"], 0, 0, 0),
 ];
 
-fn command_entry(c: &(&str, i64, &[&str], i64, i64, i64)) -> Reply {
+fn command_entry(c: &CommandSpec) -> Reply {
     let (name, arity, flags, first, last, step) = *c;
     Reply::Array(vec![
         Reply::bulk(name),

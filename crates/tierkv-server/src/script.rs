@@ -116,7 +116,7 @@ fn status(lua: &Lua, s: &str) -> mlua::Result<Value> {
 /// A Lua value as a reply (Redis's rules).
 fn from_lua(v: &Value) -> Reply {
     match v {
-        Value::Integer(n) => Reply::Int(*n as i64),
+        Value::Integer(n) => Reply::Int(*n),
         Value::Number(n) => Reply::Int(*n as i64),
         Value::String(s) => Reply::Bulk(s.as_bytes().to_vec()),
         Value::Boolean(true) => Reply::Int(1),
@@ -170,7 +170,7 @@ impl Keyspace {
                 if eq(&a[0], "load") && a.len() == 2 {
                     let src = &a[1];
                     // Compile once, so a syntax error is reported at load time, as Redis does.
-                    let lua = Lua::new_with(StdLib::NONE, LuaOptions::default()).map_err(|e| Reply::err(e))?;
+                    let lua = Lua::new_with(StdLib::NONE, LuaOptions::default()).map_err(Reply::err)?;
                     lua.load(&src[..])
                         .set_name("@user_script")
                         .into_function()

@@ -89,7 +89,7 @@ fn strings_counters_and_keyspace_commands() {
         assert_eq!(err_text(redis::cmd("SELECT").arg(1).query::<String>(&mut c)), "ERR DB index is out of range");
         let _: () = c.set("s", "v1").unwrap();
         assert_eq!(c.get::<_, String>("s").unwrap(), "v1");
-        // SET NX / XX map to insert_if_absent / update_if_present.
+        // SET NX / XX: conditional on the key (under its stripe lock).
         assert_eq!(redis::cmd("SET").arg("s").arg("v2").arg("NX").query::<Option<String>>(&mut c).unwrap(), None);
         assert_eq!(
             redis::cmd("SET").arg("s").arg("v2").arg("xx").query::<Option<String>>(&mut c).unwrap(),
