@@ -429,7 +429,10 @@ impl Keyspace {
                 e.set(&k, v);
             }
         }
-        if self.watching.load(Ordering::Acquire) > 0 && !c.touched.is_empty() {
+        if c.reaped > 0 {
+            self.counters.expired.fetch_add(c.reaped, Ordering::Relaxed);
+        }
+        if self.watching.load(Ordering::SeqCst) > 0 && !c.touched.is_empty() {
             let mut w = self.watches.lock();
             for k in c.touched {
                 if let Some(e) = w.get_mut(&k) {
@@ -573,18 +576,21 @@ impl Keyspace {
         Ok(Reply::Ok)
     }
 
-    /// Delete up to `max` keys whose expiry has passed (the background sweep); returns how
-    /// many were deleted.
+    /// Delete up to `max` keys whose expiry has passed (the background sweep), 100 to a
+    /// batch; returns how many were deleted.
     pub fn sweep(&self, max: usize) -> usize {
         let now = now_ms();
         let due = self.expires.read().due(now, max);
         let mut n = 0;
-        for k in due {
+        for chunk in due.chunks(100) {
             let _g = self.global.read();
             let mut t = Txn::new(self, now);
-            // Locking reaps the key if it is still expired (it may have been rewritten).
-            if t.lock_keys([&k[..]]).is_ok() && t.commit().is_ok() {
-                n += 1;
+            // Locking reaps each key that is still expired (it may have been rewritten).
+            if t.lock_keys(chunk.iter().map(|k| &k[..])).is_ok() {
+                let reaped = t.reaped();
+                if t.commit().is_ok() {
+                    n += reaped as usize;
+                }
             }
         }
         n

@@ -195,7 +195,6 @@ async fn sweeper(ks: Arc<Keyspace>, mut stop: watch::Receiver<bool>) {
         }
         loop {
             let n = ks.sweep(1000);
-            ks.counters.expired.fetch_add(n as u64, Ordering::Relaxed);
             if n < 1000 || *stop.borrow() {
                 break;
             }

@@ -95,6 +95,8 @@ pub struct Changes {
     pub expires: HashMap<Vec<u8>, Option<u64>>,
     /// Logical keys modified (for WATCH).
     pub touched: Vec<Vec<u8>>,
+    /// Expired keys deleted (INFO's `expired_keys`).
+    pub reaped: u64,
 }
 
 impl Changes {
@@ -104,6 +106,7 @@ impl Changes {
         self.types.extend(later.types);
         self.expires.extend(later.expires);
         self.touched.extend(later.touched);
+        self.reaped += later.reaped;
     }
 }
 
@@ -157,6 +160,11 @@ impl<'a> Txn<'a> {
         Txn { ks, base: None, c, exclusive: true, guards: Vec::new(), held: Vec::new(), now }
     }
 
+    /// Expired keys this `Txn` deleted so far.
+    pub fn reaped(&self) -> u64 {
+        self.c.reaped
+    }
+
     /// The staged changes, unapplied.
     pub fn into_changes(self) -> Changes {
         self.c
@@ -190,6 +198,7 @@ impl<'a> Txn<'a> {
             return Ok(false);
         }
         self.delete_key(k)?;
+        self.c.reaped += 1;
         Ok(true)
     }
 
