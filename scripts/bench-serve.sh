@@ -10,7 +10,7 @@ n="${1:-100000}"; c="${2:-50}"
 bin="${CARGO_TARGET_DIR:-target}/release/tierkv"
 work="$(mktemp -d /tmp/bench-serve.XXXXXX)"
 pids=()
-cleanup() { for p in "${pids[@]}"; do kill "$p" 2>/dev/null || true; done; rm -rf "$work"; }
+cleanup() { for p in "${pids[@]}"; do kill "$p" 2>/dev/null || true; done; wait 2>/dev/null || true; rm -rf "$work"; }
 trap cleanup EXIT
 (
     cd "$work"
@@ -54,6 +54,6 @@ run "tierkv native +TLS" "$port" "${tls[@]}"
 start_redis everysec everysec; run "redis aof everysec" "$port"
 start_redis always always; run "redis aof always" "$port"
 start_redis auth everysec --requirepass bench-password; run "redis aof everysec +AUTH" "$port" -a bench-password
-start_redis tls everysec --port 0 --tls-port "$port" --tls-cert-file "$work/s.crt" --tls-key-file "$work/s.key" \
+start_redis tls everysec --port 0 --tls-port "$((port + 1))" --tls-cert-file "$work/s.crt" --tls-key-file "$work/s.key" \
     --tls-ca-cert-file "$work/ca.crt" --tls-auth-clients no
 run "redis aof everysec +TLS" "$port" "${tls[@]}"

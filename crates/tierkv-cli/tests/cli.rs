@@ -231,6 +231,26 @@ fn serve_answers_resp_and_closes_the_store_on_sigterm() {
     }
 }
 
+#[test]
+fn serve_refuses_bad_listener_and_password_settings() {
+    let d = tmp();
+    let dir = d.path().join("db");
+    let dir = dir.to_str().unwrap();
+    // `--port 0` turns the plain port off (Redis): without a TLS port there is nothing to serve.
+    let o = tierkv(&["serve", "--dir", dir, "--port", "0"], None);
+    assert_eq!(code(&o), 2);
+    assert!(String::from_utf8_lossy(&o.stderr).contains("nothing to listen on"), "{o:?}");
+    // There is no option taking the password itself (it would show in `ps`).
+    let o = tierkv(&["serve", "--dir", dir, "--requirepass", "secret"], None);
+    assert_ne!(code(&o), 0);
+    let o = tierkv(&["serve", "--dir", dir, "--requirepass-file", d.path().join("none").to_str().unwrap()], None);
+    assert_eq!(code(&o), 2);
+    assert!(String::from_utf8_lossy(&o.stderr).contains("cannot read the password file"), "{o:?}");
+    let o = tierkv(&["serve", "--dir", dir, "--tls-port", "auto"], None);
+    assert_eq!(code(&o), 2);
+    assert!(String::from_utf8_lossy(&o.stderr).contains("go together"), "{o:?}");
+}
+
 fn files_under(p: &Path, out: &mut Vec<std::path::PathBuf>) {
     for e in std::fs::read_dir(p).unwrap() {
         let e = e.unwrap().path();

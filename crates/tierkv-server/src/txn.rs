@@ -472,3 +472,46 @@ impl<'a> Txn<'a> {
         b
     }
 }
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)]
+    use super::*;
+
+    #[test]
+    fn expiry_directory_orders_by_time_and_replaces() {
+        let mut e = Expires::default();
+        e.set(b"a", Some(30));
+        e.set(b"b", Some(10));
+        e.set(b"c", Some(20));
+        e.set(b"a", Some(5)); // replaces 30
+        e.set(b"c", None);
+        assert_eq!(e.get(b"a"), Some(5));
+        assert_eq!(e.get(b"c"), None);
+        assert_eq!(e.due(10, 10), vec![b"a".to_vec(), b"b".to_vec()]);
+        assert_eq!(e.due(10, 1), vec![b"a".to_vec()]);
+        assert_eq!(e.due(4, 10), Vec::<Vec<u8>>::new());
+        assert_eq!(e.stats(0), (2, 7));
+        e.clear();
+        assert_eq!(e.due(u64::MAX, 10).len(), 0);
+    }
+
+    #[test]
+    fn later_changes_win_when_merged() {
+        let mut a = Changes::default();
+        a.writes.insert(b"k".to_vec(), Some(b"1".to_vec()));
+        a.expires.insert(b"k".to_vec(), Some(9));
+        a.reaped = 1;
+        let mut b = Changes::default();
+        b.writes.insert(b"k".to_vec(), None);
+        b.expires.insert(b"k".to_vec(), None);
+        b.touched.push(b"k".to_vec());
+        b.reaped = 2;
+        a.merge(b);
+        assert_eq!(a.writes.get(&b"k"[..]), Some(&None));
+        assert_eq!(a.expires.get(&b"k"[..]), Some(&None));
+        assert_eq!((a.touched.len(), a.reaped), (1, 3));
+        let batch = Txn::batch(a.writes);
+        assert_eq!(batch.len(), 1);
+    }
+}
