@@ -534,7 +534,9 @@ impl Keyspace {
             "client" => client(s, a),
             "hello" => self.hello(s, a),
             "auth" => self.auth(s, a),
-            "multi" | "exec" | "discard" | "watch" | "unwatch" | "flushdb" | "eval" | "evalsha" | "script" => {
+            // Queued inside MULTI: EXEC unwatches everything anyway (Redis replies OK too).
+            "unwatch" => Ok(Reply::Ok),
+            "multi" | "exec" | "discard" | "watch" | "flushdb" | "eval" | "evalsha" | "script" => {
                 Err(Reply::err("This Redis command is not allowed from script"))
             }
             _ => {

@@ -282,7 +282,8 @@ fn multi_exec_discard_and_watch_as_redis() {
     b.cmd(&["DEL", "x"]);
     a.cmd(&["MULTI"]);
     a.cmd(&["SET", "x", "again"]);
-    assert_eq!(a.cmd(&["EXEC"]), "*1\r\n+OK\r\n");
+    assert_eq!(a.cmd(&["UNWATCH"]), "+QUEUED\r\n");
+    assert_eq!(a.cmd(&["EXEC"]), "*2\r\n+OK\r\n+OK\r\n");
     a.cmd(&["HELLO", "3"]);
     a.cmd(&["SET", "e", "v", "PX", "100"]);
     a.cmd(&["WATCH", "e"]);
