@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
-# The tierkv test command: formatting, lints, then every test of the workspace, then the
-# Python package's tests against its wheel.
-# Needs the Rust toolchain and Python 3 (>= 3.9); the benchmark peers (C++) are not built
-# here (feature `peers`). The Python part makes its own virtual environment (installing
+# The tierkv test command: formatting, lints, every test of the workspace, the Python
+# package's tests against its wheel, then `tierkv serve` against stock Redis clients.
+# Needs the Rust toolchain, Python 3 (>= 3.9) and Go; the benchmark peers (C++) are not
+# built here (feature `peers`). The Python part makes its own virtual environment (installing
 # Debian's python3-venv first if `python3 -m venv` cannot work and apt-get can fix that) and
-# installs maturin, pytest and hypothesis into it from PyPI.
+# installs maturin, pytest and hypothesis into it from PyPI; scripts/client-tests.sh installs
+# redis-tools, openssl and redis-py itself and builds its go-redis test with Go.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 cargo fmt --all -- --check
@@ -27,3 +28,6 @@ rm -rf target/py-wheels
 "$venv/bin/maturin" build --release --locked -m crates/tierkv-py/Cargo.toml -o target/py-wheels
 "$venv/bin/python" -m pip install --quiet --disable-pip-version-check target/py-wheels/tierkv-*.whl
 (cd crates/tierkv-py && "../../$venv/bin/python" -m pytest -p no:cacheprovider tests)
+
+# `tierkv serve` against stock Redis clients (redis-py, go-redis, redis-cli).
+./scripts/client-tests.sh

@@ -160,7 +160,7 @@ fn start(a: &ServerArgs, t: &Target, dir: &Path, pm: &Path) -> Result<Running> {
     match t {
         Target::Tierkv(p) => {
             let mut child = Command::new(&a.tierkv_exe)
-                .args(["serve", "--port", "0", "--preset", p.name()])
+                .args(["serve", "--port", "auto", "--preset", p.name()])
                 .arg("--dir")
                 .arg(dir)
                 .arg("--pm-path")

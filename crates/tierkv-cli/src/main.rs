@@ -150,6 +150,37 @@ struct BenchFlags {
     ycsb_num: u64,
 }
 
+/// A port argument: a number, or `auto` (`None`) for a free one.
+#[derive(Debug, Clone, Copy)]
+struct PortArg(Option<u16>);
+
+impl std::str::FromStr for PortArg {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        if s == "auto" {
+            return Ok(PortArg(None));
+        }
+        s.parse()
+            .map(|p| PortArg(Some(p)))
+            .map_err(|_| format!("a port is a number from 0 to 65535 or `auto`, not '{s}'"))
+    }
+}
+
+/// `yes` or `no`, as Redis's options.
+#[derive(Debug, Clone, Copy)]
+struct YesNo(bool);
+
+impl std::str::FromStr for YesNo {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "yes" => Ok(YesNo(true)),
+            "no" => Ok(YesNo(false)),
+            _ => Err(format!("expected yes or no, not '{s}'")),
+        }
+    }
+}
+
 #[derive(Subcommand, Debug)]
 enum Cmd {
     /// Measure engines side by side (see `tierkv bench --help`).
@@ -192,17 +223,42 @@ enum Cmd {
         #[command(flatten)]
         t: Target,
     },
-    /// Serve the store over the Redis protocol (RESP2) until SIGINT/SIGTERM, then close it
-    /// cleanly. Prints `listening on ADDR:PORT` on stdout once it accepts connections.
+    /// Serve the store over the Redis protocol (RESP2 and RESP3) until SIGINT/SIGTERM, then
+    /// close it cleanly. Prints `listening on ADDR:PORT (preset P)` on stdout once it
+    /// accepts connections (then `listening on ADDR:PORT (tls)` for the TLS port). A new
+    /// store gets the `native` preset unless --preset says otherwise.
     Serve {
         #[command(flatten)]
         t: Target,
         /// Address to bind.
         #[arg(long, default_value = "127.0.0.1")]
         bind: String,
-        /// Port (0 picks a free one).
-        #[arg(long, default_value_t = 6379)]
-        port: u16,
+        /// Plain (unencrypted) port: a number, 0 for none (as Redis), or `auto` for a free one.
+        #[arg(long, default_value = "6379")]
+        port: PortArg,
+        /// TLS port (a number or `auto`); needs --tls-cert-file and --tls-key-file.
+        #[arg(long)]
+        tls_port: Option<PortArg>,
+        /// PEM certificate chain for the TLS port.
+        #[arg(long)]
+        tls_cert_file: Option<PathBuf>,
+        /// PEM private key for the TLS port.
+        #[arg(long)]
+        tls_key_file: Option<PathBuf>,
+        /// PEM CA certificates: TLS clients must present a certificate signed by one of them.
+        #[arg(long)]
+        tls_ca_cert_file: Option<PathBuf>,
+        /// With --tls-ca-cert-file: `yes` (client certificate required), `optional`, `no`.
+        #[arg(long, default_value = "yes")]
+        tls_auth_clients: tierkv_server::tls::ClientAuth,
+        /// File whose first line is the password clients must AUTH with (never give the
+        /// password itself on the command line: `ps` shows it). Without this option the
+        /// TIERKV_REQUIREPASS environment variable is used if set.
+        #[arg(long)]
+        requirepass_file: Option<PathBuf>,
+        /// `yes`: with no password set, refuse clients from non-loopback addresses (-DENIED).
+        #[arg(long, default_value = "yes")]
+        protected_mode: YesNo,
         /// Worker threads (0 = one per CPU).
         #[arg(long, default_value_t = 0)]
         threads: usize,
@@ -526,9 +582,16 @@ fn run(cli: Cli) -> Result<Outcome, Error> {
             db.close()?;
         }
         Cmd::Serve {
-            t,
+            mut t,
             bind,
             port,
+            tls_port,
+            tls_cert_file,
+            tls_key_file,
+            tls_ca_cert_file,
+            tls_auth_clients,
+            requirepass_file,
+            protected_mode,
             threads,
             timeout,
             max_clients,
@@ -539,18 +602,62 @@ fn run(cli: Cli) -> Result<Outcome, Error> {
             if max_bulk_len > 512 << 20 {
                 return Err(Error::InvalidArgument("--max-bulk-len is at most 512 MiB (536870912)".into()));
             }
+            let tls = match (tls_port, tls_cert_file, tls_key_file) {
+                (None, None, None) => None,
+                (Some(p), Some(cert_file), Some(key_file)) => Some(tierkv_server::tls::TlsConfig {
+                    port: p.0.unwrap_or(0),
+                    cert_file,
+                    key_file,
+                    ca_cert_file: tls_ca_cert_file,
+                    auth_clients: tls_auth_clients,
+                }),
+                _ => {
+                    return Err(Error::InvalidArgument(
+                        "--tls-port, --tls-cert-file and --tls-key-file go together".into(),
+                    ))
+                }
+            };
+            // `--port 0` turns the plain port off (Redis); `auto` asks for a free one.
+            let port = match port.0 {
+                None => Some(0),
+                Some(0) => None,
+                Some(p) => Some(p),
+            };
+            if port.is_none() && tls.is_none() {
+                return Err(Error::InvalidArgument("--port 0 without --tls-port: nothing to listen on".into()));
+            }
+            let requirepass = match requirepass_file {
+                Some(f) => Some(tierkv_server::auth::Password::from_file(&f).map_err(Error::InvalidArgument)?),
+                None => match std::env::var_os(tierkv_server::auth::PASSWORD_ENV) {
+                    Some(v) => Some(tierkv_server::auth::Password::new(v.as_encoded_bytes()).ok_or_else(|| {
+                        Error::InvalidArgument(format!("{} is set but empty", tierkv_server::auth::PASSWORD_ENV))
+                    })?),
+                    None => None,
+                },
+            };
+            if t.preset.is_none() && Db::stored_preset(&t.dir)?.is_none() {
+                t.preset = Some(Preset::Native.name().to_string());
+            }
             let db = std::sync::Arc::new(open(&t, true)?);
             let cfg = tierkv_server::ServerConfig {
                 bind,
                 port,
+                tls,
+                requirepass,
+                protected_mode: protected_mode.0,
                 threads,
                 timeout_secs: timeout,
                 max_clients,
                 limits: tierkv_server::resp::Limits { max_bulk_len, max_multibulk_len, max_inline_len },
             };
             let preset = db.preset();
-            tierkv_server::serve_until_signal(db, &cfg, |addr| {
-                let _ = writeln!(out, "listening on {addr} (preset {preset})");
+            tierkv_server::serve_until_signal(db, &cfg, |server| {
+                if let Some(a) = server.plain_addr() {
+                    let _ = writeln!(out, "listening on {a} (preset {preset})");
+                }
+                if let Some(a) = server.tls_addr() {
+                    let _ = writeln!(out, "listening on {a} (tls, preset {preset})");
+                }
                 let _ = out.flush();
             })
             .map_err(|e| Error::InvalidArgument(format!("serve: {e}")))?;

@@ -206,7 +206,7 @@ fn serve_answers_resp_and_closes_the_store_on_sigterm() {
         let d = tmp();
         let dir = d.path().join("db");
         let mut child = Command::new(env!("CARGO_BIN_EXE_tierkv"))
-            .args(["serve", "--port", "0", "--preset", preset, "--dir"])
+            .args(["serve", "--port", "auto", "--preset", preset, "--dir"])
             .arg(&dir)
             .stdout(std::process::Stdio::piped())
             .spawn()
@@ -230,6 +230,26 @@ fn serve_answers_resp_and_closes_the_store_on_sigterm() {
         assert_eq!(code(&o), 0, "{preset}: {}", String::from_utf8_lossy(&o.stderr));
         assert_eq!(o.stdout, b"yes");
     }
+}
+
+#[test]
+fn serve_refuses_bad_listener_and_password_settings() {
+    let d = tmp();
+    let dir = d.path().join("db");
+    let dir = dir.to_str().unwrap();
+    // `--port 0` turns the plain port off (Redis): without a TLS port there is nothing to serve.
+    let o = tierkv(&["serve", "--dir", dir, "--port", "0"], None);
+    assert_eq!(code(&o), 2);
+    assert!(String::from_utf8_lossy(&o.stderr).contains("nothing to listen on"), "{o:?}");
+    // There is no option taking the password itself (it would show in `ps`).
+    let o = tierkv(&["serve", "--dir", dir, "--requirepass", "secret"], None);
+    assert_ne!(code(&o), 0);
+    let o = tierkv(&["serve", "--dir", dir, "--requirepass-file", d.path().join("none").to_str().unwrap()], None);
+    assert_eq!(code(&o), 2);
+    assert!(String::from_utf8_lossy(&o.stderr).contains("cannot read the password file"), "{o:?}");
+    let o = tierkv(&["serve", "--dir", dir, "--tls-port", "auto"], None);
+    assert_eq!(code(&o), 2);
+    assert!(String::from_utf8_lossy(&o.stderr).contains("go together"), "{o:?}");
 }
 
 fn files_under(p: &Path, out: &mut Vec<std::path::PathBuf>) {

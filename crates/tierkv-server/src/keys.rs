@@ -3,10 +3,16 @@
 //! - A **string** `k` is stored under `k` itself, so plain keys stay readable through the
 //!   library API and the CLI. The one exception: a string whose first byte is `0xFF` is stored
 //!   under `FF 's' k`, because every other Redis type lives under the `0xFF` prefix.
+//! - A **string with an expiry** `k` is stored under `FF 'x' k` →
+//!   `version u8 = 2 | expire-at u64 LE (Unix ms) | value`, and nowhere else: a string lives
+//!   in exactly one of the two places, so a string without expiry keeps the plain layout
+//!   (stores written before expiry existed read unchanged) and the deadline is in the same
+//!   record as the value (one write sets both; a crash cannot separate them).
 //! - A **hash or sorted set** `k` has a type record `FF 'm' k` →
 //!   `version u8 = 1 | type u8 | count u64 LE` (1 = hash, 2 = sorted set; count = fields or
-//!   members). The encoding's version is this byte: a server meeting another version refuses
-//!   to start rather than misread the store.
+//!   members), or, when it has an expiry, `version u8 = 2 | type u8 | count u64 LE |
+//!   expire-at u64 LE`. The version byte says which: a server meeting another version
+//!   refuses to start rather than misread the store.
 //! - A **hash field**: `FF 'h' len(k) u32 BE | k | field` → value.
 //! - A **sorted-set member**: `FF 'z' len(k) u32 BE | k | member` → score (f64 bits, LE), and
 //!   its **score index** entry `FF 'o' len(k) u32 BE | k | sortable(score) u64 BE | member` →
@@ -22,6 +28,7 @@ const T_TYPE: u8 = b'm';
 const T_HASH: u8 = b'h';
 const T_ZMEMBER: u8 = b'z';
 const T_ZSCORE: u8 = b'o';
+const T_EXPIRING: u8 = b'x';
 
 /// A non-string Redis type.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -76,29 +83,70 @@ pub fn type_range() -> (Vec<u8>, Vec<u8>) {
     (vec![META, T_TYPE], vec![META, T_TYPE + 1])
 }
 
-/// Version of this keyspace encoding (the first byte of every type record).
-pub const VERSION: u8 = 1;
+/// Version of this keyspace encoding: the newest record version this server writes (type
+/// records with an expiry and expiring strings). Version 1 type records (no expiry) are
+/// still written for keys without one, so older servers keep reading such stores.
+pub const VERSION: u8 = 2;
+const V1: u8 = 1;
 
-/// Encode a type record.
-pub fn encode_type(kind: Kind, count: u64) -> Vec<u8> {
-    let mut v = vec![VERSION, kind as u8];
+/// Encode a type record (version 1 without an expiry, version 2 with one).
+pub fn encode_type(kind: Kind, count: u64, expire_at: Option<u64>) -> Vec<u8> {
+    let mut v = vec![if expire_at.is_some() { VERSION } else { V1 }, kind as u8];
     v.extend_from_slice(&count.to_le_bytes());
+    if let Some(t) = expire_at {
+        v.extend_from_slice(&t.to_le_bytes());
+    }
     v
 }
 
-/// Decode a type record (`None`: not one; the server reports it as corruption).
-pub fn decode_type(v: &[u8]) -> Option<(Kind, u64)> {
-    if v.len() != 10 || v[0] != VERSION {
-        return None;
-    }
-    let kind = match v[1] {
+fn u64_le(b: &[u8]) -> Option<u64> {
+    Some(u64::from_le_bytes(b.try_into().ok()?))
+}
+
+/// Decode a type record: (kind, count, expire-at ms). `None`: not one (the server reports
+/// it as corruption).
+pub fn decode_type(v: &[u8]) -> Option<(Kind, u64, Option<u64>)> {
+    let (ver, kind) = (*v.first()?, *v.get(1)?);
+    let kind = match kind {
         1 => Kind::Hash,
         2 => Kind::Zset,
         _ => return None,
     };
-    let mut c = [0u8; 8];
-    c.copy_from_slice(&v[2..]);
-    Some((kind, u64::from_le_bytes(c)))
+    match (ver, v.len()) {
+        (V1, 10) => Some((kind, u64_le(v.get(2..10)?)?, None)),
+        (VERSION, 18) => Some((kind, u64_le(v.get(2..10)?)?, Some(u64_le(v.get(10..18)?)?))),
+        _ => None,
+    }
+}
+
+/// The stored key of string `k` while it has an expiry.
+pub fn expiring_key(k: &[u8]) -> Vec<u8> {
+    let mut v = Vec::with_capacity(k.len() + 2);
+    v.extend_from_slice(&[META, T_EXPIRING]);
+    v.extend_from_slice(k);
+    v
+}
+
+/// Range of expiring strings.
+pub fn expiring_range() -> (Vec<u8>, Vec<u8>) {
+    (vec![META, T_EXPIRING], vec![META, T_EXPIRING + 1])
+}
+
+/// Encode an expiring string's record.
+pub fn encode_expiring(expire_at: u64, value: &[u8]) -> Vec<u8> {
+    let mut v = Vec::with_capacity(value.len() + 9);
+    v.push(VERSION);
+    v.extend_from_slice(&expire_at.to_le_bytes());
+    v.extend_from_slice(value);
+    v
+}
+
+/// Decode an expiring string's record: (expire-at ms, value). `None`: malformed.
+pub fn decode_expiring(v: &[u8]) -> Option<(u64, &[u8])> {
+    if *v.first()? != VERSION {
+        return None;
+    }
+    Some((u64_le(v.get(1..9)?)?, v.get(9..)?))
 }
 
 fn prefixed(tag: u8, k: &[u8]) -> Vec<u8> {
@@ -202,9 +250,18 @@ mod tests {
         assert!(hash_field(b"user10", b"") > end || !hash_field(b"user10", b"").starts_with(&p));
         assert_eq!(&*string_key(b"plain"), b"plain");
         assert_eq!(&*string_key(b"\xffx"), b"\xffs\xffx");
-        assert_eq!(decode_type(&encode_type(Kind::Zset, 7)), Some((Kind::Zset, 7)));
+        assert_eq!(decode_type(&encode_type(Kind::Zset, 7, None)), Some((Kind::Zset, 7, None)));
+        assert_eq!(decode_type(&encode_type(Kind::Hash, 3, Some(99))), Some((Kind::Hash, 3, Some(99))));
         assert_eq!(decode_type(b"\x01\x03\0\0\0\0\0\0\0\0"), None);
-        assert_eq!(decode_type(b"\x02\x01\0\0\0\0\0\0\0\0"), None, "unknown version");
+        assert_eq!(decode_type(b"\x02\x01\0\0\0\0\0\0\0\0"), None, "version 2 without its expiry");
+        assert_eq!(decode_type(b"\x03\x01\0\0\0\0\0\0\0\0"), None, "unknown version");
+        assert_eq!(decode_type(b""), None);
+        assert_eq!(decode_type(b"\x01"), None);
+        assert_eq!(decode_expiring(&encode_expiring(5, b"v")), Some((5, &b"v"[..])));
+        assert_eq!(decode_expiring(&encode_expiring(5, b"")), Some((5, &b""[..])));
+        for bad in [&b""[..], b"\x02", b"\x02\0\0\0\0\0\0\0", b"\x01\0\0\0\0\0\0\0\0v"] {
+            assert_eq!(decode_expiring(bad), None, "{bad:?}");
+        }
     }
 }
 
@@ -223,8 +280,12 @@ mod golden {
         assert_eq!(hex(&string_key(b"k")), "6b");
         assert_eq!(hex(&string_key(b"\xffk")), "ff73ff6b");
         assert_eq!(hex(&type_key(b"h")), "ff6d68");
-        assert_eq!(hex(&encode_type(Kind::Hash, 2)), "01010200000000000000");
-        assert_eq!(hex(&encode_type(Kind::Zset, 1)), "01020100000000000000");
+        assert_eq!(hex(&encode_type(Kind::Hash, 2, None)), "01010200000000000000");
+        assert_eq!(hex(&encode_type(Kind::Zset, 1, None)), "01020100000000000000");
+        // Version 2: with an expiry (2026-01-01T00:00:00Z = 1767225600000 ms).
+        assert_eq!(hex(&encode_type(Kind::Hash, 2, Some(1_767_225_600_000))), "0201020000000000000000a8da769b010000");
+        assert_eq!(hex(&expiring_key(b"k")), "ff786b");
+        assert_eq!(hex(&encode_expiring(1_767_225_600_000, b"v")), "0200a8da769b01000076");
         assert_eq!(hex(&hash_field(b"h", b"f")), "ff68000000016866");
         assert_eq!(hex(&zmember(b"z", b"m")), "ff7a000000017a6d");
         assert_eq!(hex(&1.5f64.to_bits().to_le_bytes()), "000000000000f83f");

@@ -1,5 +1,10 @@
-//! RESP2 as Redis speaks it: request parsing (multibulk and inline commands) and reply
-//! encoding.
+//! RESP2 and RESP3 as Redis speaks them: request parsing (multibulk and inline commands) and
+//! reply encoding.
+//!
+//! Requests are the same in both protocols. Replies are built once as a [`Reply`] tree and
+//! encoded for the connection's protocol: RESP3 types that RESP2 lacks are written as Redis 7
+//! writes them to a RESP2 client (a map as a flat array of key/value pairs, a double as a bulk
+//! string, a verbatim string as a bulk string, every null as `$-1` or `*-1`).
 //!
 //! The parser is incremental: [`Parser::next`] consumes complete frames from the front of a
 //! connection's input buffer and keeps a partly received multibulk (count read, some
@@ -284,6 +289,14 @@ pub enum Reply {
     Nil,
     /// `*n` + elements.
     Array(Vec<Reply>),
+    /// A null array: `*-1` in RESP2 (EXEC aborted by WATCH), `_` in RESP3.
+    NilArray,
+    /// RESP3 map (`%n`); a flat array of 2n elements in RESP2.
+    Map(Vec<(Reply, Reply)>),
+    /// RESP3 double (`,`); a bulk string in RESP2 (as ZSCORE has always replied).
+    Double(f64),
+    /// RESP3 verbatim string (`=len\r\ntxt:...`, INFO); a bulk string in RESP2.
+    Verbatim(Vec<u8>),
 }
 
 impl Reply {
@@ -297,8 +310,14 @@ impl Reply {
         Reply::Bulk(b.as_ref().to_vec())
     }
 
-    /// Append the wire form to `out`.
+    /// Append the RESP2 wire form to `out`.
     pub fn encode(&self, out: &mut Vec<u8>) {
+        self.encode_proto(out, 2);
+    }
+
+    /// Append the wire form for protocol `proto` (2 or 3) to `out`.
+    pub fn encode_proto(&self, out: &mut Vec<u8>, proto: u8) {
+        let resp3 = proto >= 3;
         match self {
             Reply::Ok => out.extend_from_slice(b"+OK\r\n"),
             Reply::Status(s) => line(out, b'+', s.as_bytes()),
@@ -309,11 +328,42 @@ impl Reply {
                 out.extend_from_slice(b);
                 out.extend_from_slice(b"\r\n");
             }
+            Reply::Nil | Reply::NilArray if resp3 => out.extend_from_slice(b"_\r\n"),
             Reply::Nil => out.extend_from_slice(b"$-1\r\n"),
+            Reply::NilArray => out.extend_from_slice(b"*-1\r\n"),
             Reply::Array(items) => {
                 line(out, b'*', items.len().to_string().as_bytes());
                 for r in items {
-                    r.encode(out);
+                    r.encode_proto(out, proto);
+                }
+            }
+            Reply::Map(pairs) => {
+                if resp3 {
+                    line(out, b'%', pairs.len().to_string().as_bytes());
+                } else {
+                    line(out, b'*', (pairs.len() * 2).to_string().as_bytes());
+                }
+                for (k, v) in pairs {
+                    k.encode_proto(out, proto);
+                    v.encode_proto(out, proto);
+                }
+            }
+            Reply::Double(d) => {
+                let text = crate::cmd::format_score(*d);
+                if resp3 {
+                    line(out, b',', text.as_bytes());
+                } else {
+                    Reply::Bulk(text.into_bytes()).encode_proto(out, proto);
+                }
+            }
+            Reply::Verbatim(b) => {
+                if resp3 {
+                    line(out, b'=', (b.len() + 4).to_string().as_bytes());
+                    out.extend_from_slice(b"txt:");
+                    out.extend_from_slice(b);
+                    out.extend_from_slice(b"\r\n");
+                } else {
+                    Reply::Bulk(b.clone()).encode_proto(out, proto);
                 }
             }
         }
@@ -391,5 +441,25 @@ mod tests {
         Reply::Array(vec![Reply::Ok, Reply::Int(-3), Reply::bulk("ab"), Reply::Nil, Reply::err("x\ny")])
             .encode(&mut out);
         assert_eq!(out, b"*5\r\n+OK\r\n:-3\r\n$2\r\nab\r\n$-1\r\n-ERR x y\r\n");
+    }
+
+    #[test]
+    fn resp3_types_and_their_resp2_forms() {
+        let r = Reply::Array(vec![
+            Reply::Map(vec![(Reply::bulk("a"), Reply::Double(1.5))]),
+            Reply::Nil,
+            Reply::NilArray,
+            Reply::Double(f64::NEG_INFINITY),
+            Reply::Verbatim(b"x".to_vec()),
+        ]);
+        let mut v3 = Vec::new();
+        r.encode_proto(&mut v3, 3);
+        assert_eq!(String::from_utf8(v3).unwrap(), "*5\r\n%1\r\n$1\r\na\r\n,1.5\r\n_\r\n_\r\n,-inf\r\n=5\r\ntxt:x\r\n");
+        let mut v2 = Vec::new();
+        r.encode_proto(&mut v2, 2);
+        assert_eq!(
+            String::from_utf8(v2).unwrap(),
+            "*5\r\n*2\r\n$1\r\na\r\n$3\r\n1.5\r\n$-1\r\n*-1\r\n$4\r\n-inf\r\n$1\r\nx\r\n"
+        );
     }
 }
