@@ -808,12 +808,19 @@ impl Lsm {
             level: 0,
         };
         let next = self.version.lock().version.next_file;
-        self.commit(vec![Edit::AddFile(n, fm.clone()), Edit::NextFile(next)])?;
-        {
+        // From the MANIFEST record on, a failure leaves the durable table set and the one
+        // in memory possibly apart (a table named on disk but not read here would shadow
+        // newer copies at the next open): the tree is poisoned, no further change lands.
+        let installed = self.commit(vec![Edit::AddFile(n, fm.clone()), Edit::NextFile(next)]).and_then(|()| {
             let t = self.open_table(n, fm)?;
             let mut levels = (**self.current.read()).clone();
             levels.levels[0].insert(0, t);
             *self.current.write() = Arc::new(levels);
+            Ok(())
+        });
+        if let Err(e) = installed {
+            self.poison.set(format!("an ingested table could not be committed and installed: {e}"));
+            return Err(e);
         }
         self.counters.ingested.fetch_add(count, Ordering::Relaxed);
         drop(job);
@@ -1171,6 +1178,12 @@ impl Lsm {
         }
         self.fs.sync_dir(&self.dir)?;
         Ok(outs)
+    }
+
+    /// `Err(Poisoned)` once a background job or an ingest failed (the tree takes no more
+    /// changes; its committed tables stay readable).
+    pub fn health(&self) -> Result<()> {
+        self.poison.check()
     }
 
     /// Tables and bytes per level.

@@ -111,6 +111,8 @@ pub(crate) struct Cold {
     pub moved_keys: AtomicU64,
     pub moved_batches: AtomicU64,
     pub removed_slots: AtomicU64,
+    /// Keys moved whose slots wait for removal (not counted against the DRAM budget).
+    pub pending_keys: AtomicU64,
     /// Slots removed whose moved version was a put (PM-resident live keys that left).
     pub removed_puts: AtomicU64,
     pub disk_reads: AtomicU64,
@@ -131,9 +133,13 @@ impl Cold {
     /// shutdown token. A store made before the tier existed gets an empty one.
     /// The tier has a poison of its own: a failed background compaction stops further
     /// moves (and is reported by `check`), while reads of the committed tables go on.
-    pub fn open(ctx: &EngineCtx, poison: Arc<Poison>, cancel: Arc<Cancel>) -> Result<Cold> {
+    ///
+    /// `create`: the store is new or of a format version before the tier existed; else a
+    /// missing tier is [`Error::Corruption`] (keys whose newest entry is a moved entry
+    /// would read as absent).
+    pub fn open(ctx: &EngineCtx, create: bool, poison: Arc<Poison>, cancel: Arc<Cancel>) -> Result<Cold> {
         let dir = ctx.dir.join(COLD_DIR);
-        let fresh = !ctx.fs.exists(&dir.join("CURRENT"));
+        let fresh = create && !ctx.fs.exists(&dir.join("CURRENT"));
         if fresh {
             ctx.fs.create_dir_all(&dir)?;
             ctx.fs.sync_dir(&ctx.dir)?;
@@ -166,6 +172,7 @@ impl Cold {
             moved_batches: AtomicU64::new(0),
             removed_slots: AtomicU64::new(0),
             removed_puts: AtomicU64::new(0),
+            pending_keys: AtomicU64::new(0),
             disk_reads: AtomicU64::new(0),
             failures: AtomicU64::new(0),
             last_failure: Mutex::new(None),
@@ -240,7 +247,8 @@ impl Inner {
     /// the level moves continue to.
     pub(super) fn over_budget(&self, slack: f64) -> bool {
         let dram = self.dram_budget;
-        if dram > 0 && (self.index_dram_bytes() as f64) > dram as f64 * (1.0 - slack) {
+        let pending = self.cold.pending_keys.load(Ordering::Relaxed) * (super::PER_SLOT_BYTES + 16);
+        if dram > 0 && (self.index_dram_bytes().saturating_sub(pending) as f64) > dram as f64 * (1.0 - slack) {
             return true;
         }
         let cap = self.region.capacity();
@@ -287,6 +295,7 @@ impl Inner {
                 self.remove_moved();
                 moved += n;
                 wraps += usize::from(wrapped);
+                let _ = n;
                 if !all || wraps >= 2 || !self.over_budget(0.1) || self.closed.load(Ordering::Acquire) {
                     break;
                 }
@@ -300,26 +309,37 @@ impl Inner {
     /// and whether the hand passed the end of the index.
     fn move_batch(&self, log: &mut ShardLog) -> Result<(u64, bool)> {
         let keep = self.keep();
-        let (picks, wrapped) = self.pick_cold(keep);
+        // The picks and their values under one epoch pin (the log cleaner does not reuse a
+        // segment while a pinned thread may read it), copied out; the table is written
+        // after the pin is dropped (a pin held across file I/O would hold back every
+        // retired segment of the store).
+        let (picks, wrapped, entries) = {
+            let guard = epoch::pin();
+            let (picks, wrapped) = self.pick_cold(keep, &guard);
+            let mut entries = Vec::with_capacity(picks.len());
+            for p in &picks {
+                if p.tomb {
+                    entries.push((p.key.clone(), None));
+                    continue;
+                }
+                let e = self.read_entry(p.seq, p.loc, true)?;
+                if e.key != p.key.as_slice() {
+                    return Err(self.region.corruption(p.loc, "index entry points at another key's log entry"));
+                }
+                entries.push((p.key.clone(), Some(e.value.to_vec())));
+            }
+            (picks, wrapped, entries)
+        };
         if picks.is_empty() {
             return Ok((0, wrapped));
         }
-        // 1. The table. Values are read under an epoch pin: the log cleaner does not reuse
-        // a segment while a pinned thread may read it.
-        let guard = epoch::pin();
-        let mut it = picks.iter().map(|p| -> Result<(Vec<u8>, Option<Vec<u8>>)> {
-            if p.tomb {
-                return Ok((p.key.clone(), None));
-            }
-            let e = self.read_entry(p.seq, p.loc, true)?;
-            if e.key != p.key.as_slice() {
-                return Err(self.region.corruption(p.loc, "index entry points at another key's log entry"));
-            }
-            Ok((p.key.clone(), Some(e.value.to_vec())))
-        });
-        let r = self.cold.lsm.ingest(&mut it);
-        drop(guard);
-        r?;
+        // 1. The table. A failure here (the disk) is counted and the batch skipped: the
+        // keys stay in PM.
+        let mut it = entries.into_iter().map(Ok);
+        if let Err(e) = self.cold.lsm.ingest(&mut it) {
+            self.cold.failed(&e);
+            return Ok((0, wrapped));
+        }
         let gen = {
             let _pins = self.cold.pins.lock();
             self.cold.nonempty.store(true, Ordering::Release);
@@ -327,17 +347,31 @@ impl Inner {
         };
         // 2. The moved entries, each its own record (its sequence number is the moved
         // version's: a record's entries are numbered consecutively).
+        // Keys whose moved entry is written wait for removal even if a later append fails
+        // (the others keep their slots and are picked again).
         let mut keys = Vec::with_capacity(picks.len());
+        let mut failed = None;
         for p in &picks {
             let size = entry_len(p.key.len(), 0) as u64;
             let len = record_len(size as usize) as u64;
             let mut one = std::iter::once(EntryIn { kind: Kind::Moved, key: &p.key, value: &[] });
-            let at = self.append(log, p.seq, 1, len, &mut one, false)?;
-            keys.push((p.key.clone().into_boxed_slice(), p.seq, at + RECORD_HEADER_LEN as u64, size as u32));
-            self.index.mark_moved(&p.key, p.seq);
+            match self.append(log, p.seq, 1, len, &mut one, false) {
+                Ok(at) => {
+                    keys.push((p.key.clone().into_boxed_slice(), p.seq, at + RECORD_HEADER_LEN as u64, size as u32));
+                    self.index.mark_moved(&p.key, p.seq);
+                }
+                Err(e) => {
+                    failed = Some(e);
+                    break;
+                }
+            }
         }
         let n = keys.len() as u64;
+        self.cold.pending_keys.fetch_add(n, Ordering::Relaxed);
         self.cold.pending.lock().push_back(Pending { gen, keys });
+        if let Some(e) = failed {
+            return Err(e);
+        }
         self.cold.moved_keys.fetch_add(n, Ordering::Relaxed);
         self.cold.moved_batches.fetch_add(1, Ordering::Relaxed);
         Ok((n, wrapped))
@@ -346,7 +380,7 @@ impl Inner {
     /// Walk the hand over the ordered index: up to one batch of cold keys whose newest
     /// version is at or below `keep` (and not moved already), in key order; and whether
     /// the hand passed the end (the next pass starts at the beginning).
-    fn pick_cold(&self, keep: u64) -> (Vec<Pick>, bool) {
+    fn pick_cold(&self, keep: u64, eg: &epoch::Guard) -> (Vec<Pick>, bool) {
         let mut hand = self.cold.hand.lock();
         let mut picks = Vec::new();
         let mut bytes = 0u64;
@@ -355,7 +389,6 @@ impl Inner {
         let mut wrapped = false;
         {
             let mg = MapGuard::new();
-            let eg = epoch::pin();
             let tree = self.index.tree();
             let lower: Bound<&[u8]> = match hand.as_deref() {
                 Some(h) => Bound::Excluded(h),
@@ -372,7 +405,7 @@ impl Inner {
                 if slot.second_chance() {
                     continue;
                 }
-                let Some(h) = slot.head(&eg) else { continue };
+                let Some(h) = slot.head(eg) else { continue };
                 if h.seq > keep || !h.visible() || slot.moved.load(Ordering::Relaxed) == h.seq {
                     continue;
                 }
@@ -400,6 +433,7 @@ impl Inner {
                 }
             };
             let Some(batch) = batch else { break };
+            self.cold.pending_keys.fetch_sub(batch.keys.len() as u64, Ordering::Relaxed);
             for (key, seq, marker_loc, marker_size) in batch.keys {
                 match self.index.remove(&key, seq) {
                     Some((loc, size, tomb)) => {

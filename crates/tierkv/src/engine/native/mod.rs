@@ -317,10 +317,12 @@ impl Inner {
             match r {
                 Ok(Ok(())) => {}
                 Ok(Err(Error::Closed)) => {}
-                // A failed move or clean is skipped (the keys stay in PM, the segment stays
-                // in the log), counted, and tried again later; writers that run short of PM
-                // get `PmFull`, as without a background thread.
-                Ok(Err(e)) => self.cold.failed(&e),
+                // Short of PM, or a damaged entry (left for `check`): counted, tried again
+                // later (writers short of PM get `PmFull`, as without this thread). Disk
+                // failures of a move are counted inside it. Anything else (a PM write
+                // failed) poisons the store, as it does in a writer.
+                Ok(Err(e)) if matches!(e, Error::PmFull(_)) || e.is_corruption() => self.cold.failed(&e),
+                Ok(Err(e)) => self.poison.set(format!("background move/clean failed: {e}")),
                 Err(_) => self.poison.set("background move/clean panicked".into()),
             }
         }
@@ -338,13 +340,12 @@ impl Inner {
         if self.closed.load(Ordering::Acquire) {
             return Err(Error::Closed);
         }
-        if over || pending {
-            self.move_cold(&mut log, true, false)?;
-        }
+        let moved = if over || pending { self.move_cold(&mut log, true, false).map(|_| ()) } else { Ok(()) };
+        // Clean even when the move failed (it may have failed for want of PM).
         if self.mostly_dead() || self.pm_tight() {
             self.clean(&mut log, 8)?;
         }
-        Ok(())
+        moved
     }
 
     /// Take `span` free slots. Short of them, with segments retired and waiting only for
@@ -359,10 +360,15 @@ impl Inner {
                 a.take(&self.geo, &self.region, span)
             };
             match r {
-                Err(Error::PmFull(_)) if tries < 16 && self.alloc.lock().retired() > 0 => {
+                Err(Error::PmFull(_)) if tries < 64 && self.alloc.lock().retired() > 0 => {
+                    // Up to ~50 ms: other threads' pins must end for the epoch to move.
                     tries += 1;
                     epoch::pin().flush();
-                    std::thread::yield_now();
+                    if tries < 16 {
+                        std::thread::yield_now();
+                    } else {
+                        std::thread::sleep(std::time::Duration::from_millis(1));
+                    }
                 }
                 r => return r,
             }
@@ -514,7 +520,8 @@ impl Inner {
         shard.marker.store(self.next_seq.0.load(Ordering::SeqCst), Ordering::SeqCst);
         let base = self.next_seq.0.fetch_add(n, Ordering::SeqCst);
         shard.marker.store(base, Ordering::SeqCst);
-        let r = self.write_owned(&mut log, si, base, ops, cond, len);
+        let mut appending = false;
+        let r = self.write_owned(&mut log, si, base, ops, cond, len, &mut appending);
         shard.marker.store(IDLE, Ordering::SeqCst);
         log.writes += 1;
         let publish = log.writes.is_multiple_of(PUBLISH_EVERY);
@@ -523,7 +530,9 @@ impl Inner {
             self.publish();
         }
         if let Err(e) = &r {
-            if !matches!(e, Error::PmFull(_) | Error::InvalidArgument(_)) {
+            // A failure before the append (a conditional write's read of the disk tier)
+            // wrote nothing: the error goes to the caller only.
+            if appending && !matches!(e, Error::PmFull(_) | Error::InvalidArgument(_)) {
                 self.poison.set(format!("a write failed: {e}"));
             }
         }
@@ -531,7 +540,8 @@ impl Inner {
     }
 
     /// The write on an owned shard whose marker is set, with sequence numbers
-    /// `base..base + ops.len()`.
+    /// `base..base + ops.len()`. Sets `appending` once it starts writing PM.
+    #[allow(clippy::too_many_arguments)]
     fn write_owned(
         &self,
         log: &mut ShardLog,
@@ -540,10 +550,12 @@ impl Inner {
         ops: &[BatchOp],
         cond: Cond,
         len: u64,
+        appending: &mut bool,
     ) -> Result<bool> {
         if cond != Cond::None && !self.condition_holds(si, base, ops, cond)? {
             return Ok(false);
         }
+        *appending = true;
         let user: u64 = ops.iter().map(|op| (op.key().len() + op_value(op).len()) as u64).sum();
         let mut entries = ops.iter().map(|op| EntryIn { kind: op_kind(op), key: op.key(), value: op_value(op) });
         let at = self.append(log, base, ops.len() as u32, len, &mut entries, true)?;
@@ -958,6 +970,9 @@ impl Inner {
             }
         }
         problems.extend(self.cold.lsm.check()?.into_iter().map(|p| format!("capacity tier: {p}")));
+        if let Err(e) = self.cold.lsm.health() {
+            problems.push(format!("capacity tier: takes no more moves: {e}"));
+        }
         Ok(problems)
     }
 

@@ -140,6 +140,8 @@ struct Replayed<'a> {
 pub(super) fn open(ctx: &EngineCtx) -> Result<Inner> {
     let t0 = Instant::now();
     let region = Arc::new(crate::engine::open_region(ctx)?);
+    // The store predates the capacity tier (format version 2) or is new: the tier is made.
+    let mut create_cold = ctx.fresh;
     let sb = if ctx.fresh {
         let sb = new_superblock(ctx, region.pool_size());
         let b = sb.encode();
@@ -154,6 +156,7 @@ pub(super) fn open(ctx: &EngineCtx) -> Result<Inner> {
             return Err(region.corruption(layout::SUPERBLOCK_ADDR, "superblock of another store"));
         }
         let version = raw.get(8..12).map_or(0, |v| u32::from_le_bytes([v[0], v[1], v[2], v[3]]));
+        create_cold = version < layout::FORMAT_VERSION;
         if version < layout::FORMAT_VERSION {
             // An older version's store is a valid store of this one: mark it as this one's.
             let b = sb.encode();
@@ -175,7 +178,7 @@ pub(super) fn open(ctx: &EngineCtx) -> Result<Inner> {
     }
     let poison = Arc::new(crate::poison::Poison::default());
     let cancel = Arc::new(crate::jobs::Cancel::new(ctx.opts.job_probe.clone()));
-    let cold = super::cold::Cold::open(ctx, Arc::new(crate::poison::Poison::default()), cancel)?;
+    let cold = super::cold::Cold::open(ctx, create_cold, Arc::new(crate::poison::Poison::default()), cancel)?;
     let nshards = sb.shards as usize;
     let clean_raw = region.slice_checked(layout::CLEAN_ADDR, Clean::encoded_len(nshards), "clean-close record")?;
     let clean = Clean::decode(clean_raw, nshards);
