@@ -262,6 +262,7 @@ pub fn run(a: &BenchArgs) -> Result<Report, String> {
                     durable: a.durable,
                     pm_budget: a.pm_budget_mib.map(|m| m << 20),
                     pm_profile: Some(a.pm_profile.clone()),
+                    dram_budget: a.dram_budget_mib.map(|m| m << 20),
                 };
                 match &confined {
                     Some((exe, limit)) => run_confined(a, exe, &spec, &params, step == 0, *limit, &mut acc)?,

@@ -33,6 +33,12 @@ pub struct EngineSpec {
     /// `optane`.
     #[serde(default)]
     pub pm_profile: Option<String>,
+    /// The DRAM budget in bytes (`--dram-budget`): `native` gets half of it as its
+    /// `dram_budget` (its capacity tier moves cold keys to disk past it, so the index of a
+    /// store larger than DRAM fits; the other half is for the process, the block cache and
+    /// the page cache). The other designs have no such bound.
+    #[serde(default)]
+    pub dram_budget: Option<u64>,
 }
 
 impl EngineSpec {
@@ -99,6 +105,9 @@ pub fn open(spec: &EngineSpec) -> Result<Box<dyn BenchEngine>> {
     opts = opts.pm_profile(spec.profile()?);
     if let Some(b) = spec.pm_budget {
         opts = opts.pm_capacity(b).pm_preallocate(true);
+    }
+    if let Some(b) = spec.dram_budget {
+        opts.native.dram_budget = b / 2;
     }
     Ok(Box::new(Tierkv::open(spec.name.clone(), opts, &spec.dir)?))
 }

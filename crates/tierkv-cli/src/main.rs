@@ -536,7 +536,15 @@ fn run(cli: Cli) -> Result<Outcome, Error> {
             tierkv_bench::job::job_main().map_err(|e| Error::InvalidArgument(format!("bench job: {e}")))?;
         }
         Cmd::BenchCrashChild { engine, dir, pm_dir, num, key_size, value_size, durable, pm_budget, pm_profile } => {
-            let spec = tierkv_bench::engine::EngineSpec { name: engine, dir, pm_dir, durable, pm_budget, pm_profile };
+            let spec = tierkv_bench::engine::EngineSpec {
+                name: engine,
+                dir,
+                pm_dir,
+                durable,
+                pm_budget,
+                pm_profile,
+                dram_budget: None,
+            };
             tierkv_bench::child::child_main(&spec, num, key_size, value_size)
                 .map_err(|e| Error::InvalidArgument(format!("bench child: {e}")))?;
         }
