@@ -151,19 +151,6 @@ fn damaged_bytes_in_every_structure_of_every_preset() {
     }
 }
 
-/// Every file of the store, those one directory down (e.g. `native`'s `cold/`) included.
 fn fs_files(fs: &FaultFs) -> Vec<String> {
-    let mut v = Vec::new();
-    for n in tierkv::fs::Fs::list(fs, &dir()).unwrap() {
-        if n == "LOCK" {
-            continue;
-        }
-        if tierkv::fs::Fs::read_all(fs, &dir().join(&n)).is_ok() {
-            v.push(n);
-        } else if let Ok(sub) = tierkv::fs::Fs::list(fs, &dir().join(&n)) {
-            v.extend(sub.into_iter().map(|s| format!("{n}/{s}")));
-        }
-    }
-    v.sort();
-    v
+    store_files(fs, &["LOCK"])
 }

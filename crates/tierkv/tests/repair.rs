@@ -116,19 +116,7 @@ fn damaged_bytes_in_every_structure_are_salvaged_every_preset() {
             keys_differ += d;
             with_loss += u64::from(d > 0);
         }
-        // Every file, those one directory down (`native`'s `cold/`) included.
-        let mut names = Vec::new();
-        for n in fs.list(&dir()).unwrap() {
-            if n == "LOCK" || n == "OPTIONS" {
-                continue;
-            }
-            if fs.read_all(&dir().join(&n)).is_ok() {
-                names.push(n);
-            } else if let Ok(sub) = fs.list(&dir().join(&n)) {
-                names.extend(sub.into_iter().map(|s| format!("{n}/{s}")));
-            }
-        }
-        names.sort();
+        let names = store_files(&fs, &["LOCK", "OPTIONS"]);
         for name in &names {
             let data = fs.read_all(&dir().join(name)).unwrap();
             for off in offsets(data.len(), if soak { 5 } else { 127 }) {

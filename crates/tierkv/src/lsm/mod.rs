@@ -843,20 +843,13 @@ impl Lsm {
             let m = self.mem.read();
             (m.active.clone(), m.imm.clone())
         };
-        let cur = self.current.read().clone();
-        let mut out: Vec<BoxedIter> = Vec::with_capacity(2 + cur.levels.iter().map(Vec::len).sum::<usize>());
+        let tables = self.tables().sources();
+        let mut out: Vec<BoxedIter> = Vec::with_capacity(2 + tables.len());
         out.push(Box::new(MemIter::new(active)));
         if let Some(imm) = imm {
             out.push(Box::new(MemIter::new(imm)));
         }
-        for f in cur.levels.first().into_iter().flatten() {
-            out.push(Box::new(TableIter::new(f.table.clone(), true)));
-        }
-        for l in 1..cur.levels.len() {
-            if !cur.levels[l].is_empty() {
-                out.push(Box::new(LevelIter::new(cur.clone(), l)));
-            }
-        }
+        out.extend(tables);
         out
     }
 

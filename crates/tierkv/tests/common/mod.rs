@@ -413,3 +413,22 @@ pub fn verify_crash_state(
     let db = Db::open(dir(), opts(&dev, &fs)).unwrap_or_else(|e| panic!("{ctx}: second reopen failed: {e}"));
     assert_matches(&db, &m, &format!("{ctx}: second crash"));
 }
+
+/// Every file of the store in [`dir`] but those named in `skip`, those one directory down
+/// (e.g. `native`'s `cold/`) included, as paths relative to it, sorted.
+pub fn store_files(fs: &FaultFs, skip: &[&str]) -> Vec<String> {
+    use tierkv::fs::Fs;
+    let mut v = Vec::new();
+    for n in fs.list(&dir()).unwrap() {
+        if skip.contains(&n.as_str()) {
+            continue;
+        }
+        if fs.read_all(&dir().join(&n)).is_ok() {
+            v.push(n);
+        } else if let Ok(sub) = fs.list(&dir().join(&n)) {
+            v.extend(sub.into_iter().map(|s| format!("{n}/{s}")));
+        }
+    }
+    v.sort();
+    v
+}

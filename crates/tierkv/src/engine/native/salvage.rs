@@ -210,7 +210,7 @@ pub(crate) fn salvage(ctx: &EngineCtx, sink: &mut dyn SalvageSink) -> Result<()>
         }
     }
     walk(&media, &g, db_id, sb.shards, &mut |ev| match ev {
-        Event::Entry { key, value, seq, kind: Kind::Moved } => {
+        Event::Entry { key, value: _, seq, kind: Kind::Moved } => {
             let order = 2 * u128::from(seq) + 1;
             match view.as_ref().map(|v| v.get(key)) {
                 Some(Ok(Some(v))) => sink.record(key, v.as_deref(), order),
@@ -222,7 +222,6 @@ pub(crate) fn salvage(ctx: &EngineCtx, sink: &mut dyn SalvageSink) -> Result<()>
                     detail: format!("the disk entry of a moved key: {e}"),
                 }),
             }
-            let _ = value;
         }
         Event::Entry { key, value, seq, kind } => {
             sink.record(key, (kind == Kind::Put).then_some(value), 2 * u128::from(seq))
