@@ -129,7 +129,9 @@ pub(crate) fn options(py: Python<'_>, preset: &str, kwargs: Option<&Bound<'_, Py
             "max_key_size" => o.max_key_size = opt(&v, n)?,
             "max_value_size" => o.max_value_size = opt(&v, n)?,
             "wal_recovery" => o.wal_recovery = opt_str(py, &v, n)?,
-            "native" => preset_fields!(py, v, o.native, "native", { shards, segment_size, verify_reads }),
+            "native" => preset_fields!(py, v, o.native, "native", {
+                shards, segment_size, verify_reads, dram_budget, pm_watermark, background, checkpoint_bytes
+            }),
             "pmekv" => preset_fields!(py, v, o.pmekv, "pmekv", {
                 node_capacity, kv_log_size, key_log_size, writeback_interval_ms
             }),

@@ -133,6 +133,14 @@ pub struct NativeOptions {
     /// and writers short of PM run them (tests that want every move in the calling
     /// thread). Default `true`.
     pub background: bool,
+    /// Write an index checkpoint (`docs/format/native.md`) on the background thread after
+    /// this many bytes of new log segments, so an open after a crash replays only the logs
+    /// written since. A clean close and [`crate::Db::compact`] always write one, and the
+    /// next open loads it instead of replaying the logs. 0 = only at close and compact.
+    /// Default 256 MiB (an open after a crash then replays at most about that much log;
+    /// each checkpoint costs a walk of the index and about 25 bytes plus the key per key
+    /// written to disk). May change between opens.
+    pub checkpoint_bytes: u64,
 }
 
 impl Default for NativeOptions {
@@ -144,6 +152,7 @@ impl Default for NativeOptions {
             dram_budget: 0,
             pm_watermark: 0.7,
             background: true,
+            checkpoint_bytes: 256 << 20,
         }
     }
 }

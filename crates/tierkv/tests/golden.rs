@@ -290,3 +290,47 @@ fn native_layouts() {
     assert!(Superblock::decode(&with_version(1)).is_err());
     assert!(Superblock::decode(&with_version(4)).is_err());
 }
+
+#[test]
+fn native_index_checkpoint() {
+    use tierkv::engine::native::checkpoint::{decode, encode_entry, encode_trailer, Header, Resume};
+    let h = Header {
+        db_id: 0x1122_3344_5566_7788,
+        horizon: 42,
+        resume: vec![Resume { gen: 3, seg: Some((0xa1b2_c3d4, 4096)) }, Resume { gen: 9, seg: None }],
+    };
+    let want_header = "544b564e434b5000".to_string() // magic "TKVNCKP\0"
+        + "01000000" // format version 1
+        + "02000000" // shards
+        + "8877665544332211" // store id
+        + "2a00000000000000" // horizon 42
+        + "0300000000000000" + "00100000" + "d4c3b2a1" // shard 0: generation 3, byte 4096, salt
+        + "0900000000000000" + "ffffffff" + "00000000" // shard 1: no open segment, next generation 9
+        + "6db396dd" // crc
+        + "00000000";
+    let mut body = Vec::new();
+    encode_entry(&mut body, b"alpha", 7, 0x10040, 40, false);
+    encode_entry(&mut body, b"beta", 8, 0x10068, 28, true);
+    let want_body = "05000000".to_string() // key length
+        + "28000000" // entry size 40
+        + "0700000000000000" // sequence number
+        + "4000010000000000" // PM location
+        + "00" // put
+        + "616c706861" // "alpha"
+        + "04000000" + "1c000000" + "0800000000000000" + "6800010000000000" + "01" + "62657461"; // delete "beta"
+    let trailer = encode_trailer(2, crc32c::crc32c(&body));
+    let want_trailer = "18e1c90d".to_string() // masked crc32c of the entries
+        + "00000000"
+        + "0200000000000000"; // entries
+    let got = format!("{}|{}|{}", hex(&h.encode()), hex(&body), hex(&trailer));
+    assert_eq!(got, format!("{want_header}|{want_body}|{want_trailer}"));
+    let mut file = h.encode();
+    file.extend_from_slice(&body);
+    file.extend_from_slice(&trailer);
+    let d = decode(&file, 2, 0x1122_3344_5566_7788).unwrap();
+    assert_eq!(d.header, h);
+    assert_eq!(
+        d.entries,
+        vec![(b"alpha".as_slice(), 7, 0x10040, 40, false), (b"beta".as_slice(), 8, 0x10068, 28, true)]
+    );
+}

@@ -56,6 +56,9 @@ pub(crate) struct Version {
     pub size: u32,
     /// A delete.
     pub tomb: bool,
+    /// Loaded from an index checkpoint: its log entry's checksum was not verified by this
+    /// process yet (the next read verifies it; see `docs/design/native.md`, "Recovery").
+    unverified: AtomicBool,
     /// Set for versions of a multi-entry batch: open once the whole batch is linked.
     gate: Option<Arc<AtomicBool>>,
     next: Atomic<Version>,
@@ -66,6 +69,18 @@ impl Version {
     #[inline]
     pub fn loc(&self) -> u64 {
         self.loc.load(Ordering::Acquire)
+    }
+
+    /// Whether a read must verify its log entry's checksum first.
+    #[inline]
+    pub fn unverified(&self) -> bool {
+        self.unverified.load(Ordering::Relaxed)
+    }
+
+    /// Its log entry's checksum was verified.
+    #[inline]
+    pub fn mark_verified(&self) {
+        self.unverified.store(false, Ordering::Relaxed);
     }
 
     /// Visible to a reader without a snapshot (its batch, if any, is wholly linked).
@@ -120,6 +135,12 @@ impl Slot {
     /// The CLOCK hand passes: whether the key was used since it last passed (and clear it).
     pub fn second_chance(&self) -> bool {
         self.hot.load(Ordering::Relaxed) && self.hot.swap(false, Ordering::Relaxed)
+    }
+
+    /// Taken out of the maps (see [`Index::remove`]).
+    #[inline]
+    pub fn is_gone(&self) -> bool {
+        self.gone.load(Ordering::Acquire)
     }
 
     /// The newest version.
@@ -185,6 +206,9 @@ pub(crate) enum Linked {
     /// twice): nothing linked.
     Duplicate,
 }
+
+/// A key's version as open loads it: `(key, seq, loc, size, tomb, unverified)`.
+pub(crate) type LoadEntry<'a> = (&'a [u8], u64, u64, u32, bool, bool);
 
 /// Stripes of the slot-creation lock.
 const STRIPES: usize = 256;
@@ -304,16 +328,24 @@ impl Index {
         slot.head(&eg).map(|h| h.seq)
     }
 
-    /// Fill an empty index with one version per key: `(key, seq, loc, size, tomb)`, sorted
-    /// by key, keys distinct. The tree and the hash are filled by two threads at once.
-    /// Nothing else may use the index meanwhile (open).
-    pub fn bulk_load(&self, entries: &[(&[u8], u64, u64, u32, bool)]) {
+    /// Fill an empty index with one version per key: `(key, seq, loc, size, tomb,
+    /// unverified)`, sorted by key, keys distinct. The tree and the hash are filled by two
+    /// threads at once. Nothing else may use the index meanwhile (open).
+    pub fn bulk_load(&self, entries: &[LoadEntry<'_>]) {
         let slots: Vec<Arc<Slot>> = entries
             .iter()
-            .map(|&(_, seq, loc, size, tomb)| {
+            .map(|&(_, seq, loc, size, tomb, unverified)| {
                 let s = Slot::new();
                 s.hot.store(false, Ordering::Relaxed);
-                let v = Version { seq, loc: AtomicU64::new(loc), size, tomb, gate: None, next: Atomic::null() };
+                let v = Version {
+                    seq,
+                    loc: AtomicU64::new(loc),
+                    size,
+                    tomb,
+                    unverified: AtomicBool::new(unverified),
+                    gate: None,
+                    next: Atomic::null(),
+                };
                 s.head.store(Owned::new(v), Ordering::Release);
                 Arc::new(s)
             })
@@ -345,7 +377,12 @@ impl Index {
         let mut newest = true;
         while let Some(x) = v {
             if x.seq == seq {
-                return x.loc.compare_exchange(from, to, Ordering::AcqRel, Ordering::Acquire).ok().map(|_| newest);
+                let moved = x.loc.compare_exchange(from, to, Ordering::AcqRel, Ordering::Acquire).is_ok();
+                if moved {
+                    // The cleaner verified the record it copied.
+                    x.mark_verified();
+                }
+                return moved.then_some(newest);
             }
             if x.seq < seq {
                 return None;
@@ -394,6 +431,7 @@ impl Index {
             loc: AtomicU64::new(v.loc),
             size: v.size,
             tomb: v.tomb,
+            unverified: AtomicBool::new(false),
             gate: v.gate,
             next: Atomic::null(),
         });

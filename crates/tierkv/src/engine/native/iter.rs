@@ -43,6 +43,8 @@ struct Ent {
     loc: Option<u64>,
     /// Its value's address and length once verified.
     val: (u64, usize),
+    /// Its checksum must be verified (a version loaded from a checkpoint, not read since).
+    verify: bool,
 }
 
 /// See the module docs.
@@ -94,7 +96,7 @@ impl NativeIter {
                 if let Some(b) = loc.and_then(|l| inner.region.slice(l, 64)) {
                     crate::pm::flush::prefetch(b);
                 }
-                ents.push(Ent { key: (start, keys.len()), seq: v.seq, loc, val: (0, 0) });
+                ents.push(Ent { key: (start, keys.len()), seq: v.seq, loc, val: (0, 0), verify: v.unverified() });
                 ents.len() >= n
             };
             if forward {
@@ -117,7 +119,7 @@ impl NativeIter {
             let e = self.ents[i];
             if let Some(loc) = e.loc {
                 let key_len = self.key_at(i).len();
-                let r = inner.entry_value(self.key_at(i), e.seq, loc);
+                let r = inner.entry_value(self.key_at(i), e.seq, loc, e.verify);
                 match r {
                     Ok(v) => self.ents[i].val = (loc + (ENTRY_HEADER_LEN + key_len) as u64, v.len()),
                     Err(err) => {

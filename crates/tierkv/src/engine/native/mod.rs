@@ -38,8 +38,9 @@
 //! structure (kind, lengths within the region) and that its key is the one looked up, which
 //! catches an index pointing anywhere else. `NativeOptions::verify_reads` verifies the
 //! checksum of every value read as well (about 0.1 µs per KiB on the test machine), and
-//! `check` always does. (When index checkpoints arrive, an open that loads one instead of
-//! replaying will mark the segments it did not verify, and reads of those will verify.)
+//! `check` always does. An open that loads an index checkpoint ([`checkpoint`]) does not
+//! replay the records below its resume points: the versions it loads are marked
+//! *unverified*, and the first read of one verifies its checksum.
 //!
 //! # Snapshots and iterators
 //! Every write is numbered, and the index keeps versions, so a snapshot is a sequence
@@ -87,6 +88,7 @@
 //! [`crate::options::NativeOptions`]: `shards` and `segment_size` (creation-only),
 //! `verify_reads`, `dram_budget`, `pm_watermark`, `background`.
 
+pub mod checkpoint;
 mod cold;
 mod index;
 mod iter;
@@ -216,6 +218,8 @@ pub(crate) struct Inner {
     wake_cv: Condvar,
     /// Set to stop the background thread.
     stop: AtomicBool,
+    /// Index checkpoints ([`checkpoint`]).
+    ckpt: checkpoint::Checkpoints,
 }
 
 /// The `native` engine.
@@ -328,8 +332,25 @@ impl Inner {
         }
     }
 
-    /// One round of background work (see [`Inner::worker_loop`]).
+    /// Segments created since the open.
+    fn segments_created(&self) -> u64 {
+        self.counters.get(C_SEGMENTS)
+    }
+
+    /// One round of background work (see [`Inner::worker_loop`]): moves and cleaning,
+    /// then an index checkpoint when enough new log was written since the last.
     fn maintain(&self) -> Result<()> {
+        self.maintain_log()?;
+        if self.ckpt.due(self.segments_created(), self.geo.stride) {
+            // A failed checkpoint (the disk) is counted (`checkpoint_failures`); the logs
+            // still hold everything, so the store goes on, and tries again after the next
+            // `checkpoint_bytes` of log.
+            let _ = self.checkpoint();
+        }
+        Ok(())
+    }
+
+    fn maintain_log(&self) -> Result<()> {
         let over = self.over_budget(0.0);
         let pending = self.cold.has_pending();
         let dirty = self.mostly_dead() || self.pm_tight();
@@ -471,9 +492,10 @@ impl Inner {
         self.poison.check()
     }
 
-    /// Read and verify the entry of version `(seq, loc)`; it must be `key`'s.
-    fn entry_value(&self, key: &[u8], seq: u64, loc: u64) -> Result<&[u8]> {
-        let e = self.read_entry(seq, loc, false)?;
+    /// Read and check the entry of version `(seq, loc)` (its checksum too when `verify`:
+    /// a version loaded from a checkpoint); it must be `key`'s.
+    fn entry_value(&self, key: &[u8], seq: u64, loc: u64, verify: bool) -> Result<&[u8]> {
+        let e = self.read_entry(seq, loc, verify)?;
         if e.key != key {
             return Err(self.region.corruption(loc, "index entry points at another key's log entry"));
         }
@@ -897,6 +919,12 @@ impl Inner {
                 ("recovery_sort_us", self.recovery_phases_us[1]),
                 ("recovery_index_us", self.recovery_phases_us[2]),
                 ("replayed_bytes", self.replayed_bytes),
+                ("recovery_checkpoint_entries", self.ckpt.loaded_entries),
+                ("recovery_checkpoint_rejected", u64::from(self.ckpt.rejected.is_some())),
+                ("checkpoints_written", self.ckpt.written.load(Ordering::Relaxed)),
+                ("checkpoint_failures", self.ckpt.failures.load(Ordering::Relaxed)),
+                ("checkpoint_entries", self.ckpt.last_entries.load(Ordering::Relaxed)),
+                ("checkpoint_us", self.ckpt.last_us.load(Ordering::Relaxed)),
                 ("cold_keys_moved", self.cold.moved_keys.load(Ordering::Relaxed)),
                 ("cold_batches", self.cold.moved_batches.load(Ordering::Relaxed)),
                 ("cold_slots_removed", self.cold.removed_slots.load(Ordering::Relaxed)),
@@ -988,6 +1016,12 @@ impl Inner {
             return Ok(());
         }
         self.cold.lsm.close()?;
+        // The index checkpoint the next open loads instead of replaying the logs (resuming
+        // at every log's end). If it cannot be written, the close goes on: the logs hold
+        // everything (counted in `checkpoint_failures`).
+        let resume = logs.iter().map(|l| checkpoint::resume_point(l)).collect();
+        let header = checkpoint::Header { db_id: self.db_id, horizon: self.next_seq.0.load(Ordering::SeqCst), resume };
+        let _ = self.write_checkpoint(header, false);
         let tails = logs
             .iter()
             .map(|l| match l.open {
@@ -1102,7 +1136,11 @@ fn get_at<T>(
                 if v.tomb {
                     return Ok(None);
                 }
-                let value = inner.entry_value(key, v.seq, v.loc())?;
+                let unverified = v.unverified();
+                let value = inner.entry_value(key, v.seq, v.loc(), unverified)?;
+                if unverified {
+                    v.mark_verified();
+                }
                 return Ok(Some(f(value)));
             }
         }
@@ -1153,7 +1191,8 @@ impl Engine for Native {
             inner.clean(&mut log, usize::MAX)?;
             inner.alloc.lock().reclaim(inner.oldest_snap.0.load(Ordering::SeqCst));
         }
-        inner.cold.lsm.flush(true)
+        inner.cold.lsm.flush(true)?;
+        inner.checkpoint()
     }
 
     fn stats(&self) -> Stats {

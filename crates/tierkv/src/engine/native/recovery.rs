@@ -20,6 +20,11 @@
 //!    inserts repeated for every overwrite.
 //! 5. The next sequence number is one past the highest seen (or the clean-close record's).
 //!    The clean-close record is invalidated before the store accepts a write.
+//!
+//! With an index checkpoint ([`super::checkpoint`]) that passes its checks, step 4 replays
+//! each shard only from the checkpoint's resume point and merges the result with the
+//! checkpoint's entries ([`merge_checkpoint`]); one that fails them is removed and the
+//! logs are replayed whole.
 
 use std::collections::{BTreeSet, HashMap};
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
@@ -33,7 +38,8 @@ use crate::error::{Error, Result};
 use crate::format::log::{DropReason, Dropped};
 use crate::pm::Region;
 
-use super::index::Index;
+use super::checkpoint::{self, Checkpoints};
+use super::index::{Index, LoadEntry};
 use super::layout::{self, Clean, Kind, SegHeader, Superblock, SEG_HEADER_LEN};
 use super::log::{Geometry, OpenSeg, ShardLog, SlotAlloc};
 use super::scan::{scan, End};
@@ -182,68 +188,78 @@ pub(super) fn open(ctx: &EngineCtx) -> Result<Inner> {
     let nshards = sb.shards as usize;
     let clean_raw = region.slice_checked(layout::CLEAN_ADDR, Clean::encoded_len(nshards), "clean-close record")?;
     let clean = Clean::decode(clean_raw, nshards);
+    // The index checkpoint, if there is a usable one (one that fails its checks is
+    // ignored: the logs alone recover the store).
+    let mut ckpt_state = Checkpoints::new(ctx.fs.clone(), &ctx.dir, ctx.opts.native.checkpoint_bytes);
+    let ckpt_buf = if ctx.fresh {
+        Checkpoints::remove_stale(&ctx.fs, &ctx.dir)?;
+        None
+    } else {
+        Checkpoints::read(&ctx.fs, &ctx.dir)?
+    };
+    let ckpt = match ckpt_buf.as_deref().map(|b| {
+        checkpoint::decode(b, nshards, sb.db_id).and_then(|d| fits(&d.header, &by_shard, clean.as_ref()).map(|()| d))
+    }) {
+        Some(Ok(d)) => Some(d),
+        Some(Err(why)) => {
+            // Removed before the store takes a write: generations may be handed out again
+            // from here on (a cleaned newest segment's), which an old resume point would
+            // misread.
+            Checkpoints::remove_stale(&ctx.fs, &ctx.dir)?;
+            ckpt_state.rejected = Some(why);
+            None
+        }
+        None => None,
+    };
+    let resume: Option<&[checkpoint::Resume]> = ckpt.as_ref().map(|c| c.header.resume.as_slice());
 
-    let results: Mutex<Vec<Option<Result<Replayed<'_>>>>> = Mutex::new((0..nshards).map(|_| None).collect());
-    let next = AtomicUsize::new(0);
-    let workers = std::thread::available_parallelism().map(|n| n.get()).unwrap_or(2).min(nshards).max(1);
-    std::thread::scope(|s| {
-        for _ in 0..workers {
-            s.spawn(|| loop {
-                let i = next.fetch_add(1, Ordering::Relaxed);
-                let Some(segs) = by_shard.get(i) else { break };
-                let r = replay_shard(&region, &geo, i, segs, clean.as_ref());
-                if let Some(slot) = results.lock().get_mut(i) {
-                    *slot = Some(r);
-                }
-            });
+    let mut rep = replay_all(&region, &geo, &by_shard, clean.as_ref(), resume)?;
+    let merged = match &ckpt {
+        Some(c) => {
+            let merged = merge_checkpoint(&c.entries, std::mem::take(&mut rep.tail), c.header.horizon);
+            let fit = entries_fit(&merged, &rep.segs, &geo, region.pool_count());
+            (merged, fit)
         }
-    });
-    let mut logs = Vec::with_capacity(nshards);
-    let mut seq_end = clean.as_ref().map_or(1, |c| c.next_seq).max(1);
-    let mut bytes = 0u64;
-    let mut maps = Vec::with_capacity(nshards);
-    let mut seg_list = Vec::new();
-    for (i, r) in results.into_inner().into_iter().enumerate() {
-        let r = r.ok_or_else(|| Error::InvalidArgument("a recovery worker did not report".into()))??;
-        seq_end = seq_end.max(r.seq_end);
-        bytes += r.bytes;
-        ctx.recovery.lock().extend(r.dropped);
-        logs.push(ShardLog { id: i as u32, open: r.open, next_gen: r.next_gen, writes: 0 });
-        maps.push(r.newest);
-        seg_list.extend(r.segs);
-    }
-    let t_replay = t0.elapsed();
-    // Merge into the largest map: the newest entry of each key wins.
-    maps.sort_by_key(|m| std::cmp::Reverse(m.len()));
-    let mut it = maps.into_iter();
-    let mut newest = it.next().unwrap_or_default();
-    for m in it {
-        for (k, v) in m {
-            let e = newest.entry(k).or_insert(v);
-            if newer(&v, e) {
-                *e = v;
-            }
+        None => (std::mem::take(&mut rep.tail), Ok(())),
+    };
+    let merged = match (merged, &ckpt) {
+        ((merged, Ok(())), Some(c)) => {
+            rep.seq_end = rep.seq_end.max(c.header.horizon);
+            ckpt_state.loaded_entries = c.entries.len() as u64;
+            merged
         }
-    }
+        ((merged, Ok(())), None) => merged,
+        ((_, Err(why)), _) => {
+            // A checkpoint of another state of the logs: replay them whole.
+            Checkpoints::remove_stale(&ctx.fs, &ctx.dir)?;
+            ckpt_state.rejected = Some(why);
+            rep = replay_all(&region, &geo, &by_shard, clean.as_ref(), None)?;
+            std::mem::take(&mut rep.tail)
+        }
+    };
+    let AllReplayed { logs, seq_end, bytes, segs: seg_list, dropped, t_replay, .. } = rep;
+    ctx.recovery.lock().extend(dropped);
+    let t_replay = t_replay.duration_since(t0);
     // Live bytes per slot (of the newest entries; deletes kept count as live: the log
     // cleaner keeps them too), for the dead-byte counters of the cleaner.
     let mut live_bytes: HashMap<u64, u64, foldhash::fast::RandomState> = HashMap::default();
-    for v in newest.values() {
+    for (_, v, _) in &merged {
         *live_bytes.entry(geo.slot_holding(v.1)).or_insert(0) += u64::from(v.3);
     }
     let keep_tombs = cold.nonempty();
-    let mut live: Vec<(&[u8], u64, u64, u32, bool)> = newest
+    let live: Vec<LoadEntry<'_>> = merged
         .into_iter()
-        .filter(|(_, v)| v.2 == Kind::Put || (v.2 == Kind::Delete && keep_tombs))
-        .map(|(k, (seq, loc, kind, size))| (k, seq, loc, size, kind == Kind::Delete))
+        .filter(|(_, v, _)| v.2 == Kind::Put || (v.2 == Kind::Delete && keep_tombs))
+        .map(|(k, (seq, loc, kind, size), unverified)| (k, seq, loc, size, kind == Kind::Delete, unverified))
         .collect();
-    live.sort_unstable_by(|a, b| a.0.cmp(b.0));
     let keys = live.iter().filter(|e| !e.4).count() as u64;
     let t_sort = t0.elapsed();
     let index = Index::new();
     index.bulk_load(&live);
     let phases_us = [t_replay, t_sort - t_replay, t0.elapsed() - t_sort].map(|d| d.as_micros() as u64);
     drop(live);
+    drop(ckpt);
+    drop(ckpt_buf);
     if clean.is_some() {
         region.store_u64_atomic(layout::CLEAN_ADDR, 0)?;
         region.persist(layout::CLEAN_ADDR, 8);
@@ -298,6 +314,7 @@ pub(super) fn open(ctx: &EngineCtx) -> Result<Inner> {
         wake: Mutex::new(false),
         wake_cv: parking_lot::Condvar::new(),
         stop: AtomicBool::new(false),
+        ckpt: ckpt_state,
     })
 }
 
@@ -308,11 +325,28 @@ fn replay_shard<'a>(
     id: usize,
     segs: &[Seg],
     clean: Option<&Clean>,
+    from: Option<checkpoint::Resume>,
 ) -> Result<Replayed<'a>> {
-    let mut out = Replayed { next_gen: segs.last().map_or(1, |s| s.tag.gen + 1), ..Replayed::default() };
+    // Generations stay above the checkpoint's resume point even when the newest segments
+    // were cleaned since (else a new segment could get a generation the resume point
+    // skips).
+    let next_gen = segs.last().map_or(1, |s| s.tag.gen + 1).max(from.map_or(0, |f| f.gen + 1));
+    let mut out = Replayed { next_gen, ..Replayed::default() };
     let tail = clean.and_then(|c| c.tails.get(id).copied());
     for (i, seg) in segs.iter().enumerate() {
         let newest = i + 1 == segs.len();
+        // After a checkpoint: segments before its resume point are not read (a sealed
+        // one: only every shard's newest can be unsealed, and the resume point's segment
+        // is at most that), the resume point's segment from its offset on.
+        let start = match from {
+            Some(f) if seg.tag.gen < f.gen && seg.sealed.is_some() => {
+                let used = u64::from(seg.sealed.unwrap_or(0));
+                out.segs.push((seg.addr, seg.tag, u64::from(seg.span), used, true));
+                continue;
+            }
+            Some(f) if seg.tag.gen == f.gen => f.seg.map_or(0, |(_, len)| len as usize),
+            _ => 0,
+        };
         let limit = match seg.sealed {
             Some(l) => Some(l as usize),
             None if !newest => {
@@ -332,7 +366,13 @@ fn replay_shard<'a>(
         let cap = g.capacity(u64::from(seg.span));
         let base = seg.addr + SEG_HEADER_LEN;
         let data = region.slice_checked(base, cap as usize, "segment")?;
-        let (end, how) = scan(data, 0, seg.tag, limit, &mut |rec, e| {
+        if start > limit.unwrap_or(data.len()) {
+            return Err(region.corruption(
+                seg.addr,
+                format!("the index checkpoint resumes shard {id} at byte {start}, past the segment's records"),
+            ));
+        }
+        let (end, how) = scan(data, start, seg.tag, limit, &mut |rec, e| {
             let loc = base + (rec + e.offset) as u64;
             out.seq_end = out.seq_end.max(e.seq.saturating_add(1));
             let size = layout::entry_len(e.key.len(), e.value.len()) as u32;
@@ -342,7 +382,7 @@ fn replay_shard<'a>(
                 *n = v;
             }
         });
-        out.bytes += end as u64;
+        out.bytes += (end - start) as u64;
         match how {
             End::Complete => {}
             End::Torn => out.dropped.push(Dropped {
@@ -359,4 +399,189 @@ fn replay_shard<'a>(
         out.segs.push((seg.addr, seg.tag, u64::from(seg.span), end as u64, seg.sealed.is_some()));
     }
     Ok(out)
+}
+
+/// Merge the checkpoint's entries (sorted) with the newest entries of the replayed log
+/// tails (sorted) into the newest entry of every key (sorted), as argued in
+/// [`super::checkpoint`]: the larger sequence number wins; on a tie the tail's (a copy at a
+/// new place, or the moved entry); a tail put or delete numbered below `horizon` of a key
+/// the checkpoint does not have is a copy of a version that was not the key's newest, and
+/// is dropped. Entries taken from the checkpoint are marked unverified (their records
+/// were not replayed).
+fn merge_checkpoint<'a>(
+    ckpt: &[checkpoint::Entry<'a>],
+    tail: Vec<(&'a [u8], Newest, bool)>,
+    horizon: u64,
+) -> Vec<(&'a [u8], Newest, bool)> {
+    let from_ckpt = |e: &checkpoint::Entry<'a>| -> (&'a [u8], Newest, bool) {
+        (e.0, (e.1, e.2, if e.4 { Kind::Delete } else { Kind::Put }, e.3), true)
+    };
+    let stale = |t: &Newest| t.0 < horizon && t.2 != Kind::Moved;
+    let mut out = Vec::with_capacity(ckpt.len() + tail.len());
+    let mut c = ckpt.iter().peekable();
+    let mut t = tail.into_iter().peekable();
+    loop {
+        match (c.peek(), t.peek()) {
+            (Some(ce), Some(te)) if ce.0 < te.0 => {
+                out.push(from_ckpt(ce));
+                c.next();
+            }
+            (Some(ce), Some(te)) if ce.0 == te.0 => {
+                let ce = from_ckpt(ce);
+                let te = *te;
+                out.push(if ce.1 .0 > te.1 .0 { ce } else { te });
+                c.next();
+                t.next();
+            }
+            (_, Some(te)) => {
+                if !stale(&te.1) {
+                    out.push(*te);
+                }
+                t.next();
+            }
+            (Some(ce), None) => {
+                out.push(from_ckpt(ce));
+                c.next();
+            }
+            (None, None) => break,
+        }
+    }
+    out
+}
+
+/// Whether a checkpoint's header fits the logs found: its horizon is not beyond the
+/// clean-close record's next number, and where a shard still has the segment its resume
+/// point names, it is that segment (same salt) and long enough. A checkpoint of another
+/// state of the store (files restored without the PM pools they belong to) fails here.
+fn fits(h: &checkpoint::Header, by_shard: &[Vec<Seg>], clean: Option<&Clean>) -> std::result::Result<(), String> {
+    if let Some(c) = clean {
+        if h.horizon > c.next_seq {
+            return Err(format!("horizon {} beyond the logs' next sequence number {}", h.horizon, c.next_seq));
+        }
+    }
+    for (i, (r, segs)) in h.resume.iter().zip(by_shard).enumerate() {
+        let Some((salt, len)) = r.seg else { continue };
+        if let Some(s) = segs.iter().find(|s| s.tag.gen == r.gen) {
+            if s.tag.salt != salt {
+                return Err(format!("shard {i}: its segment of generation {} is another segment", r.gen));
+            }
+            let end = s.sealed.or_else(|| clean.and_then(|c| c.tails.get(i)).filter(|t| t.gen == r.gen).map(|t| t.len));
+            if end.is_some_and(|l| l < len) {
+                return Err(format!("shard {i}: resumes at byte {len}, past the end of its segment"));
+            }
+        }
+    }
+    Ok(())
+}
+
+/// What replaying every shard found.
+struct AllReplayed<'a> {
+    logs: Vec<ShardLog>,
+    /// One past the highest sequence number seen (or the clean-close record's).
+    seq_end: u64,
+    bytes: u64,
+    /// The newest entry of every key in the replayed records, sorted by key (`false`:
+    /// verified).
+    tail: Vec<(&'a [u8], Newest, bool)>,
+    /// Every segment: address, tag, span, bytes of records, sealed.
+    segs: Vec<(u64, layout::SegTag, u64, u64, bool)>,
+    dropped: Vec<Dropped>,
+    /// When the replay (before the merge of the shards' maps) ended.
+    t_replay: Instant,
+}
+
+/// Replay every shard (from the checkpoint's resume points when given) in parallel, one
+/// worker per hardware thread, and merge the shards' newest entries.
+fn replay_all<'a>(
+    region: &'a Region,
+    geo: &Geometry,
+    by_shard: &[Vec<Seg>],
+    clean: Option<&Clean>,
+    resume: Option<&[checkpoint::Resume]>,
+) -> Result<AllReplayed<'a>> {
+    let nshards = by_shard.len();
+    let results: Mutex<Vec<Option<Result<Replayed<'a>>>>> = Mutex::new((0..nshards).map(|_| None).collect());
+    let next = AtomicUsize::new(0);
+    let workers = std::thread::available_parallelism().map(|n| n.get()).unwrap_or(2).min(nshards).max(1);
+    std::thread::scope(|s| {
+        for _ in 0..workers {
+            s.spawn(|| loop {
+                let i = next.fetch_add(1, Ordering::Relaxed);
+                let Some(segs) = by_shard.get(i) else { break };
+                let from = resume.and_then(|r| r.get(i).copied());
+                let r = replay_shard(region, geo, i, segs, clean, from);
+                if let Some(slot) = results.lock().get_mut(i) {
+                    *slot = Some(r);
+                }
+            });
+        }
+    });
+    let mut out = AllReplayed {
+        logs: Vec::with_capacity(nshards),
+        seq_end: clean.map_or(1, |c| c.next_seq).max(1),
+        bytes: 0,
+        tail: Vec::new(),
+        segs: Vec::new(),
+        dropped: Vec::new(),
+        t_replay: Instant::now(),
+    };
+    let mut maps = Vec::with_capacity(nshards);
+    for (i, r) in results.into_inner().into_iter().enumerate() {
+        let r = r.ok_or_else(|| Error::InvalidArgument("a recovery worker did not report".into()))??;
+        out.seq_end = out.seq_end.max(r.seq_end);
+        out.bytes += r.bytes;
+        out.dropped.extend(r.dropped);
+        out.logs.push(ShardLog { id: i as u32, open: r.open, next_gen: r.next_gen, writes: 0 });
+        maps.push(r.newest);
+        out.segs.extend(r.segs);
+    }
+    out.t_replay = Instant::now();
+    // Merge into the largest map: the newest entry of each key wins.
+    maps.sort_by_key(|m| std::cmp::Reverse(m.len()));
+    let mut it = maps.into_iter();
+    let mut newest = it.next().unwrap_or_default();
+    for m in it {
+        for (k, v) in m {
+            let e = newest.entry(k).or_insert(v);
+            if newer(&v, e) {
+                *e = v;
+            }
+        }
+    }
+    out.tail = newest.into_iter().map(|(k, v)| (k, v, false)).collect();
+    out.tail.sort_unstable_by(|a, b| a.0.cmp(b.0));
+    Ok(out)
+}
+
+/// Whether every entry taken from the checkpoint (marked unverified) lies within the
+/// records of a segment the open found (a checkpoint of a later state of the logs than the
+/// pools hold points past them).
+fn entries_fit(
+    entries: &[(&[u8], Newest, bool)],
+    segs: &[(u64, layout::SegTag, u64, u64, bool)],
+    geo: &Geometry,
+    pools: usize,
+) -> std::result::Result<(), String> {
+    let mut ranges = vec![(0u64, 0u64); pools * geo.slots_per_pool as usize];
+    for &(addr, _, span, used, _) in segs {
+        let base = addr + SEG_HEADER_LEN;
+        for i in 0..span {
+            if let Some(r) = ranges.get_mut(geo.slot_holding(addr + i * geo.stride) as usize) {
+                *r = (base, base + used);
+            }
+        }
+    }
+    for &(key, (_, loc, _, size), from_ckpt) in entries {
+        if !from_ckpt {
+            continue;
+        }
+        let (lo, hi) = ranges.get(geo.slot_holding(loc) as usize).copied().unwrap_or((0, 0));
+        if loc < lo || loc.saturating_add(u64::from(size)) > hi {
+            return Err(format!(
+                "key {}: its entry at {loc:#x} lies outside every segment's records",
+                crate::escape(key)
+            ));
+        }
+    }
+    Ok(())
 }

@@ -280,7 +280,24 @@ fn a_clean_close_makes_every_log_end_strict() {
         let old = dev2.durable_image(pool).unwrap()[off];
         assert!(dev2.poke(pool, off, &[old ^ 0x40]));
         if clean {
-            let err = open(&opts(&dev2, &fs).native(o.native.clone()), &fs, false).err();
+            // The open loads the index checkpoint and does not replay the record: the
+            // first read of "b" verifies its checksum (a version loaded from a checkpoint
+            // is unverified), and `check` finds it.
+            let (dev3, fs3) = (dev2.simulate_crash_with(0, CrashModel::strict(0.0)), fs.crash());
+            let o2 = opts(&dev2, &fs).native(o.native.clone());
+            let e2 = open(&o2, &fs, false).unwrap();
+            assert_eq!(design(&e2, "recovery_checkpoint_entries"), 2);
+            assert_eq!(e2.get(b"a").unwrap().as_deref(), Some(b"first".as_slice()));
+            let err = e2.get(b"b").expect_err("a damaged value was returned");
+            assert!(err.is_corruption(), "{err}");
+            let mut it = e2.iter().unwrap();
+            assert!(it.seek_to_first().is_err(), "an iterator returned a damaged value");
+            drop(it);
+            assert!(!e2.check().unwrap().is_empty());
+            drop(e2);
+            // Without the checkpoint the open replays the logs: the end is strict.
+            crate::fs::Fs::remove(&fs3, &std::path::Path::new("/db").join(super::checkpoint::FILE_NAME)).unwrap();
+            let err = open(&opts(&dev3, &fs3).native(o.native.clone()), &fs3, false).err();
             let err = err.expect("damage after a clean close must not open");
             assert!(err.is_corruption(), "{err}");
         } else {
@@ -423,7 +440,8 @@ fn a_crash_anywhere_in_cleaning_loses_nothing() {
     drop(e);
     // Count the events of one cleaning pass on a copy of the store.
     let probe = dev.simulate_crash_with(0, CrashModel::strict(0.0));
-    let ep = open(&opts(&probe, &fs), &fs, false).unwrap();
+    let pfs = fs.crash();
+    let ep = open(&opts(&probe, &pfs), &pfs, false).unwrap();
     let start = probe.events();
     ep.compact().unwrap();
     let events = probe.events() - start;
@@ -431,13 +449,18 @@ fn a_crash_anywhere_in_cleaning_loses_nothing() {
     drop(ep);
     for (i, at) in (1..events).step_by((events as usize / 12).max(1)).enumerate() {
         let d = dev.simulate_crash_with(100, CrashModel::strict(0.0));
-        let e = open(&opts(&d, &fs), &fs, false).unwrap();
+        // Files crash with the device (the index checkpoint `compact` writes at its end).
+        let cfs = fs.crash();
+        let f2 = cfs.clone();
+        d.on_freeze(move || f2.freeze());
+        let e = open(&opts(&d, &cfs), &cfs, false).unwrap();
         d.crash_before_event(d.events() + at);
         let _ = e.compact();
         assert!(d.crashed(), "event {at} not reached");
         drop(e);
         let after = d.simulate_crash_with(i as u64, CrashModel::strict(0.5));
-        let e2 = open(&opts(&after, &fs), &fs, false).unwrap();
+        let afs = cfs.crash();
+        let e2 = open(&opts(&after, &afs), &afs, false).unwrap();
         assert_model(&e2, &m, &format!("crash at cleaning event {at} of {events}"));
         assert!(e2.check().unwrap().is_empty());
     }
@@ -663,6 +686,8 @@ fn a_crash_anywhere_in_a_move_to_disk_loses_nothing() {
     for (i, at) in (1..events).step_by((events as usize / 16).max(1)).enumerate() {
         let d = dev.simulate_crash_with(100, CrashModel::strict(0.0));
         let cfs = fs.crash();
+        let f2 = cfs.clone();
+        d.on_freeze(move || f2.freeze());
         let e = open(&cold_opts(&d, &cfs, 40), &cfs, false).unwrap();
         d.crash_before_event(d.events() + at);
         let _ = e.compact();
@@ -676,4 +701,167 @@ fn a_crash_anywhere_in_a_move_to_disk_loses_nothing() {
         points += 1;
     }
     assert!(points >= 10);
+}
+
+/// A clean close writes an index checkpoint; the next open loads it and replays no log
+/// record; the store reads as before, and `check` (which walks every record) agrees.
+#[test]
+fn a_clean_reopen_loads_the_checkpoint_and_replays_no_log() {
+    let dev = SimDevice::new();
+    let fs = FaultFs::new();
+    let e = open(&opts(&dev, &fs), &fs, true).unwrap();
+    let m = churn(&e, 6);
+    let slots = design(&e, "index_slots");
+    e.close().unwrap();
+    assert_eq!(design(&e, "checkpoints_written"), 1);
+    assert_eq!(design(&e, "checkpoint_entries"), slots);
+    drop(e);
+    let e2 = open(&opts(&dev, &fs), &fs, false).unwrap();
+    assert_eq!(design(&e2, "recovery_checkpoint_entries"), slots);
+    assert_eq!(design(&e2, "replayed_bytes"), 0, "a clean open replayed log records");
+    assert_model(&e2, &m, "after a clean reopen from the checkpoint");
+    assert!(e2.check().unwrap().is_empty());
+    // Writes after it, a crash: the old checkpoint plus the tails written since.
+    let mut m2 = m.clone();
+    for k in (0..120u32).step_by(7) {
+        let key = format!("g{k:03}").into_bytes();
+        let v = format!("late-{k}").into_bytes();
+        e2.write(&[put(&key, &v)], Cond::None).unwrap();
+        m2.insert(key, v);
+    }
+    e2.write(&[BatchOp::Delete { key: b"g001".to_vec() }], Cond::None).unwrap();
+    m2.remove(b"g001".as_slice());
+    drop(e2);
+    let dev3 = dev.simulate_crash_with(3, CrashModel::strict(0.5));
+    let e3 = open(&opts(&dev3, &fs), &fs, false).unwrap();
+    assert_eq!(design(&e3, "recovery_checkpoint_entries"), slots);
+    assert!(design(&e3, "replayed_bytes") > 0);
+    assert_model(&e3, &m2, "after a crash, from the checkpoint and the tails");
+    assert!(e3.check().unwrap().is_empty());
+}
+
+/// A damaged checkpoint is ignored (counted), and the logs alone recover the store.
+#[test]
+fn a_damaged_checkpoint_is_ignored_and_the_logs_recover_the_store() {
+    let dev = SimDevice::new();
+    let fs = FaultFs::new();
+    let o = opts(&dev, &fs);
+    let e = open(&o, &fs, true).unwrap();
+    let m = churn(&e, 4);
+    e.close().unwrap();
+    drop(e);
+    let path = std::path::Path::new("/db").join(super::checkpoint::FILE_NAME);
+    let len = crate::fs::Fs::read_all(&fs, &path).unwrap().len();
+    fs.poke(&path, len / 2, &[0xff, 0x00, 0xee]).unwrap();
+    let e2 = open(&o, &fs, false).unwrap();
+    assert_eq!(design(&e2, "recovery_checkpoint_rejected"), 1);
+    assert_eq!(design(&e2, "recovery_checkpoint_entries"), 0);
+    assert!(design(&e2, "replayed_bytes") > 0);
+    assert_model(&e2, &m, "after a reopen that ignored the damaged checkpoint");
+}
+
+/// The case the checkpoint's horizon exists for: around a checkpoint, the capacity tier
+/// moves keys to disk (moved entries carry old sequence numbers; some slots wait for a
+/// snapshot before they leave), and after it the log cleaner copies versions only a
+/// snapshot needs; a crash then replays those tails after the checkpoint. No stale copy
+/// may come back as a key's value, and no moved key may lose its disk copy.
+#[test]
+fn tails_after_a_checkpoint_with_copies_of_old_versions_and_moves_recover_exactly() {
+    let dev = SimDevice::new();
+    let fs = FaultFs::new();
+    let o = cold_opts(&dev, &fs, 300);
+    let e = open(&o, &fs, true).unwrap();
+    let mut m = fill_cold(&e, 400);
+    let compact_log = |e: &Native| {
+        let (_, mut log) = e.inner.acquire_shard();
+        e.inner.move_cold(&mut log, true, true).unwrap();
+        e.inner.clean(&mut log, usize::MAX).unwrap();
+    };
+    // Moves whose slots wait for a snapshot while the checkpoint is written.
+    let s0 = e.snapshot().unwrap();
+    compact_log(&e);
+    let pending = design(&e, "cold_keys_moved") - design(&e, "cold_slots_removed");
+    assert!(pending > 0, "no slot waits for removal: {:?}", e.stats().design);
+    e.inner.checkpoint().unwrap();
+    drop(s0);
+    let (relocated, moved) = (design(&e, "entries_relocated"), design(&e, "cold_keys_moved"));
+    // After it: overwrites and deletes under a snapshot (the cleaner copies the versions
+    // the snapshot needs), and more moves.
+    let s1 = e.snapshot().unwrap();
+    for round in 1..=2 {
+        for i in (0..400u32).step_by(2) {
+            e.write(&[put(&ck(i), &cv(i, round))], Cond::None).unwrap();
+            m.insert(ck(i), cv(i, round));
+        }
+    }
+    for i in (1..400u32).step_by(7) {
+        e.write(&[BatchOp::Delete { key: ck(i) }], Cond::None).unwrap();
+        m.remove(&ck(i));
+    }
+    compact_log(&e);
+    assert!(design(&e, "entries_relocated") > relocated, "nothing copied after the checkpoint");
+    assert_eq!(s1.get(&ck(0)).unwrap(), Some(cv(0, 0)));
+    drop(s1);
+    for i in 400..700u32 {
+        e.write(&[put(&ck(i), &cv(i, 3))], Cond::None).unwrap();
+        m.insert(ck(i), cv(i, 3));
+    }
+    compact_log(&e);
+    assert!(design(&e, "cold_keys_moved") > moved, "nothing moved after the checkpoint");
+    drop(e);
+    let fs2 = fs.crash();
+    let dev2 = dev.simulate_crash_with(1, CrashModel::strict(0.5));
+    let e2 = open(&cold_opts(&dev2, &fs2, 300), &fs2, false).unwrap();
+    assert!(design(&e2, "recovery_checkpoint_entries") > 0, "the checkpoint was not used");
+    assert_cold_model(&e2, &m, "after a crash: checkpoint + tails with old copies and moves");
+    assert!(e2.check().unwrap().is_empty(), "{:?}", e2.check().unwrap());
+}
+
+/// Checkpoints written while four writers go on (and clean the log as they go): after a
+/// crash, every acknowledged write is there.
+#[test]
+fn checkpoints_written_under_concurrent_writers_recover_every_acknowledged_write() {
+    let dev = SimDevice::new();
+    let fs = FaultFs::new();
+    let o = opts(&dev, &fs);
+    let e = Arc::new(open(&o, &fs, true).unwrap());
+    let stop = AtomicBool::new(false);
+    let last: Vec<BTreeMap<usize, u32>> = std::thread::scope(|s| {
+        let hs: Vec<_> = (0..4)
+            .map(|w| {
+                let e = e.clone();
+                let stop = &stop;
+                s.spawn(move || {
+                    let mut last = BTreeMap::new();
+                    let mut i = 0u32;
+                    while !stop.load(Ordering::Relaxed) || i < 400 {
+                        let k = (i as usize * 7 + w) % 60;
+                        e.write(&[put(format!("w{w}-{k:02}").as_bytes(), &val(w, k, i))], Cond::None).unwrap();
+                        last.insert(k, i);
+                        i += 1;
+                    }
+                    last
+                })
+            })
+            .collect();
+        for _ in 0..5 {
+            e.inner.checkpoint().unwrap();
+            std::thread::yield_now();
+        }
+        stop.store(true, Ordering::Relaxed);
+        hs.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    assert!(design(&e, "checkpoints_written") >= 5);
+    assert!(design(&e, "segments_cleaned") > 0, "writers never cleaned: {:?}", e.stats().design);
+    drop(e);
+    let dev2 = dev.simulate_crash_with(2, CrashModel::strict(0.5));
+    let e2 = open(&opts(&dev2, &fs), &fs, false).unwrap();
+    assert!(design(&e2, "recovery_checkpoint_entries") > 0, "checkpoint not used: {:?}", e2.inner.ckpt.rejected);
+    for (w, keys) in last.iter().enumerate() {
+        for (&k, &i) in keys {
+            let got = e2.get(format!("w{w}-{k:02}").as_bytes()).unwrap().expect("acknowledged key lost");
+            assert_eq!(version_of(&got), i, "writer {w} key {k}");
+        }
+    }
+    assert!(e2.check().unwrap().is_empty());
 }

@@ -1,0 +1,451 @@
+//! Index checkpoints: the DRAM index written to a file, so an open loads it instead of
+//! replaying every log record (byte layout: `docs/format/native.md`, "Index checkpoint";
+//! the argument: `docs/design/native.md`, "Recovery").
+//!
+//! A checkpoint is a file `<dir>/NATIVE-CHECKPOINT`: a header with each shard's *resume
+//! point* (a log position) and a *horizon* (a sequence number), then one entry per index
+//! slot — key, sequence number, PM location and size of the key's newest version, whether
+//! it is a delete — in key order, then a trailer with the entry count and a checksum of
+//! the entries.
+//!
+//! **Writing** (a background round every [`crate::options::NativeOptions::checkpoint_bytes`]
+//! of new log, [`crate::Db::compact`], and a clean close):
+//! 1. With every shard held at once (writers pause for the few microseconds it takes): each
+//!    shard's resume point is its log's end, the horizon is the next sequence number. No
+//!    write is in flight, so every write numbered below the horizon is linked in the index
+//!    (a writer links before it releases its shard), and every record appended later lies
+//!    after a resume point.
+//! 2. With the shards released, the ordered index is walked in chunks (an epoch pin per
+//!    chunk, never across file I/O) and each slot's newest version is written, except a
+//!    version the capacity tier moved to disk (its slot waits for removal; the moved entry
+//!    decides) and slots already removed.
+//! 3. The file is written as `NATIVE-CHECKPOINT.tmp`, fsynced, renamed over the previous
+//!    one and the directory fsynced. A crash before the rename leaves the previous
+//!    checkpoint in place.
+//!
+//! **Why any durable checkpoint stays usable** (so an open never depends on the newest one,
+//! and a checkpoint that fails its checks is simply ignored — the logs alone always
+//! recover the store, as without checkpoints): open replays, per shard, the records after
+//! the resume point (the rest of that segment and every segment of a later generation),
+//! and merges them with the checkpoint by sequence number. What the walk wrote is each
+//! key's newest version as of some moment after step 1. Records after the resume points
+//! are (a) writes numbered at or above the horizon, (b) the log cleaner's copies, with the
+//! original's number, and (c) moved entries, with the moved version's number. So:
+//! - a tail entry numbered above the checkpoint's for its key is newer: it wins;
+//! - a tail entry with the same number as the checkpoint's is a copy of it (at a new
+//!   place: the tail's location wins, the checkpoint's may lie in a segment cleaned and
+//!   reused since), or its moved entry (the key goes to disk, as at every open);
+//! - a tail put or delete numbered below the horizon whose key has no checkpoint entry is
+//!   a copy of a version that was not its key's newest when the walk passed (the cleaner
+//!   copies older versions a snapshot needs, and deletes of keys without a slot): it is
+//!   ignored. (A key without a checkpoint entry had no slot, or a moved newest version,
+//!   when the walk passed; any later write of it is numbered at or above the horizon.)
+//! - a checkpoint location in a segment the cleaner retired after step 1 always has a
+//!   tail copy: the cleaner holds a shard for a whole pass, so a pass that relocated an
+//!   entry before step 1 finished before it (the walk then reads the new location) and
+//!   one after it appended its copies after the resume points.
+//!
+//! Entries below a resume point are never read at open, so damage there is found by
+//! `check` (which walks every record), not by an open that loads a checkpoint.
+
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
+
+use crossbeam_epoch as epoch;
+use parking_lot::Mutex;
+
+use crate::error::{Error, Result};
+use crate::format::crc;
+use crate::fs::{CountingFs, Fs};
+
+use super::index::MapGuard;
+use super::Inner;
+
+/// File name of the checkpoint, in the store directory.
+pub const FILE_NAME: &str = "NATIVE-CHECKPOINT";
+/// Magic at the start of the file.
+pub const MAGIC: &[u8; 8] = b"TKVNCKP\0";
+/// Format version of the checkpoint file.
+pub const VERSION: u32 = 1;
+/// Fixed bytes of an entry (before its key).
+pub const ENTRY_FIXED: usize = 25;
+/// Bytes of the trailer.
+pub const TRAILER_LEN: usize = 16;
+/// The length field of a shard without an open segment.
+const NO_SEGMENT: u32 = u32::MAX;
+/// Slots walked under one epoch pin.
+const CHUNK: usize = 4096;
+
+/// The header: where replay resumes and what the walk may miss.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Header {
+    /// The store's id (the superblock's).
+    pub db_id: u64,
+    /// Every write numbered below it was in the index when the walk started.
+    pub horizon: u64,
+    /// Per shard: where its replay resumes.
+    pub resume: Vec<Resume>,
+}
+
+/// Where replay of one shard's log resumes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Resume {
+    /// Segments of older generations are not replayed; younger ones are, whole.
+    pub gen: u64,
+    /// `Some((salt, len))`: the shard's open segment had generation `gen` and this salt,
+    /// and replay resumes at byte `len` of its records. `None`: the shard had no open
+    /// segment; `gen` is the generation its next one got.
+    pub seg: Option<(u32, u32)>,
+}
+
+impl Header {
+    /// Bytes of the header of a store of `shards` shards.
+    pub fn encoded_len(shards: usize) -> usize {
+        32 + 16 * shards + 8
+    }
+
+    /// Encode.
+    pub fn encode(&self) -> Vec<u8> {
+        let mut b = Vec::with_capacity(Self::encoded_len(self.resume.len()));
+        b.extend_from_slice(MAGIC);
+        b.extend_from_slice(&VERSION.to_le_bytes());
+        b.extend_from_slice(&(self.resume.len() as u32).to_le_bytes());
+        b.extend_from_slice(&self.db_id.to_le_bytes());
+        b.extend_from_slice(&self.horizon.to_le_bytes());
+        for t in &self.resume {
+            let (salt, len) = t.seg.unwrap_or((0, NO_SEGMENT));
+            b.extend_from_slice(&t.gen.to_le_bytes());
+            b.extend_from_slice(&len.to_le_bytes());
+            b.extend_from_slice(&salt.to_le_bytes());
+        }
+        let c = crc::masked(&b);
+        b.extend_from_slice(&c.to_le_bytes());
+        b.extend_from_slice(&[0u8; 4]);
+        b
+    }
+
+    /// Decode the header at the start of `buf`, for a store of `shards` shards.
+    pub fn decode(buf: &[u8], shards: usize) -> std::result::Result<Header, String> {
+        let len = Self::encoded_len(shards);
+        let b = buf.get(..len).ok_or("shorter than its header")?;
+        if &b[..8] != MAGIC {
+            return Err("bad magic".into());
+        }
+        let u32_at = |o: usize| u32::from_le_bytes([b[o], b[o + 1], b[o + 2], b[o + 3]]);
+        let u64_at = |o: usize| {
+            let mut w = [0u8; 8];
+            w.copy_from_slice(&b[o..o + 8]);
+            u64::from_le_bytes(w)
+        };
+        if u32_at(len - 8) != crc::masked(&b[..len - 8]) {
+            return Err("header checksum mismatch".into());
+        }
+        if u32_at(8) != VERSION {
+            return Err(format!("format version {} (this build reads {VERSION})", u32_at(8)));
+        }
+        if u32_at(12) as usize != shards {
+            return Err(format!("written for {} shards, the store has {shards}", u32_at(12)));
+        }
+        let resume = (0..shards)
+            .map(|i| {
+                let (len, salt) = (u32_at(40 + 16 * i), u32_at(44 + 16 * i));
+                Resume { gen: u64_at(32 + 16 * i), seg: (len != NO_SEGMENT).then_some((salt, len)) }
+            })
+            .collect();
+        Ok(Header { db_id: u64_at(16), horizon: u64_at(24), resume })
+    }
+}
+
+/// One checkpoint entry: `(key, seq, loc, size, delete)`, the shape the index is loaded from.
+pub type Entry<'a> = (&'a [u8], u64, u64, u32, bool);
+
+/// Append the encoding of one entry to `out`.
+pub fn encode_entry(out: &mut Vec<u8>, key: &[u8], seq: u64, loc: u64, size: u32, tomb: bool) {
+    out.extend_from_slice(&(key.len() as u32).to_le_bytes());
+    out.extend_from_slice(&size.to_le_bytes());
+    out.extend_from_slice(&seq.to_le_bytes());
+    out.extend_from_slice(&loc.to_le_bytes());
+    out.push(u8::from(tomb));
+    out.extend_from_slice(key);
+}
+
+/// The trailer after `count` entries whose bytes have crc32c `body_crc` (unmasked).
+pub fn encode_trailer(count: u64, body_crc: u32) -> [u8; TRAILER_LEN] {
+    let mut t = [0u8; TRAILER_LEN];
+    t[..4].copy_from_slice(&crc::mask(body_crc).to_le_bytes());
+    t[8..].copy_from_slice(&count.to_le_bytes());
+    t
+}
+
+/// A whole checkpoint file, decoded and verified.
+#[derive(Debug)]
+pub struct Decoded<'a> {
+    pub header: Header,
+    /// Sorted by key, keys distinct.
+    pub entries: Vec<Entry<'a>>,
+}
+
+/// Decode and verify a checkpoint file of a store of `shards` shards with id `db_id`:
+/// checksums, the entry count, keys strictly ascending.
+pub fn decode(buf: &[u8], shards: usize, db_id: u64) -> std::result::Result<Decoded<'_>, String> {
+    let header = Header::decode(buf, shards)?;
+    if header.db_id != db_id {
+        return Err(format!("written for store {:#x}, not {db_id:#x}", header.db_id));
+    }
+    let start = Header::encoded_len(shards);
+    if buf.len() < start + TRAILER_LEN {
+        return Err("shorter than its header and trailer".into());
+    }
+    let (body, trailer) = buf[start..].split_at(buf.len() - start - TRAILER_LEN);
+    let stored = u32::from_le_bytes([trailer[0], trailer[1], trailer[2], trailer[3]]);
+    if stored != crc::masked(body) {
+        return Err("entry checksum mismatch".into());
+    }
+    let mut w = [0u8; 8];
+    w.copy_from_slice(&trailer[8..16]);
+    let count = u64::from_le_bytes(w);
+    let mut entries = Vec::with_capacity(usize::try_from(count).unwrap_or(0).min(body.len() / ENTRY_FIXED));
+    let mut pos = 0usize;
+    while pos < body.len() {
+        let f = body.get(pos..pos + ENTRY_FIXED).ok_or("entry cut short")?;
+        let klen = u32::from_le_bytes([f[0], f[1], f[2], f[3]]) as usize;
+        let size = u32::from_le_bytes([f[4], f[5], f[6], f[7]]);
+        w.copy_from_slice(&f[8..16]);
+        let seq = u64::from_le_bytes(w);
+        w.copy_from_slice(&f[16..24]);
+        let loc = u64::from_le_bytes(w);
+        let tomb = match f[24] {
+            0 => false,
+            1 => true,
+            x => return Err(format!("entry flags {x:#x}")),
+        };
+        let key = body.get(pos + ENTRY_FIXED..pos + ENTRY_FIXED + klen).ok_or("entry key cut short")?;
+        if entries.last().is_some_and(|p: &Entry<'_>| p.0 >= key) {
+            return Err("entries out of key order".into());
+        }
+        entries.push((key, seq, loc, size, tomb));
+        pos += ENTRY_FIXED + klen;
+    }
+    if entries.len() as u64 != count {
+        return Err(format!("{} entries, the trailer says {count}", entries.len()));
+    }
+    Ok(Decoded { header, entries })
+}
+
+/// Checkpoint state of an open store.
+pub(super) struct Checkpoints {
+    fs: CountingFs,
+    dir: PathBuf,
+    /// Write one after this many bytes of new log segments (0: only at close and compact).
+    every: u64,
+    /// Segments created when the last checkpoint started.
+    segments_at_last: AtomicU64,
+    /// One writer at a time.
+    writing: Mutex<()>,
+    pub written: AtomicU64,
+    pub failures: AtomicU64,
+    pub last_entries: AtomicU64,
+    pub last_us: AtomicU64,
+    /// Entries the open loaded from a checkpoint (0: none used).
+    pub loaded_entries: u64,
+    /// Why the open ignored the checkpoint file it found, if it did.
+    pub rejected: Option<String>,
+}
+
+impl Checkpoints {
+    pub(super) fn new(fs: CountingFs, dir: &Path, every: u64) -> Checkpoints {
+        Checkpoints {
+            fs,
+            dir: dir.to_path_buf(),
+            every,
+            segments_at_last: AtomicU64::new(0),
+            writing: Mutex::new(()),
+            written: AtomicU64::new(0),
+            failures: AtomicU64::new(0),
+            last_entries: AtomicU64::new(0),
+            last_us: AtomicU64::new(0),
+            loaded_entries: 0,
+            rejected: None,
+        }
+    }
+
+    pub(super) fn path(dir: &Path) -> PathBuf {
+        dir.join(FILE_NAME)
+    }
+
+    /// The checkpoint file's bytes, if there is one (`Ok(None)`: none).
+    pub(super) fn read(fs: &dyn Fs, dir: &Path) -> Result<Option<Vec<u8>>> {
+        let p = Self::path(dir);
+        if !fs.exists(&p) {
+            return Ok(None);
+        }
+        Ok(Some(fs.read_all(&p)?))
+    }
+
+    /// Remove a checkpoint a new store must not meet (a directory reused for a new store).
+    pub(super) fn remove_stale(fs: &dyn Fs, dir: &Path) -> Result<()> {
+        let p = Self::path(dir);
+        if fs.exists(&p) {
+            fs.remove(&p)?;
+            fs.sync_dir(dir)?;
+        }
+        Ok(())
+    }
+
+    /// Whether enough new log was written since the last checkpoint (`segments`: segments
+    /// created so far, `segment_bytes`: their size).
+    pub(super) fn due(&self, segments: u64, segment_bytes: u64) -> bool {
+        self.every > 0
+            && segments.saturating_sub(self.segments_at_last.load(Ordering::Relaxed)).saturating_mul(segment_bytes)
+                >= self.every
+    }
+}
+
+impl Inner {
+    /// Write a checkpoint while writers go on (see the module docs). `Error::Closed` when
+    /// the store started closing meanwhile (the partial file is left as `.tmp`).
+    pub(super) fn checkpoint(&self) -> Result<()> {
+        let _one = self.ckpt.writing.lock();
+        let segments = self.segments_created();
+        let (resume, horizon) = {
+            let logs: Vec<_> = self.shards.iter().map(|s| s.log.lock()).collect();
+            (logs.iter().map(|l| resume_point(l)).collect::<Vec<_>>(), self.next_seq.0.load(Ordering::SeqCst))
+        };
+        self.ckpt.segments_at_last.store(segments, Ordering::Relaxed);
+        self.write_checkpoint(Header { db_id: self.db_id, horizon, resume }, true)
+    }
+
+    /// Walk the index and write the checkpoint file for `header`. `stoppable`: give up
+    /// when the background thread is told to stop (the close writes its own).
+    pub(super) fn write_checkpoint(&self, header: Header, stoppable: bool) -> Result<()> {
+        let t0 = std::time::Instant::now();
+        let r = self.write_checkpoint_file(header, stoppable);
+        match &r {
+            Ok(n) => {
+                self.ckpt.written.fetch_add(1, Ordering::Relaxed);
+                self.ckpt.last_entries.store(*n, Ordering::Relaxed);
+                self.ckpt.last_us.store(t0.elapsed().as_micros() as u64, Ordering::Relaxed);
+            }
+            Err(Error::Closed) => {}
+            Err(_) => {
+                self.ckpt.failures.fetch_add(1, Ordering::Relaxed);
+            }
+        }
+        r.map(|_| ())
+    }
+
+    fn write_checkpoint_file(&self, header: Header, stoppable: bool) -> Result<u64> {
+        let fs = &self.ckpt.fs;
+        let path = Checkpoints::path(&self.ckpt.dir);
+        let tmp = self.ckpt.dir.join(format!("{FILE_NAME}.tmp"));
+        let mut f = fs.create(&tmp)?;
+        f.append(&header.encode())?;
+        let mut body_crc = 0u32;
+        let mut count = 0u64;
+        let mut buf = Vec::with_capacity(1 << 20);
+        let mut after: Option<Vec<u8>> = None;
+        loop {
+            if stoppable && self.stop.load(Ordering::Acquire) {
+                return Err(Error::Closed);
+            }
+            buf.clear();
+            let mut seen = 0usize;
+            {
+                let mg = MapGuard::new();
+                let eg = epoch::pin();
+                let lower = match after.as_deref() {
+                    Some(k) => std::ops::Bound::Excluded(k),
+                    None => std::ops::Bound::Unbounded,
+                };
+                let mut last = None;
+                for (k, slot) in self.index.tree().range::<[u8], _>((lower, std::ops::Bound::Unbounded), &mg) {
+                    seen += 1;
+                    last = Some(k);
+                    if let Some(h) = slot.head(&eg) {
+                        if !slot.is_gone() && slot.moved.load(Ordering::Relaxed) != h.seq {
+                            encode_entry(&mut buf, k, h.seq, h.loc(), h.size, h.tomb);
+                            count += 1;
+                        }
+                    }
+                    if seen == CHUNK {
+                        break;
+                    }
+                }
+                after = last.map(|k| k.to_vec());
+            }
+            body_crc = crc32c::crc32c_append(body_crc, &buf);
+            f.append(&buf)?;
+            if seen < CHUNK {
+                break;
+            }
+        }
+        f.append(&encode_trailer(count, body_crc))?;
+        f.sync()?;
+        drop(f);
+        fs.rename(&tmp, &path)?;
+        fs.sync_dir(&self.ckpt.dir)?;
+        Ok(count)
+    }
+}
+
+/// Where replay of a shard resumes after a checkpoint taken now: the end of its open
+/// segment, or the start of the next generation when it has none.
+pub(super) fn resume_point(l: &super::log::ShardLog) -> Resume {
+    match l.open {
+        Some(o) => Resume { gen: o.tag.gen, seg: Some((o.tag.salt, o.len as u32)) },
+        None => Resume { gen: l.next_gen, seg: None },
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn file(entries: &[Entry<'_>], shards: usize) -> Vec<u8> {
+        let resume =
+            (0..shards as u64).map(|g| Resume { gen: g + 1, seg: (g % 2 == 0).then_some((0xabcd, 64)) }).collect();
+        let h = Header { db_id: 9, horizon: 77, resume };
+        let mut b = h.encode();
+        let mut body = Vec::new();
+        for e in entries {
+            encode_entry(&mut body, e.0, e.1, e.2, e.3, e.4);
+        }
+        b.extend_from_slice(&body);
+        b.extend_from_slice(&encode_trailer(entries.len() as u64, crc32c::crc32c(&body)));
+        b
+    }
+
+    #[test]
+    fn round_trip_and_every_flipped_byte_is_refused() {
+        let es: Vec<Entry<'_>> = vec![(b"a", 3, 4096, 40, false), (b"bc", 9, 8192, 33, true)];
+        let b = file(&es, 2);
+        let d = decode(&b, 2, 9).unwrap();
+        assert_eq!(d.entries, es);
+        assert_eq!(d.header.horizon, 77);
+        assert_eq!(d.header.resume[0], Resume { gen: 1, seg: Some((0xabcd, 64)) });
+        assert_eq!(d.header.resume[1], Resume { gen: 2, seg: None });
+        assert!(decode(&b, 3, 9).is_err(), "another shard count");
+        assert!(decode(&b, 2, 8).is_err(), "another store");
+        for i in 0..b.len() {
+            let mut bad = b.clone();
+            bad[i] ^= 0x04;
+            // The header's and trailer's padding is not covered; everything else is.
+            let hl = Header::encoded_len(2);
+            let padding = (hl - 4..hl).contains(&i) || (b.len() - 12..b.len() - 8).contains(&i);
+            if !padding {
+                assert!(decode(&bad, 2, 9).is_err(), "flip at {i} accepted");
+            }
+        }
+        for cut in 0..b.len() {
+            assert!(decode(&b[..cut], 2, 9).is_err(), "cut at {cut} accepted");
+        }
+    }
+
+    #[test]
+    fn unordered_or_duplicate_keys_are_refused() {
+        let b = file(&[(b"b", 1, 64, 30, false), (b"a", 2, 128, 30, false)], 1);
+        assert!(decode(&b, 1, 9).unwrap_err().contains("order"));
+        let b = file(&[(b"a", 1, 64, 30, false), (b"a", 2, 128, 30, false)], 1);
+        assert!(decode(&b, 1, 9).is_err());
+    }
+}
