@@ -36,8 +36,8 @@
 
 pub mod codec;
 pub mod log_store;
-// pub mod network;
-// pub mod node;
+pub mod network;
+pub mod node;
 pub mod snapshot;
 pub mod state_machine;
 
