@@ -11,6 +11,7 @@
 //! - [`network`]: the node-to-node transport: TCP, length-prefixed bincode frames
 //!   authenticated with HMAC-SHA256 under a shared cluster secret, timeouts, reconnects.
 //! - [`node`]: one running node (store + Raft + transport), cluster bootstrap.
+//! - [`resp`]: the bridge to `tierkv serve` (the server's `Replicator` on a [`node::RaftNode`]).
 //! - [`codec`]: the persisted encodings (`docs/format/raft.md`).
 //!
 //! Choices:
@@ -38,6 +39,7 @@ pub mod codec;
 pub mod log_store;
 pub mod network;
 pub mod node;
+pub mod resp;
 pub mod snapshot;
 pub mod state_machine;
 

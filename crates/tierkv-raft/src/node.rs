@@ -98,7 +98,7 @@ pub struct RaftNode {
     log_db: Arc<Db>,
     secret: Secret,
     addr: SocketAddr,
-    resp_addr: String,
+    resp_addr: Mutex<String>,
     stop: watch::Sender<bool>,
     tasks: Mutex<Vec<tokio::task::JoinHandle<()>>>,
     /// Leaders' RESP addresses learnt by asking them (`Hello` has none; `Status` has).
@@ -149,7 +149,7 @@ impl RaftNode {
             log_db,
             secret: cfg.secret.clone(),
             addr,
-            resp_addr: cfg.resp_addr.clone(),
+            resp_addr: Mutex::new(cfg.resp_addr.clone()),
             stop,
             tasks: Mutex::new(Vec::new()),
             leader_resp: Mutex::new(BTreeMap::new()),
@@ -171,6 +171,18 @@ impl RaftNode {
     /// The bound Raft address.
     pub fn raft_addr(&self) -> SocketAddr {
         self.addr
+    }
+
+    /// This node's RESP address (`HOST:PORT`; empty if none).
+    pub fn resp_addr(&self) -> String {
+        self.resp_addr.lock().map(|a| a.clone()).unwrap_or_default()
+    }
+
+    /// Set the RESP address once the server has bound its port (`--port auto`).
+    pub fn set_resp_addr(&self, addr: String) {
+        if let Ok(mut a) = self.resp_addr.lock() {
+            *a = addr;
+        }
     }
 
     /// openraft's handle.
@@ -230,15 +242,19 @@ impl RaftNode {
         let id = m.current_leader?;
         let mut node = m.membership_config.membership().get_node(&id).cloned().unwrap_or_default();
         if node.resp_addr.is_empty() {
+            let cached = self.leader_resp.lock().ok().and_then(|c| c.get(&id).cloned());
             if id == self.id {
-                node.resp_addr = self.resp_addr.clone();
-            } else if let Some(a) = self.leader_resp.lock().ok().and_then(|c| c.get(&id).cloned()) {
+                node.resp_addr = self.resp_addr();
+            } else if let Some(a) = cached {
                 node.resp_addr = a;
             } else if let Ok(RpcReply::Status(s)) =
                 call_once(&node.raft_addr, &self.secret, &RpcRequest::Status, Duration::from_secs(1)).await
             {
                 if let Some((_, n)) = s.nodes.iter().find(|(i, _)| *i == id) {
                     node.resp_addr = n.resp_addr.clone();
+                    if let (false, Ok(mut c)) = (n.resp_addr.is_empty(), self.leader_resp.lock()) {
+                        c.insert(id, n.resp_addr.clone());
+                    }
                 }
             }
         }
@@ -259,7 +275,7 @@ impl RaftNode {
         let mut nodes: Vec<(NodeId, ClusterNode)> = membership.nodes().map(|(i, n)| (*i, n.clone())).collect();
         for (i, n) in nodes.iter_mut() {
             if *i == self.id && n.resp_addr.is_empty() {
-                n.resp_addr = self.resp_addr.clone();
+                n.resp_addr = self.resp_addr();
             }
         }
         NodeStatus {
@@ -370,7 +386,7 @@ async fn bootstrap(node: Arc<RaftNode>, cfg: NodeConfig, mut stop: watch::Receiv
                 .peers
                 .iter()
                 .map(|(&id, addr)| {
-                    let resp_addr = if id == node.id { cfg.resp_addr.clone() } else { String::new() };
+                    let resp_addr = if id == node.id { node.resp_addr() } else { String::new() };
                     (id, ClusterNode { raft_addr: addr.clone(), resp_addr })
                 })
                 .collect();
