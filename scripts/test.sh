@@ -31,3 +31,6 @@ rm -rf target/py-wheels
 
 # `tierkv serve` against stock Redis clients (redis-py, go-redis, redis-cli).
 ./scripts/client-tests.sh
+
+# Replication: 3 `tierkv serve --raft-*` processes, leader kill -9, linearizability check.
+./scripts/raft-tests.sh

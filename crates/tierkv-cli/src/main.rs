@@ -14,6 +14,8 @@ use std::path::PathBuf;
 use std::process::ExitCode;
 
 use clap::{Parser, Subcommand};
+
+mod cluster;
 use tierkv::{Db, Error, Options, Preset};
 
 #[derive(Parser, Debug)]
@@ -277,6 +279,13 @@ enum Cmd {
         /// Longest inline command (bytes).
         #[arg(long, default_value_t = 64 << 10)]
         max_inline_len: usize,
+        #[command(flatten)]
+        raft: cluster::RaftArgs,
+    },
+    /// A replicated cluster's members and membership changes (see `serve --raft-id`).
+    Cluster {
+        #[command(subcommand)]
+        cmd: cluster::ClusterCmd,
     },
     /// Verify every checksum and index/data agreement (exit 3 if problems are found).
     Check {
@@ -606,6 +615,7 @@ fn run(cli: Cli) -> Result<Outcome, Error> {
             max_bulk_len,
             max_multibulk_len,
             max_inline_len,
+            raft,
         } => {
             if max_bulk_len > 512 << 20 {
                 return Err(Error::InvalidArgument("--max-bulk-len is at most 512 MiB (536870912)".into()));
@@ -658,6 +668,10 @@ fn run(cli: Cli) -> Result<Outcome, Error> {
                 max_clients,
                 limits: tierkv_server::resp::Limits { max_bulk_len, max_multibulk_len, max_inline_len },
             };
+            if raft.raft_id.is_some() {
+                cluster::serve(db, cfg, raft, &t.dir, &mut out)?;
+                return Ok(Outcome::Ok);
+            }
             let preset = db.preset();
             tierkv_server::serve_until_signal(db, &cfg, |server| {
                 if let Some(a) = server.plain_addr() {
@@ -670,6 +684,7 @@ fn run(cli: Cli) -> Result<Outcome, Error> {
             })
             .map_err(|e| Error::InvalidArgument(format!("serve: {e}")))?;
         }
+        Cmd::Cluster { cmd } => cluster::run(cmd, &mut out)?,
         Cmd::Stats { t } => {
             let db = open(&t, false)?;
             let s = db.stats();

@@ -113,6 +113,8 @@ pub struct Session {
     /// A command was refused while queuing: EXEC will abort.
     pub(crate) multi_dirty: bool,
     pub(crate) watched: Vec<Watched>,
+    /// READONLY: stale reads on a replica (see [`crate::replica`]).
+    pub(crate) readonly: bool,
 }
 
 impl Default for Session {
@@ -127,6 +129,7 @@ impl Default for Session {
             multi: None,
             multi_dirty: false,
             watched: Vec::new(),
+            readonly: false,
         }
     }
 }
@@ -162,6 +165,8 @@ pub struct Keyspace {
     /// Settings shown by CONFIG GET and INFO.
     pub settings: Settings,
     started: Instant,
+    /// Set on a replicated server ([`crate::replica`]).
+    pub(crate) replica: Option<crate::replica::Replica>,
 }
 
 impl std::fmt::Debug for Keyspace {
@@ -238,6 +243,8 @@ pub const COMMANDS: &[CommandSpec] = &[
     ("client", -2, &["admin"], 0, 0, 0),
     ("hello", -1, &["fast", "no_auth"], 0, 0, 0),
     ("auth", -2, &["fast", "no_auth"], 0, 0, 0),
+    ("readonly", 1, &["fast"], 0, 0, 0),
+    ("readwrite", 1, &["fast"], 0, 0, 0),
     ("dbsize", 1, &["readonly"], 0, 0, 0),
     ("flushdb", -1, &["write"], 0, 0, 0),
     ("keys", 2, &["readonly"], 0, 0, 0),
@@ -338,25 +345,7 @@ fn corrupt_at_start(db: &Db, what: &str, k: &[u8]) -> tierkv::Error {
 impl Keyspace {
     /// Load the directories of `db` (type records, expiry times) and serve it.
     pub fn new(db: Arc<Db>, settings: Settings) -> tierkv::Result<Keyspace> {
-        let mut types = HashMap::new();
-        let mut expires = Expires::default();
-        let (lo, hi) = keys::type_range();
-        for e in db.scan::<(Bound<&[u8]>, Bound<&[u8]>)>((Bound::Included(&lo), Bound::Excluded(&hi)))? {
-            let (k, v) = e?;
-            let name = k.get(2..).unwrap_or_default();
-            let (kind, count, at) = keys::decode_type(&v).ok_or_else(|| corrupt_at_start(&db, "type record", name))?;
-            types.insert(name.to_vec(), (kind, count));
-            if at.is_some() {
-                expires.set(name, at);
-            }
-        }
-        let (lo, hi) = keys::expiring_range();
-        for e in db.scan::<(Bound<&[u8]>, Bound<&[u8]>)>((Bound::Included(&lo), Bound::Excluded(&hi)))? {
-            let (k, v) = e?;
-            let name = k.get(2..).unwrap_or_default();
-            let (at, _) = keys::decode_expiring(&v).ok_or_else(|| corrupt_at_start(&db, "expiring string", name))?;
-            expires.set(name, Some(at));
-        }
+        let (types, expires) = Keyspace::load_directories(&db)?;
         Ok(Keyspace {
             db,
             types: RwLock::new(types),
@@ -371,7 +360,33 @@ impl Keyspace {
             counters: Counters::default(),
             settings,
             started: Instant::now(),
+            replica: None,
         })
+    }
+
+    /// The DRAM directories of `db`: type records and expiry times.
+    #[allow(clippy::type_complexity)]
+    pub(crate) fn load_directories(db: &Db) -> tierkv::Result<(HashMap<Vec<u8>, (Kind, u64)>, Expires)> {
+        let mut types = HashMap::new();
+        let mut expires = Expires::default();
+        let (lo, hi) = keys::type_range();
+        for e in db.scan::<(Bound<&[u8]>, Bound<&[u8]>)>((Bound::Included(&lo), Bound::Excluded(&hi)))? {
+            let (k, v) = e?;
+            let name = k.get(2..).unwrap_or_default();
+            let (kind, count, at) = keys::decode_type(&v).ok_or_else(|| corrupt_at_start(db, "type record", name))?;
+            types.insert(name.to_vec(), (kind, count));
+            if at.is_some() {
+                expires.set(name, at);
+            }
+        }
+        let (lo, hi) = keys::expiring_range();
+        for e in db.scan::<(Bound<&[u8]>, Bound<&[u8]>)>((Bound::Included(&lo), Bound::Excluded(&hi)))? {
+            let (k, v) = e?;
+            let name = k.get(2..).unwrap_or_default();
+            let (at, _) = keys::decode_expiring(&v).ok_or_else(|| corrupt_at_start(db, "expiring string", name))?;
+            expires.set(name, Some(at));
+        }
+        Ok((types, expires))
     }
 
     /// The store.
@@ -403,6 +418,7 @@ impl Keyspace {
     pub(crate) fn apply(&self, c: Changes) -> Result<(), Reply> {
         match c.writes.len() {
             0 => {}
+            _ if self.replica.is_some() => self.write_batch(Txn::batch(c.writes))?,
             1 => {
                 if let Some((k, v)) = c.writes.into_iter().next() {
                     match v {
@@ -478,7 +494,11 @@ impl Keyspace {
                 }
             }
         }
+        if let Err(e) = self.replica_gate(s, cname, a) {
+            return e;
+        }
         let r = match cname {
+            "readonly" | "readwrite" => self.readonly_cmd(s, cname),
             "multi" | "exec" | "discard" | "watch" | "unwatch" => self.multi_cmd(s, cname, a),
             "flushdb" => self.flushdb(a),
             "eval" | "evalsha" | "script" => self.script_cmd(s, cname, a),
@@ -562,12 +582,15 @@ impl Keyspace {
                 .take(1024)
             {
                 let (k, _) = e.map_err(db_err)?;
-                b.delete(k);
+                // Replication's own records (`FF 'r'`, docs/format/raft.md) are not data.
+                if !k.starts_with(&[keys::META, b'r']) {
+                    b.delete(k);
+                }
             }
             if b.is_empty() {
                 break;
             }
-            self.db.write(b).map_err(db_err)?;
+            self.write_batch(b)?;
         }
         self.types.write().clear();
         self.expires.write().clear();
@@ -581,6 +604,9 @@ impl Keyspace {
     /// Delete up to `max` keys whose expiry has passed (the background sweep), 100 to a
     /// batch; returns how many were deleted.
     pub fn sweep(&self, max: usize) -> usize {
+        if !self.may_sweep() {
+            return 0;
+        }
         let now = now_ms();
         let due = self.expires.read().due(now, max);
         let mut n = 0;

@@ -13,6 +13,8 @@
 //!   [`multi`] (MULTI/EXEC/WATCH), [`script`] (Lua: EVAL/EVALSHA/SCRIPT).
 //! - [`auth`]: AUTH (password from a file or the environment, compared in constant time) and
 //!   protected mode; [`tls`]: rustls, plain and TLS ports side by side.
+//! - [`replica`]: a replicated server (`--raft-*`): writes through consensus, `-MOVED` on
+//!   followers, read-index reads, `READONLY`.
 //! - [`net`]: the tokio server (pipelining, many connections, idle timeout, graceful stop,
 //!   the expiry sweep).
 //!
@@ -27,7 +29,7 @@
 //!   its DRAM expiry index in time order, so every expired key is found in one pass).
 //!
 //! What is deliberately not Redis: one database (SELECT 0 only), no pub/sub (so RESP3 push
-//! messages never occur), no replication, no ACL users but `default`, CONFIG SET refused
+//! messages never occur), no Redis replication (tierkv replicates on Raft instead: [`replica`]), no ACL users but `default`, CONFIG SET refused
 //! (settings are command-line options); FLUSHDB and EVAL are refused inside MULTI (each runs
 //! under its own exclusive lock); scripts are aborted after 5 s instead of making the server
 //! `-BUSY`. DBSIZE and INFO's keyspace line count by scanning (O(n)): a counter would need
@@ -42,6 +44,7 @@ pub mod glob;
 pub mod keys;
 pub mod multi;
 pub mod net;
+pub mod replica;
 pub mod resp;
 pub mod script;
 pub mod strings;
@@ -56,6 +59,16 @@ use std::sync::Arc;
 /// Serve `db` with `cfg` until SIGINT or SIGTERM, then stop the server and close the store
 /// cleanly. `ready` is called with the bound address once the server accepts connections.
 pub fn serve_until_signal(db: Arc<tierkv::Db>, cfg: &ServerConfig, ready: impl FnOnce(&Server)) -> Result<(), String> {
+    serve_with_until_signal(db, cfg, None, ready)
+}
+
+/// [`serve_until_signal`], replicated through `replicator` when given ([`replica`]).
+pub fn serve_with_until_signal(
+    db: Arc<tierkv::Db>,
+    cfg: &ServerConfig,
+    replicator: Option<Arc<dyn replica::Replicator>>,
+    ready: impl FnOnce(&Server),
+) -> Result<(), String> {
     let settings = Settings::from(cfg);
     // Handlers first: a SIGTERM that arrives as soon as `ready` has announced the server
     // must stop it cleanly, not kill the process with the default action.
@@ -66,7 +79,11 @@ pub fn serve_until_signal(db: Arc<tierkv::Db>, cfg: &ServerConfig, ready: impl F
         let int = signal(SignalKind::interrupt()).map_err(|e| e.to_string())?;
         Ok::<_, String>((term, int))
     })?;
-    let ks = Arc::new(Keyspace::new(db.clone(), settings).map_err(|e| e.to_string())?);
+    let mut ks = Keyspace::new(db.clone(), settings).map_err(|e| e.to_string())?;
+    if let Some(r) = &replicator {
+        ks = ks.with_replicator(r.clone());
+    }
+    let ks = Arc::new(ks);
     let server = Server::start(ks, cfg).map_err(|e| format!("cannot listen on {}: {e}", cfg.bind))?;
     ready(&server);
     rt.block_on(async {
@@ -76,5 +93,8 @@ pub fn serve_until_signal(db: Arc<tierkv::Db>, cfg: &ServerConfig, ready: impl F
         }
     });
     server.shutdown();
+    if let Some(r) = &replicator {
+        r.shutdown();
+    }
     db.close().map_err(|e| e.to_string())
 }
