@@ -17,8 +17,9 @@
 //!   by every committed write to that key (including deletions by the expiry sweep and
 //!   FLUSHDB). EXEC compares the versions recorded at WATCH time and replies nil (RESP2
 //!   `*-1`, RESP3 `_`) if any changed — or if a key that was live at WATCH time has expired
-//!   since (Redis 7). The map holds only watched keys: writes pay one atomic load when nobody
-//!   watches.
+//!   since (Redis 7). Deleting an expired key is not a change (Redis 7): a key live at WATCH
+//!   time fails EXEC by its deadline anyway, and one already expired then stays absent. The
+//!   map holds only watched keys: writes pay one atomic load when nobody watches.
 
 use std::sync::atomic::Ordering;
 
@@ -37,6 +38,7 @@ impl Keyspace {
                 }
                 s.multi = Some(Vec::new());
                 s.multi_dirty = false;
+                s.multi_bytes = 0;
                 Ok(Reply::Ok)
             }
             "discard" => {

@@ -192,12 +192,14 @@ impl<'a> Txn<'a> {
         self.exclusive || self.held.contains(&Keyspace::stripe(k))
     }
 
-    /// Delete `k` if it has expired.
+    /// Delete `k` if it has expired. Not a change for WATCH (as in Redis 7): a key live
+    /// when watched fails EXEC by its deadline already, and one already expired then was
+    /// absent then and stays absent.
     pub fn reap(&mut self, k: &[u8]) -> Result<bool, Reply> {
         if !self.expired(k) {
             return Ok(false);
         }
-        self.delete_key(k)?;
+        self.remove_key(k, false)?;
         self.c.reaped += 1;
         Ok(true)
     }
@@ -354,13 +356,18 @@ impl<'a> Txn<'a> {
                 self.delete(key);
             }
         }
-        self.set_kind(k, None);
+        // Not `set_kind`: the caller says whether this is a change for WATCH.
+        self.c.types.insert(k.to_vec(), None);
         Ok(())
     }
 
     /// Stage the deletion of `k`, whatever it is (expired or not); `false` if there was
     /// nothing.
     pub fn delete_key(&mut self, k: &[u8]) -> Result<bool, Reply> {
+        self.remove_key(k, true)
+    }
+
+    fn remove_key(&mut self, k: &[u8], touch: bool) -> Result<bool, Reply> {
         let found = if let Some((kind, _)) = self.kind_raw(k) {
             self.delete_collection(k, kind)?;
             true
@@ -376,7 +383,7 @@ impl<'a> Txn<'a> {
             found
         };
         self.set_deadline(k, None);
-        if found {
+        if found && touch {
             self.touch(k);
         }
         Ok(found)
