@@ -549,7 +549,7 @@ impl Keyspace {
                 None => Err(Reply::err(NOT_INT)),
             },
             "command" => self.command(a),
-            "info" => self.info(s, a, t.now),
+            "info" => self.info(s, a, t.now, &t.overlay()),
             "config" => self.config(a),
             "client" => client(s, a),
             "hello" => self.hello(s, a),
@@ -687,7 +687,7 @@ impl Keyspace {
         }
     }
 
-    fn info(&self, s: &Session, a: &[Bytes], now: u64) -> R {
+    fn info(&self, s: &Session, a: &[Bytes], now: u64, overlay: &crate::txn::Overlay) -> R {
         let want = |sec: &str| {
             a.is_empty() || a.iter().any(|x| eq(x, sec) || eq(x, "all") || eq(x, "everything") || eq(x, "default"))
         };
@@ -724,7 +724,7 @@ impl Keyspace {
             ));
         }
         if want("keyspace") {
-            let n = self.dbsize(now)?;
+            let n = self.dbsize(now, overlay)?;
             let (expires, avg) = self.expires.read().stats(now);
             t.push_str("# Keyspace\r\n");
             if n > 0 {

@@ -11,8 +11,8 @@
 //!   others go on (Redis has no rollback either). The writes of all of them are committed
 //!   as ONE [`tierkv::WriteBatch`]: after a crash the whole transaction is there or none of it
 //!   (stronger than Redis's AOF, which can leave a partial transaction that redis-check-aof
-//!   must cut). One gap: KEYS, SCAN and DBSIZE inside a transaction walk the store, so they
-//!   do not see the transaction's own earlier writes (every other read does).
+//!   must cut). Every read sees the transaction's own earlier writes, KEYS, SCAN and DBSIZE
+//!   too (they merge its staged records into their walk of the store).
 //! - WATCH is optimistic: every key watched by anyone has a version in a server map, bumped
 //!   by every committed write to that key (including deletions by the expiry sweep and
 //!   FLUSHDB). EXEC compares the versions recorded at WATCH time and replies nil (RESP2

@@ -382,6 +382,36 @@ fn multi_exec_discard_and_watch_as_redis() {
 }
 
 #[test]
+fn keys_scan_and_dbsize_inside_exec_and_scripts_see_their_own_writes() {
+    let d = tempfile::tempdir().unwrap();
+    let f = start_at(d.path(), Preset::Native, cfg());
+    let mut c = f.conn();
+    c.cmd(&["SET", "a", "1"]);
+    c.cmd(&["SET", "b", "2"]);
+    c.cmd(&["HSET", "gone", "f", "v"]);
+    c.cmd(&["MULTI"]);
+    for cmd in [
+        &["SET", "c", "3"][..],
+        &["HSET", "h", "f", "v"],
+        &["DEL", "a", "gone"],
+        &["SET", "e", "v", "PX", "100000"],
+        &["KEYS", "*"],
+        &["DBSIZE"],
+        &["SCAN", "0", "COUNT", "1000"],
+    ] {
+        assert_eq!(c.cmd(cmd), "+QUEUED\r\n");
+    }
+    // Walk order: plain strings, then hashes and sorted sets, then strings with an expiry.
+    let keys = "*4\r\n$1\r\nb\r\n$1\r\nc\r\n$1\r\nh\r\n$1\r\ne\r\n";
+    assert_eq!(c.cmd(&["EXEC"]), format!("*7\r\n+OK\r\n:1\r\n:2\r\n+OK\r\n{keys}:4\r\n*2\r\n$1\r\n0\r\n{keys}"));
+    assert_eq!(c.cmd(&["DBSIZE"]), ":4\r\n", "the same after the commit");
+    let script =
+        "redis.call('del', 'b', 'h') redis.call('set', 'z', 1) return {redis.call('dbsize'), redis.call('keys', '*')}";
+    assert_eq!(c.cmd(&["EVAL", script, "0"]), "*2\r\n:3\r\n*3\r\n$1\r\nc\r\n$1\r\nz\r\n$1\r\ne\r\n");
+    f.stop();
+}
+
+#[test]
 fn scripts_run_commands_atomically() {
     let d = tempfile::tempdir().unwrap();
     let f = start_at(d.path(), Preset::Native, cfg());
