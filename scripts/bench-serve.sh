@@ -1,12 +1,15 @@
 #!/usr/bin/env bash
 # redis-benchmark SET/GET against `tierkv serve` (preset native, default options) and
 # redis-server 7 with AOF (appendfsync everysec and always), each plain, with AUTH and with
-# TLS: the figures of issue 23's closing note. Needs a release build of tierkv
+# TLS, then YCSB load + A-F over RESP (`tierkv bench --server`: the same three servers, plain,
+# --server-auth and --server-tls): the figures of issue 23's closing note. `uptime` is
+# printed before each part (the machine is shared). Needs a release build of tierkv
 # (cargo build --release -p tierkv-cli), redis-server, redis-tools and openssl.
-# Usage: scripts/bench-serve.sh [REQUESTS] [CLIENTS]   (default 100000 50)
+# Usage: scripts/bench-serve.sh [REQUESTS] [CLIENTS] [YCSB_RECORDS]   (default 100000 50 20000;
+# YCSB_RECORDS 0 skips YCSB)
 set -euo pipefail
 cd "$(dirname "$0")/.."
-n="${1:-100000}"; c="${2:-50}"
+n="${1:-100000}"; c="${2:-50}"; ycsb="${3:-20000}"
 bin="${CARGO_TARGET_DIR:-target}/release/tierkv"
 work="$(mktemp -d /tmp/bench-serve.XXXXXX)"
 pids=()
@@ -46,7 +49,7 @@ start_redis() { # name, fsync, extra args...
     sleep 0.5
 }
 tls=(--tls --cacert "$work/ca.crt")
-echo "redis-benchmark -t set,get -n $n -c $c -r $n -d 100 (-P 1 and -P 16)"
+echo "redis-benchmark -t set,get -n $n -c $c -r $n -d 100 (-P 1 and -P 16); $(uptime)"
 start_tierkv plain --port "$((port + 1))"; run "tierkv native" "$port"
 start_tierkv auth --port "$((port + 1))" --requirepass-file "$work/pw"; run "tierkv native +AUTH" "$port" -a bench-password
 start_tierkv tls --port 0 --tls-port "$((port + 1))" --tls-cert-file "$work/s.crt" --tls-key-file "$work/s.key"
@@ -57,3 +60,14 @@ start_redis auth everysec --requirepass bench-password; run "redis aof everysec 
 start_redis tls everysec --port 0 --tls-port "$((port + 1))" --tls-cert-file "$work/s.crt" --tls-key-file "$work/s.key" \
     --tls-ca-cert-file "$work/ca.crt" --tls-auth-clients no
 run "redis aof everysec +TLS" "$port" "${tls[@]}"
+start_redis always-auth always --requirepass bench-password; run "redis aof always +AUTH" "$port" -a bench-password
+start_redis always-tls always --port 0 --tls-port "$((port + 1))" --tls-cert-file "$work/s.crt" --tls-key-file "$work/s.key" \
+    --tls-ca-cert-file "$work/ca.crt" --tls-auth-clients no
+run "redis aof always +TLS" "$port" "${tls[@]}"
+if [ "$ycsb" -gt 0 ]; then
+    for mode in "" --server-auth --server-tls; do
+        echo; echo "== YCSB over RESP ${mode:-plain}; $(uptime)"
+        "$bin" bench --server --engines native --server-redis always,everysec --requests 0 --ycsb-num "$ycsb" \
+            --dir "$work" $mode 2>/dev/null
+    done
+fi

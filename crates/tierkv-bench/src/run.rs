@@ -113,7 +113,8 @@ impl Workload {
         self == Workload::YcsbLoad || self.is_ycsb_run()
     }
 
-    fn is_ycsb_run(self) -> bool {
+    /// Whether the workload is a YCSB run workload (A-F, update, scan: after a load).
+    pub fn is_ycsb_run(self) -> bool {
         matches!(
             self,
             Workload::YcsbA

@@ -13,11 +13,21 @@
 //!    100 B) keeps these runs comparable with the in-process ones. YCSB's Java core was not
 //!    used: its Redis binding is not published on Maven Central.
 //!
+//! Security (`--server-auth`, `--server-tls`): every server of the run, tierkv and Redis
+//! alike, then requires a password (a random one per run, given to `tierkv serve` in a
+//! `--requirepass-file` and to `redis-server` in a configuration file, so neither shows it
+//! in `ps`; redis-benchmark gets it with `-a`) and/or listens only on a TLS port (a CA and a
+//! server certificate for `localhost`/`127.0.0.1` made for the run with `rcgen`; ECDSA
+//! P-256; clients are not asked for certificates, Redis's `--tls-auth-clients no`). The
+//! YCSB client (the `redis` crate with rustls) and redis-benchmark (`--tls --cacert`) then
+//! authenticate and/or speak TLS, so each figure includes the cost of both on both sides.
+//!
 //! Durability levels: tierkv's presets reply once a write survives a process crash (kill -9),
 //! as Redis with AOF does (`everysec` writes the AOF before replying and fsyncs each second;
 //! `always` also fsyncs before replying, so it survives power loss; no AOF keeps nothing). So
 //! `redis/aof-everysec` is the like-for-like peer; the other two bracket it.
 
+use std::ffi::OsString;
 use std::io::{BufRead, BufReader};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
@@ -73,6 +83,166 @@ pub struct ServerArgs {
     pub dir: PathBuf,
     /// Where tierkv's PM pools go.
     pub pm_dir: PathBuf,
+    /// YCSB workloads run after the load, in order (empty: no YCSB).
+    pub ycsb: Vec<Workload>,
+    /// How every server is secured.
+    pub security: Security,
+}
+
+/// How every server of a run is secured (`--server-auth`, `--server-tls`; see the module
+/// docs).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize)]
+pub struct Security {
+    /// Clients must AUTH with a password.
+    pub auth: bool,
+    /// The servers listen on a TLS port only.
+    pub tls: bool,
+}
+
+impl Security {
+    /// `plain`, `AUTH`, `TLS` or `AUTH+TLS`.
+    pub fn label(&self) -> &'static str {
+        match (self.auth, self.tls) {
+            (false, false) => "plain",
+            (true, false) => "AUTH",
+            (false, true) => "TLS",
+            (true, true) => "AUTH+TLS",
+        }
+    }
+}
+
+/// A run's credentials: its password and TLS files, in a private temporary directory.
+struct Creds {
+    dir: tempfile::TempDir,
+    password: Option<String>,
+    tls: Option<TlsFiles>,
+}
+
+struct TlsFiles {
+    ca_pem: Vec<u8>,
+    ca: PathBuf,
+    cert: PathBuf,
+    key: PathBuf,
+}
+
+fn write_private(path: &Path, data: &[u8]) -> Result<()> {
+    use std::io::Write;
+    use std::os::unix::fs::OpenOptionsExt;
+    let mut f = std::fs::OpenOptions::new()
+        .write(true)
+        .create(true)
+        .truncate(true)
+        .mode(0o600)
+        .open(path)
+        .map_err(|e| format!("{}: {e}", path.display()))?;
+    f.write_all(data).map_err(|e| format!("{}: {e}", path.display()))
+}
+
+impl Creds {
+    fn new(sec: Security) -> Result<Creds> {
+        let dir = tempfile::Builder::new().prefix("tierkv-bench-creds-").tempdir().map_err(|e| e.to_string())?;
+        let password = if sec.auth {
+            let mut b = [0u8; 16];
+            ring::rand::SecureRandom::fill(&ring::rand::SystemRandom::new(), &mut b)
+                .map_err(|_| "no system randomness for the password")?;
+            let pw: String = b.iter().map(|x| format!("{x:02x}")).collect();
+            write_private(&dir.path().join("password"), format!("{pw}\n").as_bytes())?;
+            Some(pw)
+        } else {
+            None
+        };
+        let tls = if sec.tls { Some(TlsFiles::new(dir.path())?) } else { None };
+        Ok(Creds { dir, password, tls })
+    }
+
+    /// A client of the server on `port`, authenticating and speaking TLS as the run says.
+    fn client(&self, port: u16) -> Result<redis::Client> {
+        let auth = self.password.as_ref().map_or(String::new(), |p| format!(":{p}@"));
+        match &self.tls {
+            None => redis::Client::open(format!("redis://{auth}127.0.0.1:{port}/")),
+            Some(t) => redis::Client::build_with_tls(
+                format!("rediss://{auth}127.0.0.1:{port}/"),
+                redis::TlsCertificates { client_tls: None, root_cert: Some(t.ca_pem.clone()) },
+            ),
+        }
+        .map_err(|e| format!("client of port {port}: {e}"))
+    }
+
+    /// `tierkv serve`'s listener and password options.
+    fn tierkv_args(&self) -> Vec<OsString> {
+        let mut v: Vec<OsString> = Vec::new();
+        match &self.tls {
+            None => v.extend(["--port".into(), "auto".into()]),
+            Some(t) => {
+                v.extend(["--port".into(), "0".into(), "--tls-port".into(), "auto".into()]);
+                v.extend(["--tls-cert-file".into(), t.cert.clone().into()]);
+                v.extend(["--tls-key-file".into(), t.key.clone().into()]);
+            }
+        }
+        if self.password.is_some() {
+            v.extend(["--requirepass-file".into(), self.dir.path().join("password").into()]);
+        }
+        v
+    }
+
+    /// redis-server's configuration file (the password stays out of the process list) and
+    /// its listener options.
+    fn redis_args(&self, name: &str, port: u16) -> Result<Vec<OsString>> {
+        let conf = self.dir.path().join(format!("{}.conf", name.replace('/', "-")));
+        let text = self.password.as_ref().map_or(String::new(), |p| format!("requirepass {p}\n"));
+        write_private(&conf, text.as_bytes())?;
+        let mut v: Vec<OsString> = vec![conf.into()];
+        match &self.tls {
+            None => v.extend(["--port".into(), port.to_string().into()]),
+            Some(t) => {
+                v.extend(["--port".into(), "0".into(), "--tls-port".into(), port.to_string().into()]);
+                v.extend(["--tls-cert-file".into(), t.cert.clone().into()]);
+                v.extend(["--tls-key-file".into(), t.key.clone().into()]);
+                v.extend(["--tls-ca-cert-file".into(), t.ca.clone().into()]);
+                v.extend(["--tls-auth-clients".into(), "no".into()]);
+            }
+        }
+        Ok(v)
+    }
+
+    /// redis-benchmark's options.
+    fn benchmark_args(&self) -> Vec<OsString> {
+        let mut v: Vec<OsString> = Vec::new();
+        if let Some(p) = &self.password {
+            v.extend(["-a".into(), p.into()]);
+        }
+        if let Some(t) = &self.tls {
+            v.extend(["--tls".into(), "--cacert".into(), t.ca.clone().into()]);
+        }
+        v
+    }
+}
+
+impl TlsFiles {
+    /// A CA and a server certificate for localhost and 127.0.0.1 signed by it, in `dir`.
+    fn new(dir: &Path) -> Result<TlsFiles> {
+        let e = |e: rcgen::Error| format!("making the TLS certificates: {e}");
+        let ca_key = rcgen::KeyPair::generate().map_err(e)?;
+        let mut ca_params = rcgen::CertificateParams::new(Vec::<String>::new()).map_err(e)?;
+        ca_params.is_ca = rcgen::IsCa::Ca(rcgen::BasicConstraints::Unconstrained);
+        ca_params.distinguished_name.push(rcgen::DnType::CommonName, "tierkv bench CA");
+        let ca_cert = ca_params.self_signed(&ca_key).map_err(e)?;
+        let key = rcgen::KeyPair::generate().map_err(e)?;
+        let mut params =
+            rcgen::CertificateParams::new(vec!["localhost".to_string(), "127.0.0.1".to_string()]).map_err(e)?;
+        params.distinguished_name.push(rcgen::DnType::CommonName, "localhost");
+        let cert = params.signed_by(&key, &ca_cert, &ca_key).map_err(e)?;
+        let t = TlsFiles {
+            ca_pem: ca_cert.pem().into_bytes(),
+            ca: dir.join("ca.crt"),
+            cert: dir.join("server.crt"),
+            key: dir.join("server.key"),
+        };
+        write_private(&t.ca, &t.ca_pem)?;
+        write_private(&t.cert, cert.pem().as_bytes())?;
+        write_private(&t.key, key.serialize_pem().as_bytes())?;
+        Ok(t)
+    }
 }
 
 /// One redis-benchmark line.
@@ -108,6 +278,8 @@ pub struct ServerReport {
     pub redis_benchmark: Vec<RedisBench>,
     /// YCSB results.
     pub ycsb: Vec<YcsbResp>,
+    /// How the servers were secured.
+    pub security: Security,
 }
 
 struct Running {
@@ -137,30 +309,30 @@ fn free_port() -> Result<u16> {
     Ok(l.local_addr().map_err(|e| e.to_string())?.port())
 }
 
-fn wait_ready(r: &mut Running) -> Result<()> {
+fn wait_ready(r: &mut Running, creds: &Creds) -> Result<()> {
     let port = r.port;
+    let client = creds.client(port)?;
     let deadline = Instant::now() + Duration::from_secs(20);
+    let mut last = String::new();
     while Instant::now() < deadline {
         if let Ok(Some(st)) = r.child.try_wait() {
             return Err(format!("server on port {port} exited: {st}"));
         }
-        if let Ok(c) = redis::Client::open(format!("redis://127.0.0.1:{port}/")) {
-            if let Ok(mut con) = c.get_connection() {
-                if redis::cmd("PING").query::<String>(&mut con).is_ok() {
-                    return Ok(());
-                }
-            }
+        match client.get_connection().and_then(|mut con| redis::cmd("PING").query::<String>(&mut con)) {
+            Ok(_) => return Ok(()),
+            Err(e) => last = e.to_string(),
         }
         std::thread::sleep(Duration::from_millis(50));
     }
-    Err(format!("server on port {port} did not answer PING"))
+    Err(format!("server on port {port} did not answer PING ({last})"))
 }
 
-fn start(a: &ServerArgs, t: &Target, dir: &Path, pm: &Path) -> Result<Running> {
+fn start(a: &ServerArgs, creds: &Creds, t: &Target, dir: &Path, pm: &Path) -> Result<Running> {
     match t {
         Target::Tierkv(p) => {
             let mut child = Command::new(&a.tierkv_exe)
-                .args(["serve", "--port", "auto", "--preset", p.name()])
+                .args(["serve", "--preset", p.name()])
+                .args(creds.tierkv_args())
                 .arg("--dir")
                 .arg(dir)
                 .arg("--pm-path")
@@ -172,7 +344,7 @@ fn start(a: &ServerArgs, t: &Target, dir: &Path, pm: &Path) -> Result<Running> {
             let mut line = String::new();
             let out = child.stdout.take().ok_or("no stdout")?;
             BufReader::new(out).read_line(&mut line).map_err(|e| e.to_string())?;
-            // "listening on 127.0.0.1:PORT (preset P)"
+            // "listening on 127.0.0.1:PORT (preset P)" or "... (tls, preset P)"
             let port = line
                 .split_whitespace()
                 .nth(2)
@@ -180,14 +352,15 @@ fn start(a: &ServerArgs, t: &Target, dir: &Path, pm: &Path) -> Result<Running> {
                 .and_then(|p| p.parse().ok())
                 .ok_or_else(|| format!("tierkv serve did not report its port: `{}`", line.trim()))?;
             let mut r = Running { child, port };
-            wait_ready(&mut r)?;
+            wait_ready(&mut r, creds)?;
             Ok(r)
         }
         Target::Redis(fsync) => {
             std::fs::create_dir_all(dir).map_err(|e| format!("{}: {e}", dir.display()))?;
             let port = free_port()?;
             let mut c = Command::new("redis-server");
-            c.args(["--port", &port.to_string(), "--bind", "127.0.0.1", "--save", "", "--daemonize", "no"])
+            c.args(creds.redis_args(&t.name(), port)?)
+                .args(["--bind", "127.0.0.1", "--save", "", "--daemonize", "no"])
                 .args(["--protected-mode", "no", "--logfile", ""])
                 .arg("--dir")
                 .arg(dir);
@@ -200,16 +373,17 @@ fn start(a: &ServerArgs, t: &Target, dir: &Path, pm: &Path) -> Result<Running> {
                 .spawn()
                 .map_err(|e| format!("redis-server: {e} (install redis-server: scripts/deps.sh does)"))?;
             let mut r = Running { child, port };
-            wait_ready(&mut r)?;
+            wait_ready(&mut r, creds)?;
             Ok(r)
         }
     }
 }
 
 /// Run redis-benchmark against `port`; parse its CSV.
-fn redis_benchmark(a: &ServerArgs, target: &str, port: u16, pipeline: usize) -> Result<Vec<RedisBench>> {
+fn redis_benchmark(a: &ServerArgs, creds: &Creds, target: &str, port: u16, pipeline: usize) -> Result<Vec<RedisBench>> {
     let out = Command::new("redis-benchmark")
         .args(["-h", "127.0.0.1", "-p", &port.to_string(), "-t", "set,get", "--csv"])
+        .args(creds.benchmark_args())
         .args(["-n", &a.requests.to_string(), "-r", &a.requests.to_string()])
         .args(["-c", &a.clients.to_string(), "-P", &pipeline.to_string(), "-d", &a.value_size.to_string()])
         .output()
@@ -268,7 +442,12 @@ impl RespEngine {
     /// Connect to `127.0.0.1:port`.
     pub fn connect(name: String, port: u16) -> Result<RespEngine> {
         let client = redis::Client::open(format!("redis://127.0.0.1:{port}/")).map_err(|e| e.to_string())?;
-        Ok(RespEngine { name, client, pool: Mutex::new(Vec::new()) })
+        Ok(RespEngine::with_client(name, client))
+    }
+
+    /// Use `client` (its URL and TLS settings say how to connect and authenticate).
+    pub fn with_client(name: String, client: redis::Client) -> RespEngine {
+        RespEngine { name, client, pool: Mutex::new(Vec::new()) }
     }
 
     fn with<T>(&self, f: impl FnOnce(&mut redis::Connection) -> redis::RedisResult<T>) -> Result<T> {
@@ -336,19 +515,14 @@ impl BenchEngine for RespEngine {
     }
 }
 
-const YCSB: [Workload; 7] = [
-    Workload::YcsbLoad,
-    Workload::YcsbA,
-    Workload::YcsbB,
-    Workload::YcsbC,
-    Workload::YcsbF,
-    Workload::YcsbD,
-    Workload::YcsbE,
-];
+/// The YCSB workloads run after the load by default, in this order (D and E insert, so
+/// they come last, as in YCSB's own guidance).
+pub const YCSB: [Workload; 6] =
+    [Workload::YcsbA, Workload::YcsbB, Workload::YcsbC, Workload::YcsbF, Workload::YcsbD, Workload::YcsbE];
 
 /// Run everything; print the tables; return the report.
 pub fn run(a: &ServerArgs) -> Result<ServerReport> {
-    let mut rep = ServerReport::default();
+    let mut rep = ServerReport { security: a.security, ..ServerReport::default() };
     let params = Params {
         num: a.ycsb_num,
         value_size: a.value_size,
@@ -360,25 +534,27 @@ pub fn run(a: &ServerArgs) -> Result<ServerReport> {
         time_cap_seconds: None,
         ycsb_fresh: false,
     };
+    let creds = Creds::new(a.security)?;
     for t in &a.targets {
         let name = t.name();
         let disk =
             tempfile::Builder::new().prefix("tierkv-serve-bench-").tempdir_in(&a.dir).map_err(|e| e.to_string())?;
         let pm =
             tempfile::Builder::new().prefix("tierkv-serve-pm-").tempdir_in(&a.pm_dir).map_err(|e| e.to_string())?;
-        eprintln!("{name}: redis-benchmark");
-        {
-            let srv = start(a, t, &disk.path().join("bench"), &pm.path().join("bench"))?;
+        if a.requests > 0 && !a.pipelines.is_empty() {
+            eprintln!("{name} ({}): redis-benchmark", a.security.label());
+            let srv = start(a, &creds, t, &disk.path().join("bench"), &pm.path().join("bench"))?;
             for &p in &a.pipelines {
-                rep.redis_benchmark.extend(redis_benchmark(a, &name, srv.port, p)?);
+                rep.redis_benchmark.extend(redis_benchmark(a, &creds, &name, srv.port, p)?);
             }
         }
-        eprintln!("{name}: YCSB load, A, B, C, F, D, E");
-        {
-            let srv = start(a, t, &disk.path().join("ycsb"), &pm.path().join("ycsb"))?;
-            let e = RespEngine::connect(name.clone(), srv.port)?;
+        if a.ycsb_num > 0 && !a.ycsb.is_empty() {
+            let names: Vec<&str> = a.ycsb.iter().map(|w| w.name()).collect();
+            eprintln!("{name} ({}): YCSB load, {}", a.security.label(), names.join(", "));
+            let srv = start(a, &creds, t, &disk.path().join("ycsb"), &pm.path().join("ycsb"))?;
+            let e = RespEngine::with_client(name.clone(), creds.client(srv.port)?);
             let mut loaded = Loaded::default();
-            for w in YCSB {
+            for &w in std::iter::once(&Workload::YcsbLoad).chain(&a.ycsb) {
                 if let Some(o) = run::run(&e, w, &params, &mut loaded)? {
                     rep.ycsb.push(YcsbResp { target: name.clone(), outcome: o });
                 }
@@ -392,8 +568,12 @@ pub fn run(a: &ServerArgs) -> Result<ServerReport> {
 /// The side-by-side tables; ratios are against `redis/aof-everysec` when it ran.
 pub fn table(rep: &ServerReport, a: &ServerArgs) -> String {
     let mut s = format!(
-        "redis-benchmark -t set,get -n {} -r {} -c {} -d {} (ops/s, p50/p99 ms; x = vs redis/aof-everysec)\n",
-        a.requests, a.requests, a.clients, a.value_size
+        "redis-benchmark -t set,get -n {} -r {} -c {} -d {}, {} (ops/s, p50/p99 ms; x = vs redis/aof-everysec)\n",
+        a.requests,
+        a.requests,
+        a.clients,
+        a.value_size,
+        a.security.label()
     );
     s.push_str(&format!(
         "{:<22} {:>3} {:>5} {:>11} {:>7} {:>8} {:>8}\n",
@@ -417,11 +597,15 @@ pub fn table(rep: &ServerReport, a: &ServerArgs) -> String {
         }
     }
     s.push_str(&format!(
-        "\nYCSB over RESP: {} records, {} ops per workload, {} B values, {} client thread(s) (ops/s, p50/p99 us)\n",
-        a.ycsb_num, a.ycsb_num, a.value_size, a.threads
+        "\nYCSB over RESP: {} records, {} ops per workload, {} B values, {} client thread(s), {} (ops/s, p50/p99 us)\n",
+        a.ycsb_num,
+        a.ycsb_num,
+        a.value_size,
+        a.threads,
+        a.security.label()
     ));
     s.push_str(&format!("{:<22} {:>9} {:>11} {:>7} {:>9} {:>9}\n", "server", "workload", "ops/s", "x", "p50", "p99"));
-    for w in YCSB {
+    for &w in std::iter::once(&Workload::YcsbLoad).chain(&a.ycsb) {
         let b = rep
             .ycsb
             .iter()
@@ -448,6 +632,33 @@ pub fn table(rep: &ServerReport, a: &ServerArgs) -> String {
 mod tests {
     #![allow(clippy::unwrap_used)]
     use super::*;
+
+    #[test]
+    fn credentials_reach_every_server_and_client_but_never_a_command_line_password_for_servers() {
+        use std::os::unix::fs::PermissionsExt;
+        let c = Creds::new(Security { auth: true, tls: true }).unwrap();
+        let pw = c.password.clone().unwrap();
+        assert_eq!(pw.len(), 32);
+        let text = |v: &[OsString]| v.iter().map(|a| a.to_string_lossy().into_owned()).collect::<Vec<_>>().join(" ");
+        let tierkv = text(&c.tierkv_args());
+        assert!(tierkv.starts_with("--port 0 --tls-port auto --tls-cert-file "), "{tierkv}");
+        assert!(tierkv.contains("--requirepass-file ") && !tierkv.contains(&pw), "{tierkv}");
+        let redis = c.redis_args("redis/aof-always", 7000).unwrap();
+        let conf = PathBuf::from(&redis[0]);
+        assert_eq!(std::fs::read_to_string(&conf).unwrap(), format!("requirepass {pw}\n"));
+        assert_eq!(std::fs::metadata(&conf).unwrap().permissions().mode() & 0o777, 0o600);
+        assert!(!text(&redis).contains(&pw));
+        assert!(text(&redis).contains("--port 0 --tls-port 7000 "));
+        assert!(text(&c.benchmark_args()).starts_with(&format!("-a {pw} --tls --cacert ")));
+        let tls = c.tls.as_ref().unwrap();
+        assert!(std::fs::read_to_string(&tls.key).unwrap().contains("PRIVATE KEY"));
+        assert!(String::from_utf8_lossy(&tls.ca_pem).contains("BEGIN CERTIFICATE"));
+        // Plain: no options at all but the port.
+        let p = Creds::new(Security::default()).unwrap();
+        assert_eq!(text(&p.tierkv_args()), "--port auto");
+        assert!(p.benchmark_args().is_empty());
+        assert_eq!(std::fs::read_to_string(&p.redis_args("r", 1).unwrap()[0]).unwrap(), "");
+    }
 
     #[test]
     fn parses_redis_benchmark_csv_and_java_hashes() {

@@ -147,9 +147,22 @@ struct BenchFlags {
     /// --server: redis-benchmark clients (-c).
     #[arg(long, default_value_t = 50)]
     clients: usize,
-    /// --server: YCSB records loaded and operations per workload.
+    /// --server: YCSB records loaded and operations per workload (0: no YCSB). --workloads
+    /// picks the YCSB workloads run after the load (default a,b,c,f,d,e).
     #[arg(long, default_value_t = 50_000)]
     ycsb_num: u64,
+    /// --server: the redis-server configurations to compare, comma separated: `always`,
+    /// `everysec` (AOF with that appendfsync), `no` (no AOF); `none` for no redis-server.
+    #[arg(long, default_value = "always,everysec,no")]
+    server_redis: String,
+    /// --server: every server (tierkv and Redis) requires a password, and every client
+    /// (redis-benchmark, the YCSB client) authenticates with it.
+    #[arg(long)]
+    server_auth: bool,
+    /// --server: every server listens on a TLS port only (certificates made for the run),
+    /// and every client speaks TLS.
+    #[arg(long)]
+    server_tls: bool,
 }
 
 /// A port argument: a number, or `auto` (`None`) for a free one.
@@ -417,9 +430,32 @@ fn run(cli: Cli) -> Result<Outcome, Error> {
             for n in names {
                 targets.push(tierkv_bench::server::Target::Tierkv(n.parse::<Preset>()?));
             }
-            for fsync in [Some("always"), Some("everysec"), None] {
-                targets.push(tierkv_bench::server::Target::Redis(fsync));
+            for r in f.server_redis.split(',').map(str::trim) {
+                targets.push(tierkv_bench::server::Target::Redis(match r {
+                    "always" => Some("always"),
+                    "everysec" => Some("everysec"),
+                    "no" => None,
+                    "none" => continue,
+                    _ => {
+                        return Err(Error::InvalidArgument(format!(
+                            "--server-redis takes always, everysec, no or none, not '{r}'"
+                        )))
+                    }
+                }));
             }
+            let ycsb = match &f.workloads {
+                None => tierkv_bench::server::YCSB.to_vec(),
+                Some(w) => {
+                    let ws = tierkv_bench::cli::parse_workloads(w).map_err(Error::InvalidArgument)?;
+                    if let Some(bad) = ws.iter().find(|w| !w.is_ycsb_run()) {
+                        return Err(Error::InvalidArgument(format!(
+                            "bench --server runs YCSB workloads (a-f, update, scan; after the load), not {}",
+                            bad.name()
+                        )));
+                    }
+                    ws
+                }
+            };
             let shm = std::path::Path::new("/dev/shm");
             let dir = f.dir.clone().unwrap_or_else(std::env::temp_dir);
             let pm_dir = f.pm_dir.clone().unwrap_or_else(|| if shm.is_dir() { shm.to_path_buf() } else { dir.clone() });
@@ -435,6 +471,8 @@ fn run(cli: Cli) -> Result<Outcome, Error> {
                 seed: f.seed,
                 dir,
                 pm_dir,
+                ycsb,
+                security: tierkv_bench::server::Security { auth: f.server_auth, tls: f.server_tls },
             };
             let rep =
                 tierkv_bench::server::run(&a).map_err(|e| Error::InvalidArgument(format!("bench --server: {e}")))?;
@@ -666,7 +704,12 @@ fn run(cli: Cli) -> Result<Outcome, Error> {
                 threads,
                 timeout_secs: timeout,
                 max_clients,
-                limits: tierkv_server::resp::Limits { max_bulk_len, max_multibulk_len, max_inline_len },
+                limits: tierkv_server::resp::Limits {
+                    max_bulk_len,
+                    max_multibulk_len,
+                    max_inline_len,
+                    ..tierkv_server::resp::Limits::default()
+                },
             };
             if raft.raft_id.is_some() {
                 cluster::serve(db, cfg, raft, &t.dir, &mut out)?;

@@ -167,6 +167,66 @@ fn bench_ycsb_fresh_flag_is_recorded() {
     }
 }
 
+/// `bench --server --server-auth --server-tls`: the YCSB client authenticates and speaks TLS
+/// to a `tierkv serve` that requires a password and has only a TLS port (without either the
+/// load could not write a record). redis-benchmark and redis-server are left out
+/// (`--requests 0 --server-redis none`), so this needs no Redis installed.
+#[test]
+fn bench_server_runs_ycsb_with_auth_and_tls() {
+    let d = tmp();
+    let dir = d.path().to_str().unwrap();
+    let out = d.path().join("r.json");
+    let o = tierkv(
+        &[
+            "bench",
+            "--server",
+            "--engines",
+            "native",
+            "--server-redis",
+            "none",
+            "--requests",
+            "0",
+            "--ycsb-num",
+            "300",
+            "--workloads",
+            "c",
+            "--server-auth",
+            "--server-tls",
+            "--dir",
+            dir,
+            "--pm-dir",
+            dir,
+            "--out",
+            out.to_str().unwrap(),
+        ],
+        None,
+    );
+    assert_eq!(code(&o), 0, "{}", String::from_utf8_lossy(&o.stderr));
+    assert!(String::from_utf8_lossy(&o.stdout).contains("1 client thread(s), AUTH+TLS"));
+    let json: serde_json::Value = serde_json::from_slice(&std::fs::read(&out).unwrap()).unwrap();
+    assert_eq!(json["security"], serde_json::json!({"auth": true, "tls": true}));
+    let runs: Vec<(String, u64, u64)> = json["ycsb"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|y| {
+            let o = &y["outcome"];
+            (o["workload"].as_str().unwrap().to_string(), o["ops"].as_u64().unwrap(), o["found"].as_u64().unwrap())
+        })
+        .collect();
+    assert_eq!(runs, vec![("ycsb-load".to_string(), 300, 0), ("ycsb-c".to_string(), 300, 300)]);
+    for (args, msg) in [
+        (&["--server-redis", "sometimes"][..], "--server-redis takes always, everysec, no or none, not 'sometimes'"),
+        (&["--workloads", "fillrandom"][..], "bench --server runs YCSB workloads"),
+    ] {
+        let mut a = vec!["bench", "--server", "--dir", dir];
+        a.extend_from_slice(args);
+        let o = tierkv(&a, None);
+        assert_eq!(code(&o), 2);
+        assert!(String::from_utf8_lossy(&o.stderr).contains(msg), "{}", String::from_utf8_lossy(&o.stderr));
+    }
+}
+
 /// The kill -9 soak, bounded for CI (`tierkv soak --cycles 100` runs the long one): every
 /// preset survives SIGKILLs of a multi-threaded writer with every acknowledged write intact.
 #[test]

@@ -112,6 +112,8 @@ pub struct Session {
     pub(crate) multi: Option<Vec<Vec<Bytes>>>,
     /// A command was refused while queuing: EXEC will abort.
     pub(crate) multi_dirty: bool,
+    /// Bytes of the commands queued since MULTI (held to the query-buffer limit).
+    pub(crate) multi_bytes: usize,
     pub(crate) watched: Vec<Watched>,
     /// READONLY: stale reads on a replica (see [`crate::replica`]).
     pub(crate) readonly: bool,
@@ -128,6 +130,7 @@ impl Default for Session {
             peer: None,
             multi: None,
             multi_dirty: false,
+            multi_bytes: 0,
             watched: Vec::new(),
             readonly: false,
         }
@@ -317,11 +320,17 @@ pub(crate) fn lookup(args: &[Bytes]) -> Result<&'static str, Reply> {
     let Some(name) = args.first() else { return Err(Reply::err("empty command")) };
     let lname = String::from_utf8_lossy(name).to_ascii_lowercase();
     let Some(&(cname, arity, ..)) = COMMANDS.iter().find(|c| c.0 == lname) else {
-        let mut msg = format!("unknown command '{}', with args beginning with: ", trunc(name));
+        // As Redis: the arguments are quoted until 128 bytes of them are (so the error stays
+        // short whatever the command's size).
+        let mut shown = String::new();
         for a in &args[1..] {
-            msg.push_str(&format!("'{}' ", trunc(a)));
+            if shown.len() >= 128 {
+                break;
+            }
+            let room = 128 - shown.len();
+            shown.push_str(&format!("'{}' ", String::from_utf8_lossy(&a[..a.len().min(room)])));
         }
-        return Err(Reply::err(msg));
+        return Err(Reply::err(format!("unknown command '{}', with args beginning with: {shown}", trunc(name))));
     };
     let n = args.len() as i64;
     if (arity > 0 && n != arity) || (arity < 0 && n < -arity) {
@@ -489,6 +498,17 @@ impl Keyspace {
                     ));
                 }
                 _ => {
+                    // A transaction's queue is held to the query-buffer limit too: past it
+                    // the queue is dropped (its memory freed) and EXEC will abort.
+                    s.multi_bytes = s.multi_bytes.saturating_add(args.iter().map(|a| a.len()).sum());
+                    if s.multi_bytes > self.settings.limits.max_query_len {
+                        s.multi_dirty = true;
+                        *q = Vec::new();
+                        return Reply::err(format!(
+                            "the commands queued by MULTI exceed the query buffer limit ({} bytes); EXEC will abort",
+                            self.settings.limits.max_query_len
+                        ));
+                    }
                     q.push(args.to_vec());
                     return Reply::Status("QUEUED".into());
                 }
@@ -549,7 +569,7 @@ impl Keyspace {
                 None => Err(Reply::err(NOT_INT)),
             },
             "command" => self.command(a),
-            "info" => self.info(s, a, t.now),
+            "info" => self.info(s, a, t.now, &t.overlay()),
             "config" => self.config(a),
             "client" => client(s, a),
             "hello" => self.hello(s, a),
@@ -693,7 +713,7 @@ impl Keyspace {
         }
     }
 
-    fn info(&self, s: &Session, a: &[Bytes], now: u64) -> R {
+    fn info(&self, s: &Session, a: &[Bytes], now: u64, overlay: &crate::txn::Overlay) -> R {
         let want = |sec: &str| {
             a.is_empty() || a.iter().any(|x| eq(x, sec) || eq(x, "all") || eq(x, "everything") || eq(x, "default"))
         };
@@ -730,7 +750,7 @@ impl Keyspace {
             ));
         }
         if want("keyspace") {
-            let n = self.dbsize(now)?;
+            let n = self.dbsize(now, overlay)?;
             let (expires, avg) = self.expires.read().stats(now);
             t.push_str("# Keyspace\r\n");
             if n > 0 {

@@ -11,14 +11,15 @@
 //!   others go on (Redis has no rollback either). The writes of all of them are committed
 //!   as ONE [`tierkv::WriteBatch`]: after a crash the whole transaction is there or none of it
 //!   (stronger than Redis's AOF, which can leave a partial transaction that redis-check-aof
-//!   must cut). One gap: KEYS, SCAN and DBSIZE inside a transaction walk the store, so they
-//!   do not see the transaction's own earlier writes (every other read does).
+//!   must cut). Every read sees the transaction's own earlier writes, KEYS, SCAN and DBSIZE
+//!   too (they merge its staged records into their walk of the store).
 //! - WATCH is optimistic: every key watched by anyone has a version in a server map, bumped
 //!   by every committed write to that key (including deletions by the expiry sweep and
 //!   FLUSHDB). EXEC compares the versions recorded at WATCH time and replies nil (RESP2
 //!   `*-1`, RESP3 `_`) if any changed — or if a key that was live at WATCH time has expired
-//!   since (Redis 7). The map holds only watched keys: writes pay one atomic load when nobody
-//!   watches.
+//!   since (Redis 7). Deleting an expired key is not a change (Redis 7): a key live at WATCH
+//!   time fails EXEC by its deadline anyway, and one already expired then stays absent. The
+//!   map holds only watched keys: writes pay one atomic load when nobody watches.
 
 use std::sync::atomic::Ordering;
 
@@ -37,6 +38,7 @@ impl Keyspace {
                 }
                 s.multi = Some(Vec::new());
                 s.multi_dirty = false;
+                s.multi_bytes = 0;
                 Ok(Reply::Ok)
             }
             "discard" => {

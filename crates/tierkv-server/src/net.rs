@@ -306,6 +306,7 @@ async fn serve_connection<S: AsyncRead + AsyncWrite + Unpin>(
     let idle = (cfg.timeout_secs > 0).then(|| Duration::from_secs(cfg.timeout_secs));
     loop {
         loop {
+            parser.set_authenticated(session.authed);
             match parser.next(&mut buf, &cfg.limits) {
                 Ok(Some(cmd)) => {
                     let reply = ks.exec(session, &cmd);

@@ -10,7 +10,12 @@
 //! connection's input buffer and keeps a partly received multibulk (count read, some
 //! arguments read) in its own state, so a command arriving in many small reads is parsed in
 //! linear time. Limits (bulk length, argument count, inline line length) are checked when a
-//! header is read, before any payload is buffered. Protocol errors carry Redis's own messages
+//! header is read, before any payload is buffered. As Redis 7, a connection that must still
+//! authenticate may send at most 10 arguments of at most 16 KiB each (`Protocol error:
+//! unauthenticated multibulk length` / `bulk length`), so an unauthenticated client cannot
+//! make the server buffer large requests; and no command may exceed the query-buffer limit
+//! (1 GiB by default, Redis's `client-query-buffer-limit`) in total, whatever its argument
+//! count and sizes. Protocol errors carry Redis's own messages
 //! (`Protocol error: invalid bulk length`, ...); the connection replies `-ERR <message>` and
 //! closes, as Redis does.
 
@@ -30,13 +35,21 @@ pub struct Limits {
     /// Longest inline command line, and longest multibulk/bulk header. Default 64 KiB, as
     /// Redis (`PROTO_INLINE_MAX_SIZE`).
     pub max_inline_len: usize,
+    /// Most bytes of arguments in one command (and of the commands one MULTI queues).
+    /// Default 1 GiB, as Redis's `client-query-buffer-limit`.
+    pub max_query_len: usize,
 }
 
 impl Default for Limits {
     fn default() -> Self {
-        Limits { max_bulk_len: 64 << 20, max_multibulk_len: 1 << 20, max_inline_len: 64 << 10 }
+        Limits { max_bulk_len: 64 << 20, max_multibulk_len: 1 << 20, max_inline_len: 64 << 10, max_query_len: 1 << 30 }
     }
 }
+
+/// Most arguments of a command from a connection that has not authenticated (Redis 7).
+pub const UNAUTHENTICATED_MULTIBULK_LEN: usize = 10;
+/// Longest argument of a command from a connection that has not authenticated (Redis 7).
+pub const UNAUTHENTICATED_BULK_LEN: usize = 16 << 10;
 
 /// A protocol error: the message Redis sends after `-ERR ` before closing the connection.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -57,6 +70,10 @@ pub struct Parser {
     bulk: Option<usize>,
     args: Command,
     in_multibulk: bool,
+    /// Bytes of `args` so far.
+    held: usize,
+    /// The connection has not authenticated yet (see [`Parser::set_authenticated`]).
+    unauthenticated: bool,
 }
 
 /// Parse a Redis integer header (`string2ll`: optional `-`, digits, no leading `+`, no spaces).
@@ -76,6 +93,12 @@ impl Parser {
     /// A new parser.
     pub fn new() -> Parser {
         Parser::default()
+    }
+
+    /// Whether the connection has authenticated: until it has, commands are held to
+    /// [`UNAUTHENTICATED_MULTIBULK_LEN`] arguments of [`UNAUTHENTICATED_BULK_LEN`] bytes.
+    pub fn set_authenticated(&mut self, authed: bool) {
+        self.unauthenticated = !authed;
     }
 
     /// Take the next complete command from the front of `buf`. `Ok(None)`: more input is
@@ -104,6 +127,9 @@ impl Parser {
                 }
                 let n = parse_len(&buf[1..cr]);
                 match n {
+                    Some(n) if self.unauthenticated && n > UNAUTHENTICATED_MULTIBULK_LEN as i64 => {
+                        return Err(ProtoError::new("unauthenticated multibulk length"))
+                    }
                     Some(n) if n > lim.max_multibulk_len as i64 => {
                         return Err(ProtoError::new("invalid multibulk length"))
                     }
@@ -113,6 +139,7 @@ impl Parser {
                             continue;
                         }
                         self.in_multibulk = true;
+                        self.held = 0;
                         self.remaining = n as usize;
                         self.args = Vec::with_capacity(self.remaining.min(1024));
                     }
@@ -140,9 +167,15 @@ impl Parser {
                             return Ok(None);
                         }
                         let len = match parse_len(&buf[1..cr]) {
+                            Some(l) if self.unauthenticated && l > UNAUTHENTICATED_BULK_LEN as i64 => {
+                                return Err(ProtoError::new("unauthenticated bulk length"))
+                            }
                             Some(l) if l >= 0 && l as u64 <= lim.max_bulk_len as u64 => l as usize,
                             _ => return Err(ProtoError::new("invalid bulk length")),
                         };
+                        if self.held.saturating_add(len) > lim.max_query_len {
+                            return Err(ProtoError::new("command larger than the query buffer limit"));
+                        }
                         buf.advance(cr + 2);
                         self.bulk = Some(len);
                         len
@@ -155,6 +188,7 @@ impl Parser {
                 }
                 let arg = buf.split_to(len).freeze();
                 buf.advance(2); // the CRLF after the payload (not checked, as Redis)
+                self.held += len;
                 self.args.push(arg);
                 self.bulk = None;
                 self.remaining -= 1;
@@ -390,6 +424,38 @@ mod tests {
             out.push(c.iter().map(|b| b.to_vec()).collect());
         }
         Ok(out)
+    }
+
+    #[test]
+    fn unauthenticated_and_query_buffer_limits() {
+        let lim = Limits::default();
+        let unauth = || {
+            let mut p = Parser::new();
+            p.set_authenticated(false);
+            p
+        };
+        let mut buf = BytesMut::from(&b"*11\r\n"[..]);
+        assert_eq!(unauth().next(&mut buf, &lim).unwrap_err().0, "Protocol error: unauthenticated multibulk length");
+        let mut buf = BytesMut::from(&b"*2\r\n$4\r\nAUTH\r\n$16385\r\n"[..]);
+        assert_eq!(unauth().next(&mut buf, &lim).unwrap_err().0, "Protocol error: unauthenticated bulk length");
+        // At the limits a command passes; once authenticated, larger ones do.
+        let mut p = unauth();
+        let mut buf = BytesMut::from(format!("*10\r\n{}", "$1\r\nx\r\n".repeat(10)).as_bytes());
+        buf.extend_from_slice(format!("*1\r\n$16384\r\n{}\r\n", "y".repeat(16384)).as_bytes());
+        assert_eq!(p.next(&mut buf, &lim).unwrap().unwrap().len(), 10);
+        assert_eq!(p.next(&mut buf, &lim).unwrap().unwrap()[0].len(), 16384);
+        p.set_authenticated(true);
+        buf.extend_from_slice(format!("*11\r\n{}", "$1\r\nx\r\n".repeat(11)).as_bytes());
+        buf.extend_from_slice(format!("*1\r\n$16385\r\n{}\r\n", "y".repeat(16385)).as_bytes());
+        assert_eq!(p.next(&mut buf, &lim).unwrap().unwrap().len(), 11);
+        assert_eq!(p.next(&mut buf, &lim).unwrap().unwrap()[0].len(), 16385);
+        // The query-buffer limit counts every argument of one command.
+        let lim = Limits { max_query_len: 10, ..Limits::default() };
+        let mut p = Parser::new();
+        let mut buf =
+            BytesMut::from(&b"*2\r\n$3\r\nGET\r\n$7\r\nkkkkkkk\r\n*3\r\n$3\r\nSET\r\n$4\r\nkkkk\r\n$4\r\n"[..]);
+        assert_eq!(p.next(&mut buf, &lim).unwrap().unwrap().len(), 2, "10 bytes: at the limit");
+        assert_eq!(p.next(&mut buf, &lim).unwrap_err().0, "Protocol error: command larger than the query buffer limit");
     }
 
     #[test]

@@ -15,6 +15,12 @@
 //!   status → `{ok=...}`, error → `{err=...}` or a raised error, array ↔ table; a Lua number
 //!   returned is truncated to an integer, `true` is 1, `false` is nil).
 //!   `redis.error_reply`, `redis.status_reply` and `redis.sha1hex` exist too.
+//! - `cjson.encode` / `cjson.decode` / `cjson.null`, as Redis's bundled lua-cjson: a table
+//!   whose keys are exactly 1..n (n ≥ 1) is a JSON array, any other an object (number keys
+//!   written as strings; an empty table is `{}`), JSON null is `cjson.null`; NaN, infinities,
+//!   functions and strings that are not UTF-8 cannot be encoded (lua-cjson escapes such
+//!   bytes instead); nesting is limited to 1,000 levels. Integral numbers below 10^15 are
+//!   written as integers, others with the shortest round-trip digits (lua-cjson: `%.14g`).
 //! - Isolation and atomicity: a script runs under the global lock taken exclusively (no other
 //!   command runs meanwhile) and all its writes are committed as ONE atomic batch when it
 //!   ends. A script that raises an error keeps the writes it made before (Redis does not
@@ -23,8 +29,8 @@
 //!   `loadfile`, `dofile`), a fresh interpreter per call (no globals survive a script),
 //!   64 MiB of Lua memory, and a 5-second limit after which the script is aborted with an
 //!   error (Redis instead answers `-BUSY` to everyone until SCRIPT KILL).
-//! - Not done: `redis.setresp(3)` (scripts see RESP2 replies), `cjson`, `cmsgpack`, `bit`,
-//!   `struct`, SCRIPT KILL, EVAL_RO, FUNCTION.
+//! - Not done: `redis.setresp(3)` (scripts see RESP2 replies), `cmsgpack`, `bit`, `struct`,
+//!   SCRIPT KILL, EVAL_RO, FUNCTION.
 
 use std::cell::RefCell;
 use std::collections::HashMap;
@@ -148,6 +154,105 @@ fn arg_bytes(v: &Value) -> Option<Vec<u8>> {
         Value::Number(n) if n.fract() == 0.0 && n.abs() < 1e15 => Some((*n as i64).to_string().into_bytes()),
         Value::Number(n) => Some(format!("{n}").into_bytes()),
         _ => None,
+    }
+}
+
+/// `cjson.encode` and `cjson.decode` (see the module docs), over `serde_json`.
+mod cjson {
+    use mlua::{Lua, Value};
+    use serde_json::Value as Json;
+
+    const MAX_DEPTH: usize = 1000;
+
+    fn number(n: f64) -> Result<Json, String> {
+        if !n.is_finite() {
+            return Err("Cannot serialise number: must not be NaN or Inf".into());
+        }
+        if n.fract() == 0.0 && n.abs() < 1e15 {
+            return Ok(Json::from(n as i64));
+        }
+        serde_json::Number::from_f64(n).map(Json::Number).ok_or_else(|| "Cannot serialise number".to_string())
+    }
+
+    fn key(k: &Value) -> Result<String, String> {
+        match k {
+            Value::String(s) => {
+                s.to_str().map(|s| s.to_string()).map_err(|_| "Cannot serialise string: not UTF-8".into())
+            }
+            Value::Integer(n) => Ok(n.to_string()),
+            Value::Number(n) => number(*n).map(|j| j.to_string()),
+            _ => Err("Cannot serialise table: table key must be a number or string".into()),
+        }
+    }
+
+    /// A Lua value as JSON.
+    pub(super) fn encode(v: &Value, depth: usize) -> Result<Json, String> {
+        if depth > MAX_DEPTH {
+            return Err(format!("Cannot serialise, excessive nesting ({})", MAX_DEPTH + 1));
+        }
+        Ok(match v {
+            Value::Nil => Json::Null,
+            Value::LightUserData(u) if u.0.is_null() => Json::Null,
+            Value::Boolean(b) => Json::Bool(*b),
+            Value::Integer(n) => Json::from(*n),
+            Value::Number(n) => number(*n)?,
+            Value::String(s) => {
+                Json::String(s.to_str().map_err(|_| "Cannot serialise string: not UTF-8".to_string())?.to_string())
+            }
+            Value::Table(t) => {
+                let n = t.raw_len();
+                let mut pairs = Vec::new();
+                for p in t.clone().pairs::<Value, Value>() {
+                    pairs.push(p.map_err(|e| e.to_string())?);
+                }
+                let in_seq = |k: &Value| match k {
+                    Value::Integer(i) => *i >= 1 && (*i as usize) <= n,
+                    Value::Number(f) => f.fract() == 0.0 && *f >= 1.0 && *f <= n as f64,
+                    _ => false,
+                };
+                if n > 0 && pairs.len() == n && pairs.iter().all(|(k, _)| in_seq(k)) {
+                    let mut out = Vec::with_capacity(n);
+                    for i in 1..=n {
+                        out.push(encode(&t.raw_get::<Value>(i).map_err(|e| e.to_string())?, depth + 1)?);
+                    }
+                    Json::Array(out)
+                } else {
+                    let mut out = serde_json::Map::new();
+                    for (k, v) in &pairs {
+                        out.insert(key(k)?, encode(v, depth + 1)?);
+                    }
+                    Json::Object(out)
+                }
+            }
+            other => return Err(format!("Cannot serialise {}: type not supported", other.type_name())),
+        })
+    }
+
+    /// JSON as a Lua value.
+    pub(super) fn decode(lua: &Lua, j: &Json) -> mlua::Result<Value> {
+        Ok(match j {
+            Json::Null => Value::NULL,
+            Json::Bool(b) => Value::Boolean(*b),
+            Json::Number(n) => match n.as_f64() {
+                Some(f) => Value::Number(f),
+                None => return Err(mlua::Error::RuntimeError(format!("Expected a number, got {n}"))),
+            },
+            Json::String(s) => Value::String(lua.create_string(s)?),
+            Json::Array(a) => {
+                let t = lua.create_table_with_capacity(a.len(), 0)?;
+                for (i, x) in a.iter().enumerate() {
+                    t.raw_set(i + 1, decode(lua, x)?)?;
+                }
+                Value::Table(t)
+            }
+            Json::Object(m) => {
+                let t = lua.create_table_with_capacity(0, m.len())?;
+                for (k, x) in m {
+                    t.raw_set(lua.create_string(k)?, decode(lua, x)?)?;
+                }
+                Value::Table(t)
+            }
+        })
     }
 }
 
@@ -287,8 +392,26 @@ impl Keyspace {
                 })?,
             )?;
             redis.set("sha1hex", lua.create_function(|_, b: mlua::String| Ok(sha1_hex(&b.as_bytes())))?)?;
+            let cjson = lua.create_table()?;
+            cjson.set(
+                "encode",
+                lua.create_function(|_, v: Value| {
+                    cjson::encode(&v, 0).map(|j| j.to_string()).map_err(mlua::Error::RuntimeError)
+                })?,
+            )?;
+            cjson.set(
+                "decode",
+                lua.create_function(|lua, s: mlua::String| {
+                    let j: serde_json::Value = serde_json::from_slice(&s.as_bytes()).map_err(|e| {
+                        mlua::Error::RuntimeError(format!("Expected value but found invalid JSON: {e}"))
+                    })?;
+                    cjson::decode(lua, &j)
+                })?,
+            )?;
+            cjson.set("null", Value::NULL)?;
             let globals = lua.globals();
             globals.set("redis", redis)?;
+            globals.set("cjson", cjson)?;
             globals.set("dofile", Value::Nil)?;
             globals.set("loadfile", Value::Nil)?;
             let to_table = |items: &[Bytes]| -> mlua::Result<mlua::Table> {
@@ -322,6 +445,28 @@ impl Keyspace {
 mod tests {
     #![allow(clippy::unwrap_used)]
     use super::*;
+
+    #[test]
+    fn cjson_encodes_and_decodes_as_lua_cjson() {
+        let lua = Lua::new();
+        let enc = |src: &str| {
+            let v: Value = lua.load(src).eval().unwrap();
+            cjson::encode(&v, 0).map(|j| j.to_string())
+        };
+        assert_eq!(enc("return {1, 'a', {k = true}}").unwrap(), r#"[1,"a",{"k":true}]"#);
+        assert_eq!(enc("return {}").unwrap(), "{}");
+        assert_eq!(enc("return {[1] = 'x', [3] = 'y'}").unwrap(), r#"{"1":"x","3":"y"}"#);
+        assert_eq!(enc("return 2.5").unwrap(), "2.5");
+        assert_eq!(enc("return 3").unwrap(), "3");
+        assert!(enc("return 0/0").unwrap_err().contains("NaN"));
+        assert!(enc("return print").unwrap_err().contains("type not supported"));
+        assert!(enc("local t = {} t[1] = t return t").unwrap_err().contains("excessive nesting"));
+        let j: serde_json::Value = serde_json::from_str(r#"{"a":[1,"two",null],"b":{"c":false}}"#).unwrap();
+        let v = cjson::decode(&lua, &j).unwrap();
+        lua.globals().set("v", v).unwrap();
+        let r: (String, bool, bool, f64) = lua.load("return v.a[2], v.a[3] == nil, v.b.c, v.a[1]").eval().unwrap();
+        assert_eq!(r, ("two".to_string(), false, false, 1.0), "JSON null is cjson.null, not nil");
+    }
 
     #[test]
     fn sha1_names_scripts_as_redis() {

@@ -15,7 +15,7 @@ use bytes::Bytes;
 use crate::cmd::{eq, parse_int, Keyspace, ScanPos, Session, NOT_INT, R, WRONGTYPE};
 use crate::keys::{self, Kind};
 use crate::resp::Reply;
-use crate::txn::{Ttl, Txn};
+use crate::txn::{Overlay, Ttl, Txn};
 
 /// An absolute expiry time (Unix ms, may lie in the past) from a command argument.
 fn expire_arg(v: &[u8], ms: bool, absolute: bool, now: u64, cmd: &str) -> Result<i64, Reply> {
@@ -56,7 +56,7 @@ impl Keyspace {
     /// Run a string or keyspace command (`None`: not one).
     pub(crate) fn string_cmd(&self, _s: &mut Session, t: &mut Txn<'_>, name: &str, a: &[Bytes]) -> Option<R> {
         Some(match name {
-            "dbsize" => self.dbsize(t.now).map(|n| Reply::Int(n as i64)),
+            "dbsize" => self.dbsize(t.now, &t.overlay()).map(|n| Reply::Int(n as i64)),
             "type" => type_of(t, &a[0]),
             "get" => get(t, &a[0]),
             "set" => set(t, a),
@@ -140,7 +140,7 @@ impl Keyspace {
             })(),
             "keys" => (|| {
                 let mut out = Vec::new();
-                self.walk(ScanPos { phase: 0, after: None }, usize::MAX, t.now, |_, k| {
+                self.walk(ScanPos { phase: 0, after: None }, usize::MAX, t.now, &t.overlay(), |_, k| {
                     if crate::glob::matches(&a[0], k) {
                         out.push(Reply::Bulk(k.to_vec()));
                     }
@@ -166,26 +166,49 @@ impl Keyspace {
     }
 
     /// Walk live logical keys from `pos`, calling `f` for each, examining at most `budget`
-    /// records (`usize::MAX`: all). Returns where to resume (`None`: done).
+    /// records (`usize::MAX`: all). Returns where to resume (`None`: done). `overlay` holds
+    /// the records a transaction has staged (see [`Txn::overlay`]): they are read on top of
+    /// the store, so KEYS, SCAN and DBSIZE inside EXEC or a script see its own writes.
     pub(crate) fn walk(
         &self,
         mut pos: ScanPos,
         budget: usize,
         now: u64,
+        overlay: &Overlay,
         mut f: impl FnMut(u8, &[u8]),
     ) -> Result<Option<ScanPos>, Reply> {
         let mut seen = 0usize;
+        let db_err = crate::cmd::db_err;
         while let Some((lo, hi)) = Keyspace::phase_range(pos.phase) {
             let start = match &pos.after {
                 Some(a) => Bound::Excluded(&a[..]),
                 None => Bound::Included(&lo[..]),
             };
-            for e in self
-                .db()
-                .scan::<(Bound<&[u8]>, Bound<&[u8]>)>((start, Bound::Excluded(&hi[..])))
-                .map_err(crate::cmd::db_err)?
-            {
-                let (k, v) = e.map_err(crate::cmd::db_err)?;
+            let range = (start, Bound::Excluded(&hi[..]));
+            let mut stored = self.db().scan::<(Bound<&[u8]>, Bound<&[u8]>)>(range).map_err(db_err)?;
+            let mut staged = overlay.range::<[u8], _>(range).peekable();
+            let mut next_stored = stored.next().transpose().map_err(db_err)?;
+            loop {
+                // The two sorted sources merged; a staged record replaces a stored one.
+                let from_staged = match (&next_stored, staged.peek()) {
+                    (None, None) => break,
+                    (Some((sk, _)), Some((k, _))) => k.as_slice() <= sk.as_slice(),
+                    (stored_one, _) => stored_one.is_none(),
+                };
+                let (k, v) = if from_staged {
+                    let Some((k, v)) = staged.next() else { break };
+                    if next_stored.as_ref().is_some_and(|(sk, _)| sk == k) {
+                        next_stored = stored.next().transpose().map_err(db_err)?;
+                    }
+                    match v {
+                        Some(v) => (k.clone(), v.clone()),
+                        None => continue,
+                    }
+                } else {
+                    let Some(e) = next_stored.take() else { break };
+                    next_stored = stored.next().transpose().map_err(db_err)?;
+                    e
+                };
                 let name = if pos.phase == 0 { &k[..] } else { k.get(2..).unwrap_or_default() };
                 let corrupt = || Reply::err(format!("corrupt stored record for key '{}'", tierkv::escape(name)));
                 let expiry = match pos.phase {
@@ -206,10 +229,10 @@ impl Keyspace {
         Ok(None)
     }
 
-    /// Live keys (a walk over the store: O(n)).
-    pub(crate) fn dbsize(&self, now: u64) -> Result<u64, Reply> {
+    /// Live keys (a walk over the store: O(n)), with `overlay` on top (see [`Keyspace::walk`]).
+    pub(crate) fn dbsize(&self, now: u64, overlay: &Overlay) -> Result<u64, Reply> {
         let mut n = 0u64;
-        self.walk(ScanPos { phase: 0, after: None }, usize::MAX, now, |_, _| n += 1)?;
+        self.walk(ScanPos { phase: 0, after: None }, usize::MAX, now, overlay, |_, _| n += 1)?;
         Ok(n)
     }
 
@@ -243,7 +266,7 @@ impl Keyspace {
             self.cursors.lock().map.get(&cursor).cloned().ok_or_else(|| Reply::err("invalid cursor"))?
         };
         let mut keys_out = Vec::new();
-        let next = self.walk(pos, count, t.now, |phase, k| {
+        let next = self.walk(pos, count, t.now, &t.overlay(), |phase, k| {
             if pattern.is_some_and(|p| !crate::glob::matches(p, k)) {
                 return;
             }

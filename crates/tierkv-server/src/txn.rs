@@ -36,6 +36,9 @@ use crate::resp::Reply;
 /// A stored (key, value) pair.
 pub type Entry = (Vec<u8>, Vec<u8>);
 
+/// Stored records staged by a transaction, in key order (`None`: deleted).
+pub type Overlay = BTreeMap<Vec<u8>, Option<Vec<u8>>>;
+
 /// Wall-clock time in Unix milliseconds (expiry times are absolute, as Redis's).
 pub fn now_ms() -> u64 {
     SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_millis() as u64)
@@ -192,12 +195,14 @@ impl<'a> Txn<'a> {
         self.exclusive || self.held.contains(&Keyspace::stripe(k))
     }
 
-    /// Delete `k` if it has expired.
+    /// Delete `k` if it has expired. Not a change for WATCH (as in Redis 7): a key live
+    /// when watched fails EXEC by its deadline already, and one already expired then was
+    /// absent then and stays absent.
     pub fn reap(&mut self, k: &[u8]) -> Result<bool, Reply> {
         if !self.expired(k) {
             return Ok(false);
         }
-        self.delete_key(k)?;
+        self.remove_key(k, false)?;
         self.c.reaped += 1;
         Ok(true)
     }
@@ -251,6 +256,31 @@ impl<'a> Txn<'a> {
             .into_iter()
             .flatten()
             .any(|w| w.range::<[u8], _>((Bound::Included(prefix), hi)).next().is_some())
+    }
+
+    /// Every stored record this `Txn` and its base would write, type records included as
+    /// commit writes them: what KEYS, SCAN and DBSIZE read on top of the store inside EXEC
+    /// or a script. Empty for a command on its own (it has staged nothing when it reads).
+    pub fn overlay(&self) -> Overlay {
+        let layers = [self.base, Some(&self.c)];
+        let mut o = Overlay::new();
+        let mut names = BTreeSet::new();
+        for l in layers.into_iter().flatten() {
+            o.extend(l.writes.iter().map(|(k, v)| (k.clone(), v.clone())));
+            names.extend(l.types.keys().chain(l.expires.keys()));
+        }
+        for k in names {
+            match self.kind_raw(k) {
+                Some((kind, count)) => {
+                    o.insert(keys::type_key(k), Some(keys::encode_type(kind, count, self.deadline(k))));
+                }
+                None if layers.into_iter().flatten().any(|l| l.types.contains_key(k)) => {
+                    o.insert(keys::type_key(k), None);
+                }
+                None => {}
+            }
+        }
+        o
     }
 
     /// The store (for range scans that need no staged view).
@@ -354,13 +384,18 @@ impl<'a> Txn<'a> {
                 self.delete(key);
             }
         }
-        self.set_kind(k, None);
+        // Not `set_kind`: the caller says whether this is a change for WATCH.
+        self.c.types.insert(k.to_vec(), None);
         Ok(())
     }
 
     /// Stage the deletion of `k`, whatever it is (expired or not); `false` if there was
     /// nothing.
     pub fn delete_key(&mut self, k: &[u8]) -> Result<bool, Reply> {
+        self.remove_key(k, true)
+    }
+
+    fn remove_key(&mut self, k: &[u8], touch: bool) -> Result<bool, Reply> {
         let found = if let Some((kind, _)) = self.kind_raw(k) {
             self.delete_collection(k, kind)?;
             true
@@ -376,7 +411,7 @@ impl<'a> Txn<'a> {
             found
         };
         self.set_deadline(k, None);
-        if found {
+        if found && touch {
             self.touch(k);
         }
         Ok(found)

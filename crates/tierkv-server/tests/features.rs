@@ -132,6 +132,64 @@ fn auth_noauth_wrongpass_and_hello_auth() {
 }
 
 #[test]
+fn unauthenticated_requests_commands_and_transactions_are_bounded() {
+    let d = tempfile::tempdir().unwrap();
+    let limits = tierkv_server::resp::Limits { max_query_len: 20_000, ..Default::default() };
+    let f = start_at(d.path(), Preset::Native, ServerConfig { requirepass: Password::new(b"pw"), limits, ..cfg() });
+    let closed = |c: &mut Conn| {
+        let mut b = [0u8; 1];
+        matches!(c.r.read(&mut b), Ok(0))
+    };
+    // Only headers are sent where the server refuses: it closes without reading the rest.
+    let header_only = |c: &mut Conn, h: &str| {
+        c.w.write_all(h.as_bytes()).unwrap();
+        c.reply()
+    };
+    // Before AUTH, Redis 7's limits: 10 arguments of 16 KiB; past them, an error and close.
+    let eleven = vec!["x"; 11];
+    let mut c = f.conn();
+    assert_eq!(header_only(&mut c, "*11\r\n"), "-ERR Protocol error: unauthenticated multibulk length\r\n");
+    assert!(closed(&mut c));
+    let mut c = f.conn();
+    let r = header_only(&mut c, "*2\r\n$4\r\nAUTH\r\n$16385\r\n");
+    assert_eq!(r, "-ERR Protocol error: unauthenticated bulk length\r\n");
+    assert!(closed(&mut c));
+    let mut c = f.conn();
+    assert_eq!(
+        c.cmd(&["AUTH", &"p".repeat(16 << 10)]),
+        "-WRONGPASS invalid username-password pair or user is disabled.\r\n"
+    );
+    assert_eq!(c.cmd(&["AUTH", "pw"]), "+OK\r\n");
+    // Authenticated: more arguments pass; an unknown command quotes 128 bytes of them.
+    let long = "a".repeat(300);
+    assert_eq!(
+        c.cmd(&["NOPE", &long, "b"]),
+        format!("-ERR unknown command 'NOPE', with args beginning with: '{}' \r\n", &long[..128])
+    );
+    assert!(c.cmd(&eleven).starts_with("-ERR unknown command 'x', with args beginning with: 'x' 'x' "));
+    // MULTI's queue is held to the query-buffer limit: past it EXEC aborts.
+    let v = "v".repeat(12_000);
+    assert_eq!(c.cmd(&["MULTI"]), "+OK\r\n");
+    assert_eq!(c.cmd(&["SET", "k", &v]), "+QUEUED\r\n");
+    assert_eq!(
+        c.cmd(&["SET", "k", &v]),
+        "-ERR the commands queued by MULTI exceed the query buffer limit (20000 bytes); EXEC will abort\r\n"
+    );
+    assert_eq!(c.cmd(&["EXEC"]), "-EXECABORT Transaction discarded because of previous errors.\r\n");
+    assert_eq!(c.cmd(&["MULTI"]), "+OK\r\n");
+    assert_eq!(c.cmd(&["SET", "k", &v]), "+QUEUED\r\n", "a new MULTI starts from zero");
+    assert_eq!(c.cmd(&["EXEC"]), "*1\r\n+OK\r\n");
+    // One command over the limit: a protocol error, and the connection is closed.
+    assert_eq!(
+        header_only(&mut c, "*3\r\n$3\r\nSET\r\n$1\r\nk\r\n$19997\r\n"),
+        "-ERR Protocol error: command larger than the query buffer limit\r\n"
+    );
+    assert!(closed(&mut c));
+    assert_eq!(f.conn().cmd(&["AUTH", "pw"]), "+OK\r\n", "the server still serves");
+    f.stop();
+}
+
+#[test]
 fn expiry_is_lazy_swept_and_kept_across_a_reopen() {
     for preset in [Preset::Native, Preset::Hpdk, Preset::Pmekv] {
         let d = tempfile::tempdir().unwrap();
@@ -291,6 +349,27 @@ fn multi_exec_discard_and_watch_as_redis() {
     a.cmd(&["MULTI"]);
     a.cmd(&["SET", "e", "new"]);
     assert_eq!(a.cmd(&["EXEC"]), "_\r\n", "a watched key that expired aborts EXEC");
+    // A key already expired when watched is absent then and after the sweep deletes it:
+    // not a change (Redis 7).
+    a.cmd(&["SET", "gone", "v", "PX", "1"]);
+    std::thread::sleep(Duration::from_millis(20));
+    a.cmd(&["WATCH", "gone"]);
+    let stored = tierkv_server::keys::expiring_key(b"gone");
+    let since = std::time::Instant::now();
+    while f.db.get(&stored).unwrap().is_some() {
+        assert!(since.elapsed() < Duration::from_secs(10), "the sweep did not delete the key");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    a.cmd(&["MULTI"]);
+    a.cmd(&["SET", "gone", "back"]);
+    assert_eq!(a.cmd(&["EXEC"]), "*1\r\n+OK\r\n", "deleting an expired key is not a change");
+    a.cmd(&["SET", "gone", "v", "PX", "1"]);
+    std::thread::sleep(Duration::from_millis(20));
+    a.cmd(&["WATCH", "gone"]);
+    b.cmd(&["SET", "gone", "new"]);
+    a.cmd(&["MULTI"]);
+    a.cmd(&["GET", "gone"]);
+    assert_eq!(a.cmd(&["EXEC"]), "_\r\n", "writing an expired key is a change");
     assert_eq!(a.cmd(&["WATCH", "x"]), "+OK\r\n");
     a.cmd(&["MULTI"]);
     assert_eq!(a.cmd(&["WATCH", "x"]), "-ERR WATCH inside MULTI is not allowed\r\n");
@@ -299,6 +378,36 @@ fn multi_exec_discard_and_watch_as_redis() {
         "-ERR FLUSHDB inside MULTI is not supported by tierkv (it runs under its own exclusive lock)\r\n"
     );
     assert_eq!(a.cmd(&["EXEC"]), "-EXECABORT Transaction discarded because of previous errors.\r\n");
+    f.stop();
+}
+
+#[test]
+fn keys_scan_and_dbsize_inside_exec_and_scripts_see_their_own_writes() {
+    let d = tempfile::tempdir().unwrap();
+    let f = start_at(d.path(), Preset::Native, cfg());
+    let mut c = f.conn();
+    c.cmd(&["SET", "a", "1"]);
+    c.cmd(&["SET", "b", "2"]);
+    c.cmd(&["HSET", "gone", "f", "v"]);
+    c.cmd(&["MULTI"]);
+    for cmd in [
+        &["SET", "c", "3"][..],
+        &["HSET", "h", "f", "v"],
+        &["DEL", "a", "gone"],
+        &["SET", "e", "v", "PX", "100000"],
+        &["KEYS", "*"],
+        &["DBSIZE"],
+        &["SCAN", "0", "COUNT", "1000"],
+    ] {
+        assert_eq!(c.cmd(cmd), "+QUEUED\r\n");
+    }
+    // Walk order: plain strings, then hashes and sorted sets, then strings with an expiry.
+    let keys = "*4\r\n$1\r\nb\r\n$1\r\nc\r\n$1\r\nh\r\n$1\r\ne\r\n";
+    assert_eq!(c.cmd(&["EXEC"]), format!("*7\r\n+OK\r\n:1\r\n:2\r\n+OK\r\n{keys}:4\r\n*2\r\n$1\r\n0\r\n{keys}"));
+    assert_eq!(c.cmd(&["DBSIZE"]), ":4\r\n", "the same after the commit");
+    let script =
+        "redis.call('del', 'b', 'h') redis.call('set', 'z', 1) return {redis.call('dbsize'), redis.call('keys', '*')}";
+    assert_eq!(c.cmd(&["EVAL", script, "0"]), "*2\r\n:3\r\n*3\r\n$1\r\nc\r\n$1\r\nz\r\n$1\r\ne\r\n");
     f.stop();
 }
 
