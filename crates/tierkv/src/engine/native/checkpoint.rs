@@ -241,7 +241,7 @@ pub(super) struct Checkpoints {
     /// Segments created when the last checkpoint started.
     segments_at_last: AtomicU64,
     /// One writer at a time.
-    writing: Mutex<()>,
+    pub(super) writing: Mutex<()>,
     pub written: AtomicU64,
     pub failures: AtomicU64,
     pub last_entries: AtomicU64,
@@ -306,6 +306,9 @@ impl Inner {
     /// the store started closing meanwhile (the partial file is left as `.tmp`).
     pub(super) fn checkpoint(&self) -> Result<()> {
         let _one = self.ckpt.writing.lock();
+        if self.closed.load(Ordering::Acquire) {
+            return Err(Error::Closed);
+        }
         let segments = self.segments_created();
         let (resume, horizon) = {
             let logs: Vec<_> = self.shards.iter().map(|s| s.log.lock()).collect();

@@ -340,14 +340,16 @@ impl Inner {
     /// One round of background work (see [`Inner::worker_loop`]): moves and cleaning,
     /// then an index checkpoint when enough new log was written since the last.
     fn maintain(&self) -> Result<()> {
-        self.maintain_log()?;
+        // The checkpoint runs whatever the log work returned (a persistent failure there
+        // must not stop checkpoints, or the log replayed after a crash grows unbounded).
+        let r = self.maintain_log();
         if self.ckpt.due(self.segments_created(), self.geo.stride) {
             // A failed checkpoint (the disk) is counted (`checkpoint_failures`); the logs
             // still hold everything, so the store goes on, and tries again after the next
             // `checkpoint_bytes` of log.
             let _ = self.checkpoint();
         }
-        Ok(())
+        r
     }
 
     fn maintain_log(&self) -> Result<()> {
@@ -1021,7 +1023,11 @@ impl Inner {
         // everything (counted in `checkpoint_failures`).
         let resume = logs.iter().map(|l| checkpoint::resume_point(l)).collect();
         let header = checkpoint::Header { db_id: self.db_id, horizon: self.next_seq.0.load(Ordering::SeqCst), resume };
-        let _ = self.write_checkpoint(header, false);
+        let _ = {
+            // Not while a `compact` checkpoint still writes the temp file.
+            let _one = self.ckpt.writing.lock();
+            self.write_checkpoint(header, false)
+        };
         let tails = logs
             .iter()
             .map(|l| match l.open {

@@ -191,12 +191,21 @@ pub(super) fn open(ctx: &EngineCtx) -> Result<Inner> {
     // The index checkpoint, if there is a usable one (one that fails its checks is
     // ignored: the logs alone recover the store).
     let mut ckpt_state = Checkpoints::new(ctx.fs.clone(), &ctx.dir, ctx.opts.native.checkpoint_bytes);
+    let mut read_failed = None;
     let ckpt_buf = if ctx.fresh {
         Checkpoints::remove_stale(&ctx.fs, &ctx.dir)?;
         None
     } else {
-        Checkpoints::read(&ctx.fs, &ctx.dir)?
+        // An unreadable checkpoint is ignored like a damaged one.
+        Checkpoints::read(&ctx.fs, &ctx.dir).unwrap_or_else(|e| {
+            read_failed = Some(format!("unreadable: {e}"));
+            None
+        })
     };
+    if let Some(why) = read_failed {
+        let _ = Checkpoints::remove_stale(&ctx.fs, &ctx.dir);
+        ckpt_state.rejected = Some(why);
+    }
     let ckpt = match ckpt_buf.as_deref().map(|b| {
         checkpoint::decode(b, nshards, sb.db_id).and_then(|d| fits(&d.header, &by_shard, clean.as_ref()).map(|()| d))
     }) {
@@ -211,9 +220,22 @@ pub(super) fn open(ctx: &EngineCtx) -> Result<Inner> {
         }
         None => None,
     };
+    let mut ckpt = ckpt;
     let resume: Option<&[checkpoint::Resume]> = ckpt.as_ref().map(|c| c.header.resume.as_slice());
 
-    let mut rep = replay_all(&region, &geo, &by_shard, clean.as_ref(), resume)?;
+    let mut rep = match replay_all(&region, &geo, &by_shard, clean.as_ref(), resume) {
+        Ok(r) => r,
+        // Damage met only because of where the checkpoint resumed (an offset that is not
+        // a record boundary): the checkpoint is of another state of the logs. Replay them
+        // whole (damage there fails the open, as without checkpoints).
+        Err(e) if resume.is_some() && e.is_corruption() => {
+            Checkpoints::remove_stale(&ctx.fs, &ctx.dir)?;
+            ckpt_state.rejected = Some(format!("its resume points do not fit the logs: {e}"));
+            ckpt = None;
+            replay_all(&region, &geo, &by_shard, clean.as_ref(), None)?
+        }
+        Err(e) => return Err(e),
+    };
     let merged = match &ckpt {
         Some(c) => {
             let merged = merge_checkpoint(&c.entries, std::mem::take(&mut rep.tail), c.header.horizon);
