@@ -111,6 +111,25 @@ async fn election() {
     println!("election after leader stop (ms, 5 rounds; election timeout 400-800 ms): {ms:?}");
 }
 
+/// Clients of the throughput measurement.
+const CLIENTS: usize = 50;
+
+/// Wait for the clients' latencies and print throughput since `t` and p99.
+async fn report(label: &str, t: Instant, tasks: Vec<tokio::task::JoinHandle<Vec<Duration>>>) {
+    let mut lat = Vec::new();
+    for task in tasks {
+        lat.extend(task.await.unwrap());
+    }
+    let el = t.elapsed();
+    let n = lat.len();
+    println!(
+        "{label}: {n} SETs by {CLIENTS} clients in {:.2} s: {:.0} ops/s, p99 {:.3} ms",
+        el.as_secs_f64(),
+        n as f64 / el.as_secs_f64(),
+        p99(lat).as_secs_f64() * 1e3
+    );
+}
+
 fn p99(mut v: Vec<Duration>) -> Duration {
     v.sort();
     v[(v.len() * 99 / 100).min(v.len() - 1)]
@@ -119,7 +138,6 @@ fn p99(mut v: Vec<Duration>) -> Duration {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 #[ignore]
 async fn throughput() {
-    const CLIENTS: usize = 50;
     const PER: usize = 400;
     let c = Cluster::new(3).await;
     let l = c.leader().await;
@@ -139,18 +157,7 @@ async fn throughput() {
             lat
         }));
     }
-    let mut lat = Vec::new();
-    for t in tasks {
-        lat.extend(t.await.unwrap());
-    }
-    let el = t.elapsed();
-    let n = lat.len();
-    println!(
-        "replicated (3 nodes, leader writes): {n} SETs by {CLIENTS} clients in {:.2} s: {:.0} ops/s, p99 {:.2} ms",
-        el.as_secs_f64(),
-        n as f64 / el.as_secs_f64(),
-        p99(lat).as_secs_f64() * 1e3
-    );
+    report("replicated (3 nodes, leader writes)", t, tasks).await;
 
     let d = tempfile::tempdir().unwrap();
     let db = Arc::new(Db::open(d.path().join("single"), opts()).unwrap());
@@ -171,18 +178,7 @@ async fn throughput() {
             lat
         }));
     }
-    let mut lat = Vec::new();
-    for t in tasks {
-        lat.extend(t.await.unwrap());
-    }
-    let el = t.elapsed();
-    let n = lat.len();
-    println!(
-        "unreplicated (one store, Db::write): {n} SETs by {CLIENTS} clients in {:.2} s: {:.0} ops/s, p99 {:.3} ms",
-        el.as_secs_f64(),
-        n as f64 / el.as_secs_f64(),
-        p99(lat).as_secs_f64() * 1e3
-    );
+    report("unreplicated (one store, Db::write)", t, tasks).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

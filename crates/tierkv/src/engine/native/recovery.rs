@@ -191,74 +191,41 @@ pub(super) fn open(ctx: &EngineCtx) -> Result<Inner> {
     // The index checkpoint, if there is a usable one (one that fails its checks is
     // ignored: the logs alone recover the store).
     let mut ckpt_state = Checkpoints::new(ctx.fs.clone(), &ctx.dir, ctx.opts.native.checkpoint_bytes);
-    let mut read_failed = None;
+    let mut rejected = None;
     let ckpt_buf = if ctx.fresh {
         Checkpoints::remove_stale(&ctx.fs, &ctx.dir)?;
         None
     } else {
-        // An unreadable checkpoint is ignored like a damaged one.
+        // An unreadable checkpoint is rejected like a damaged one.
         Checkpoints::read(&ctx.fs, &ctx.dir).unwrap_or_else(|e| {
-            read_failed = Some(format!("unreadable: {e}"));
+            rejected = Some(format!("unreadable: {e}"));
             None
         })
     };
-    if let Some(why) = read_failed {
-        let _ = Checkpoints::remove_stale(&ctx.fs, &ctx.dir);
-        ckpt_state.rejected = Some(why);
-    }
-    let ckpt = match ckpt_buf.as_deref().map(|b| {
-        checkpoint::decode(b, nshards, sb.db_id).and_then(|d| fits(&d.header, &by_shard, clean.as_ref()).map(|()| d))
-    }) {
-        Some(Ok(d)) => Some(d),
-        Some(Err(why)) => {
-            // Removed before the store takes a write: generations may be handed out again
-            // from here on (a cleaned newest segment's), which an old resume point would
-            // misread.
-            Checkpoints::remove_stale(&ctx.fs, &ctx.dir)?;
-            ckpt_state.rejected = Some(why);
-            None
-        }
+    let loaded = match ckpt_buf.as_deref() {
+        Some(b) => with_checkpoint(b, &region, &geo, sb.db_id, &by_shard, clean.as_ref())?
+            .map_err(|why| rejected = Some(why))
+            .ok(),
         None => None,
     };
-    let mut ckpt = ckpt;
-    let resume: Option<&[checkpoint::Resume]> = ckpt.as_ref().map(|c| c.header.resume.as_slice());
-
-    let mut rep = match replay_all(&region, &geo, &by_shard, clean.as_ref(), resume) {
-        Ok(r) => r,
-        // Damage met only because of where the checkpoint resumed (an offset that is not
-        // a record boundary): the checkpoint is of another state of the logs. Replay them
-        // whole (damage there fails the open, as without checkpoints).
-        Err(e) if resume.is_some() && e.is_corruption() => {
-            Checkpoints::remove_stale(&ctx.fs, &ctx.dir)?;
-            ckpt_state.rejected = Some(format!("its resume points do not fit the logs: {e}"));
-            ckpt = None;
-            replay_all(&region, &geo, &by_shard, clean.as_ref(), None)?
+    let (rep, merged) = match loaded {
+        Some((rep, merged, entries)) => {
+            ckpt_state.loaded_entries = entries;
+            (rep, merged)
         }
-        Err(e) => return Err(e),
-    };
-    let merged = match &ckpt {
-        Some(c) => {
-            let merged = merge_checkpoint(&c.entries, std::mem::take(&mut rep.tail), c.header.horizon);
-            let fit = entries_fit(&merged, &rep.segs, &geo, region.pool_count());
-            (merged, fit)
-        }
-        None => (std::mem::take(&mut rep.tail), Ok(())),
-    };
-    let merged = match (merged, &ckpt) {
-        ((merged, Ok(())), Some(c)) => {
-            rep.seq_end = rep.seq_end.max(c.header.horizon);
-            ckpt_state.loaded_entries = c.entries.len() as u64;
-            merged
-        }
-        ((merged, Ok(())), None) => merged,
-        ((_, Err(why)), _) => {
-            // A checkpoint of another state of the logs: replay them whole.
-            Checkpoints::remove_stale(&ctx.fs, &ctx.dir)?;
-            ckpt_state.rejected = Some(why);
-            rep = replay_all(&region, &geo, &by_shard, clean.as_ref(), None)?;
-            std::mem::take(&mut rep.tail)
+        None => {
+            if rejected.is_some() {
+                // Removed before the store takes a write: generations may be handed out
+                // again from here on (a cleaned newest segment's), which an old resume
+                // point would misread.
+                Checkpoints::remove_stale(&ctx.fs, &ctx.dir)?;
+            }
+            let mut rep = replay_all(&region, &geo, &by_shard, clean.as_ref(), None)?;
+            let tail = std::mem::take(&mut rep.tail);
+            (rep, tail)
         }
     };
+    ckpt_state.rejected = rejected;
     let AllReplayed { logs, seq_end, bytes, segs: seg_list, dropped, t_replay, .. } = rep;
     ctx.recovery.lock().extend(dropped);
     let t_replay = t_replay.duration_since(t0);
@@ -280,7 +247,6 @@ pub(super) fn open(ctx: &EngineCtx) -> Result<Inner> {
     index.bulk_load(&live);
     let phases_us = [t_replay, t_sort - t_replay, t0.elapsed() - t_sort].map(|d| d.as_micros() as u64);
     drop(live);
-    drop(ckpt);
     drop(ckpt_buf);
     if clean.is_some() {
         region.store_u64_atomic(layout::CLEAN_ADDR, 0)?;
@@ -469,6 +435,46 @@ fn merge_checkpoint<'a>(
         }
     }
     out
+}
+
+/// A replay, the merged newest entries (sorted; `true`: from the checkpoint, unverified)
+/// and the checkpoint's entry count.
+type Recovered<'a> = (AllReplayed<'a>, Vec<(&'a [u8], Newest, bool)>, u64);
+
+/// Recover from the checkpoint file `buf`: replay the tails after its resume points and
+/// merge them with its entries. `Ok(Err(why))` when the checkpoint does not fit the logs
+/// (its checks, damage met only because of where it resumed, an entry outside every
+/// segment): the caller then replays the logs whole. Returns the replay, the merged newest
+/// entries and the checkpoint's entry count.
+fn with_checkpoint<'a>(
+    buf: &'a [u8],
+    region: &'a Region,
+    geo: &Geometry,
+    db_id: u64,
+    by_shard: &[Vec<Seg>],
+    clean: Option<&Clean>,
+) -> Result<std::result::Result<Recovered<'a>, String>> {
+    let c = match checkpoint::decode(buf, by_shard.len(), db_id) {
+        Ok(c) => c,
+        Err(why) => return Ok(Err(why)),
+    };
+    if let Err(why) = fits(&c.header, by_shard, clean) {
+        return Ok(Err(why));
+    }
+    let mut rep = match replay_all(region, geo, by_shard, clean, Some(&c.header.resume)) {
+        Ok(r) => r,
+        // Damage met only because of where the checkpoint resumed (an offset that is not
+        // a record boundary): the checkpoint is of another state of the logs (damage in
+        // the logs themselves fails the whole replay too, as without checkpoints).
+        Err(e) if e.is_corruption() => return Ok(Err(format!("its resume points do not fit the logs: {e}"))),
+        Err(e) => return Err(e),
+    };
+    let merged = merge_checkpoint(&c.entries, std::mem::take(&mut rep.tail), c.header.horizon);
+    if let Err(why) = entries_fit(&merged, &rep.segs, geo, region.pool_count()) {
+        return Ok(Err(why));
+    }
+    rep.seq_end = rep.seq_end.max(c.header.horizon);
+    Ok(Ok((rep, merged, c.entries.len() as u64)))
 }
 
 /// Whether a checkpoint's header fits the logs found: its horizon is not beyond the
