@@ -361,7 +361,7 @@ impl Inner {
                     None => std::ops::Bound::Unbounded,
                 };
                 let mut last = None;
-                for (k, slot) in self.index.tree().range::<[u8], _>((lower, std::ops::Bound::Unbounded), &mg) {
+                for (k, slot) in self.index.ascending(lower, &mg) {
                     seen += 1;
                     last = Some(k);
                     if let Some(h) = slot.head(&eg) {

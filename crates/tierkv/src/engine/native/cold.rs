@@ -388,13 +388,12 @@ impl Inner {
         let mut wrapped = false;
         {
             let mg = MapGuard::new();
-            let tree = self.index.tree();
             let lower: Bound<&[u8]> = match hand.as_deref() {
                 Some(h) => Bound::Excluded(h),
                 None => Bound::Unbounded,
             };
             let mut reached_end = true;
-            for (k, slot) in tree.range::<[u8], _>((lower, Bound::Unbounded), &mg) {
+            for (k, slot) in self.index.ascending(lower, &mg) {
                 visited += 1;
                 if visited > VISIT_PER_BATCH || picks.len() >= BATCH_KEYS || bytes >= BATCH_BYTES {
                     reached_end = false;

@@ -80,7 +80,6 @@ impl NativeIter {
         {
             let mg = MapGuard::new();
             let eg = epoch::pin();
-            let tree = inner.index.tree();
             let bound: Bound<&[u8]> = match from {
                 Bound::Included(()) => Bound::Included(&self.from),
                 Bound::Excluded(()) => Bound::Excluded(&self.from),
@@ -100,13 +99,13 @@ impl NativeIter {
                 ents.len() >= n
             };
             if forward {
-                for (k, s) in tree.range::<[u8], _>((bound, Bound::Unbounded), &mg) {
+                for (k, s) in inner.index.ascending(bound, &mg) {
                     if take(k, s) {
                         break;
                     }
                 }
             } else {
-                for (k, s) in tree.range::<[u8], _>((Bound::Unbounded, bound), &mg).rev() {
+                for (k, s) in inner.index.descending(bound, &mg) {
                     if take(k, s) {
                         break;
                     }

@@ -964,12 +964,12 @@ impl Inner {
         let guard = epoch::pin();
         let mg = index::MapGuard::new();
         let mut in_tree = 0usize;
-        for (key, slot) in self.index.tree().iter(&mg) {
+        for (key, slot) in self.index.all(&mg) {
             in_tree += 1;
             let Some(v) = slot.find(u64::MAX, &guard) else { continue };
             if !v.tomb {
                 match self.read_entry(v.seq, v.loc(), true) {
-                    Ok(e) if e.key != key.as_ref() => {
+                    Ok(e) if e.key != key => {
                         problems.push(format!("index entry of {} points at another key", crate::escape(key)))
                     }
                     Ok(_) => {}
