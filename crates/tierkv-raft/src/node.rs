@@ -53,9 +53,11 @@ pub struct NodeConfig {
 }
 
 /// tierkv's openraft settings: 100 ms heartbeats, 400–800 ms election timeouts (loopback
-/// and LAN clusters; a leader's death is noticed within a second), a snapshot every 10,000
-/// entries keeping 1,000 behind it for followers that are only a little behind, 1 MiB
-/// snapshot chunks.
+/// and LAN clusters; a leader's death is noticed within a second), a snapshot every 100,000
+/// entries (as etcd's default; a snapshot reads the whole store, so every 10,000 entries
+/// made snapshots most of a write-heavy node's work: 50 SET clients over RESP got 13.8k
+/// ops/s at 300,000 keys with 10,000) keeping 1,000 behind it for followers that are only a
+/// little behind, 1 MiB snapshot chunks.
 pub fn default_config() -> Config {
     Config {
         cluster_name: "tierkv".into(),
@@ -63,7 +65,7 @@ pub fn default_config() -> Config {
         election_timeout_min: 400,
         election_timeout_max: 800,
         install_snapshot_timeout: 5_000,
-        snapshot_policy: SnapshotPolicy::LogsSinceLast(10_000),
+        snapshot_policy: SnapshotPolicy::LogsSinceLast(100_000),
         max_in_snapshot_log_to_keep: 1_000,
         snapshot_max_chunk_size: 1 << 20,
         ..Config::default()
@@ -259,6 +261,14 @@ impl RaftNode {
             }
         }
         Some((id, node))
+    }
+
+    /// The current term when this node leads it (as far as it knows), without copying the
+    /// metrics.
+    pub fn leader_term(&self) -> Option<u64> {
+        let m = self.raft.metrics();
+        let m = m.borrow();
+        (m.state == ServerState::Leader).then_some(m.current_term)
     }
 
     /// This node's view.

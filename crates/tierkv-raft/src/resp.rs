@@ -86,6 +86,10 @@ impl Replicator for RaftReplicator {
         self.node.status().state == "Leader"
     }
 
+    fn leader_term(&self) -> Option<u64> {
+        self.node.leader_term()
+    }
+
     fn applied_index(&self) -> u64 {
         self.node.status().applied_index.unwrap_or(0)
     }
