@@ -9,8 +9,8 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 target="${CARGO_TARGET_DIR:-target}"
+[ -x "$target/debug/tierkv" ] || cargo build --locked -p tierkv-cli
 export TIERKV_BIN="$(cd "$target" && pwd)/debug/tierkv"
-[ -x "$TIERKV_BIN" ] || cargo build --locked -p tierkv-cli
 
 need=()
 command -v redis-cli >/dev/null || need+=(redis-tools)
