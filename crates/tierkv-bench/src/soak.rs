@@ -21,7 +21,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use rand::{Rng, SeedableRng};
-use tierkv::{Db, HpdkOptions, LightkvOptions, Options, Preset, SlmdbOptions};
+use tierkv::{Db, HpdkOptions, LightkvOptions, NativeOptions, Options, Preset, SlmdbOptions};
 
 use crate::api::Result;
 
@@ -62,6 +62,15 @@ pub fn soak_options(preset: Preset) -> Options {
             leaf_buckets: 64,
             segment_size: 256 << 10,
             ..LightkvOptions::default()
+        })
+        // native: small segments (the log cleaner runs), a checkpoint every MiB of log (kills
+        // land during checkpoints and opens replay checkpoint + tails), and a DRAM budget
+        // below the index's size (the capacity tier moves keys to SSTables and back).
+        .native(NativeOptions {
+            segment_size: 256 << 10,
+            checkpoint_bytes: 1 << 20,
+            dram_budget: 2 << 20,
+            ..NativeOptions::default()
         })
 }
 
