@@ -514,9 +514,11 @@ impl Keyspace {
                 }
             }
         }
-        if let Err(e) = self.replica_gate(s, cname, a) {
-            return e;
-        }
+        let unfenced = match self.replica_gate(s, cname, a) {
+            Ok(u) => u,
+            Err(e) => return e,
+        };
+        let replicated_before = crate::replica::replications_here();
         let r = match cname {
             "readonly" | "readwrite" => self.readonly_cmd(s, cname),
             "multi" | "exec" | "discard" | "watch" | "unwatch" => self.multi_cmd(s, cname, a),
@@ -528,6 +530,11 @@ impl Keyspace {
                 self.dispatch(s, &mut t, cname, a).and_then(|r| t.commit().map(|()| r))
             }
         };
+        if let Some(slot) = unfenced {
+            if let Err(e) = self.confirm_unreplicated(slot, replicated_before) {
+                return e;
+            }
+        }
         r.unwrap_or_else(|e| e)
     }
 

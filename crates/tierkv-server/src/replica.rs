@@ -22,7 +22,10 @@
 //!   on the leader, because every write this leader acknowledged was applied here before its
 //!   acknowledgment and the command holds the stripe locks of the keys it reads across its
 //!   replication; and a node that was deposed without knowing it cannot commit the write,
-//!   so its client gets an error, never a result computed from stale state. The barrier
+//!   so its client gets an error, never a result computed from stale state. A write
+//!   command that ends up replicating nothing (SET NX on an existing key, DEL of missing
+//!   keys, WATCH, an EXEC or script that only read) has no commit to fence it, so it takes
+//!   the barrier after it ran, before its reply ([`Keyspace::confirm_unreplicated`]). The barrier
 //!   per command was a quorum round trip on top of the write's own: SET with 50 clients
 //!   over RESP (`scripts/bench-raft.sh`) went from 7.5k to 25k ops/s with it gone.
 //! - **Directories** (the types and expiry indexes in DRAM) are maintained by commands only on
@@ -40,6 +43,17 @@ use tierkv::WriteBatch;
 
 use crate::cmd::{Keyspace, Session, COMMANDS};
 use crate::resp::Reply;
+
+thread_local! {
+    /// Batches this thread handed to consensus (a command runs on one thread from the gate
+    /// to its reply, so the difference across a command is what that command replicated).
+    static REPLICATED: std::cell::Cell<u64> = const { std::cell::Cell::new(0) };
+}
+
+/// Batches the calling thread has handed to consensus so far.
+pub(crate) fn replications_here() -> u64 {
+    REPLICATED.with(|c| c.get())
+}
 
 /// Why a replicated operation was not done.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -150,11 +164,13 @@ impl Keyspace {
         Ok(Reply::Ok)
     }
 
-    /// The gate before a command on a replicated server; `Ok` on a plain one.
-    pub(crate) fn replica_gate(&self, s: &Session, cname: &str, args: &[Bytes]) -> Result<(), Reply> {
-        let Some(rep) = &self.replica else { return Ok(()) };
+    /// The gate before a command on a replicated server; `Ok(None)` on a plain one.
+    /// `Ok(Some(slot))`: a write let through without the barrier; the caller runs
+    /// [`Keyspace::confirm_unreplicated`] after it.
+    pub(crate) fn replica_gate(&self, s: &Session, cname: &str, args: &[Bytes]) -> Result<Option<u16>, Reply> {
+        let Some(rep) = &self.replica else { return Ok(None) };
         if local_command(cname) {
-            return Ok(());
+            return Ok(None);
         }
         let spec = COMMANDS.iter().find(|c| c.0 == cname);
         // `args` excludes the command name: key position `i` (COMMAND INFO's) is `args[i - 1]`.
@@ -167,17 +183,40 @@ impl Keyspace {
             if stale {
                 self.reload_directories(rep, 0, applied)?;
             }
-            return Ok(());
+            return Ok(None);
         }
         if !read_only && rep.r.leader_term().is_some_and(|t| t == rep.loaded.lock().0) {
             // A write on the leader of the term whose directories are loaded: no barrier
             // (see "Writes skip the barrier" in the module docs).
-            return Ok(());
+            return Ok(Some(slot));
         }
         let term = rep.r.barrier().map_err(|e| refusal_reply(slot, e))?;
         let loaded_term = rep.loaded.lock().0;
         if loaded_term != term {
             self.reload_directories(rep, term, rep.r.applied_index())?;
+        }
+        Ok(None)
+    }
+
+    /// After a write command the gate let through without the barrier: if it replicated
+    /// nothing (SET NX on an existing key, DEL of missing keys, WATCH, an EXEC or script
+    /// that only read), its reply rests on what it read alone, with no commit to prove this
+    /// node still led — so take the barrier now, as a read would, and refuse the reply if
+    /// leadership moved (the command changed nothing, so the client may retry elsewhere).
+    /// Called with no lock held. `replicated_before` is [`replications_here`] before the
+    /// command.
+    pub(crate) fn confirm_unreplicated(&self, slot: u16, replicated_before: u64) -> Result<(), Reply> {
+        let Some(rep) = &self.replica else { return Ok(()) };
+        if replications_here() != replicated_before {
+            return Ok(());
+        }
+        let term = rep.r.barrier().map_err(|e| refusal_reply(slot, e))?;
+        let mut loaded = rep.loaded.lock();
+        if loaded.0 != term {
+            // Another term began since the command read: its reads may predate entries of
+            // that term. The next command reloads the directories.
+            loaded.0 = 0;
+            return Err(Reply::Error("TRYAGAIN leadership changed while the command ran".into()));
         }
         Ok(())
     }
@@ -197,6 +236,7 @@ impl Keyspace {
     /// Write a batch: through consensus on a replicated server, else to the store.
     pub(crate) fn write_batch(&self, b: WriteBatch) -> Result<(), Reply> {
         let Some(rep) = &self.replica else { return self.db().write(b).map_err(Reply::err) };
+        REPLICATED.with(|c| c.set(c.get() + 1));
         match rep.r.replicate(b) {
             Ok(()) => Ok(()),
             Err(e) => {
@@ -216,7 +256,81 @@ impl Keyspace {
 
 #[cfg(test)]
 mod tests {
+    #![allow(clippy::unwrap_used)]
     use super::*;
+    use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+
+    /// A one-node "cluster" that applies batches to the store itself and can be deposed
+    /// without noticing (its `leader_term` keeps saying it leads, as a partitioned leader's
+    /// does until its lease runs out).
+    #[derive(Debug)]
+    struct FakeRaft {
+        db: Arc<tierkv::Db>,
+        deposed: AtomicBool,
+        barriers: AtomicU64,
+    }
+
+    impl Replicator for FakeRaft {
+        fn replicate(&self, batch: WriteBatch) -> Result<(), Refusal> {
+            if self.deposed.load(Ordering::SeqCst) {
+                return Err(Refusal::NotLeader(Some("10.0.0.2:6379".into())));
+            }
+            self.db.write(batch).map_err(|e| Refusal::Failed(e.to_string()))
+        }
+        fn barrier(&self) -> Result<u64, Refusal> {
+            self.barriers.fetch_add(1, Ordering::SeqCst);
+            if self.deposed.load(Ordering::SeqCst) {
+                return Err(Refusal::NotLeader(Some("10.0.0.2:6379".into())));
+            }
+            Ok(1)
+        }
+        fn is_leader(&self) -> bool {
+            true
+        }
+        fn leader_term(&self) -> Option<u64> {
+            Some(1)
+        }
+        fn applied_index(&self) -> u64 {
+            0
+        }
+    }
+
+    fn cmd(ks: &Keyspace, s: &mut Session, args: &[&str]) -> Reply {
+        let a: Vec<Bytes> = args.iter().map(|x| Bytes::copy_from_slice(x.as_bytes())).collect();
+        ks.exec(s, &a)
+    }
+
+    #[test]
+    fn writes_skip_the_barrier_but_a_write_that_replicated_nothing_takes_it() {
+        let dir = tempfile::tempdir().unwrap();
+        let db = Arc::new(tierkv::Db::open(dir.path(), tierkv::Options::new()).unwrap());
+        let raft = Arc::new(FakeRaft { db: db.clone(), deposed: AtomicBool::new(false), barriers: AtomicU64::new(0) });
+        let ks = Keyspace::new(db.clone(), crate::Settings::default()).unwrap().with_replicator(raft.clone());
+        let mut s = ks.session(1, None);
+        // The first command of the term takes the barrier (and loads the directories).
+        assert_eq!(cmd(&ks, &mut s, &["SET", "k", "v1"]), Reply::Ok);
+        assert_eq!(raft.barriers.load(Ordering::SeqCst), 1);
+        // A write that replicates takes none; a read takes one; a write that replicated
+        // nothing takes one after it ran.
+        assert_eq!(cmd(&ks, &mut s, &["SET", "k", "v2"]), Reply::Ok);
+        assert_eq!(raft.barriers.load(Ordering::SeqCst), 1);
+        assert_eq!(cmd(&ks, &mut s, &["GET", "k"]), Reply::Bulk(b"v2".to_vec()));
+        assert_eq!(raft.barriers.load(Ordering::SeqCst), 2);
+        assert_eq!(cmd(&ks, &mut s, &["SET", "k", "v3", "NX"]), Reply::Nil);
+        assert_eq!(raft.barriers.load(Ordering::SeqCst), 3);
+        // Deposed without knowing it: a write fails at replication; a write that would
+        // replicate nothing — its answer drawn from this node's possibly stale store — is
+        // refused too instead of answering from it.
+        raft.deposed.store(true, Ordering::SeqCst);
+        let moved = Reply::Error(format!("MOVED {} 10.0.0.2:6379", key_slot(b"k")));
+        assert_eq!(cmd(&ks, &mut s, &["SET", "k", "v4", "NX"]), moved);
+        assert_eq!(
+            cmd(&ks, &mut s, &["DEL", "missing"]),
+            Reply::Error(format!("MOVED {} 10.0.0.2:6379", key_slot(b"missing")))
+        );
+        assert!(matches!(cmd(&ks, &mut s, &["SET", "k", "v5"]), Reply::Error(e) if e.starts_with("MOVED")));
+        assert_eq!(db.get(b"k").unwrap().as_deref(), Some(&b"v2"[..]));
+    }
 
     #[test]
     fn slots_match_redis_cluster() {
