@@ -14,7 +14,11 @@
 //!    shard's resume point is its log's end, the horizon is the next sequence number. No
 //!    write is in flight, so every write numbered below the horizon is linked in the index
 //!    (a writer links before it releases its shard), and every record appended later lies
-//!    after a resume point.
+//!    after a resume point. The shards are taken with `try_lock`; at a busy one every
+//!    shard held is released and the next round waits a little
+//!    ([`Inner::hold_every_shard`]): a checkpoint never holds one shard while it waits for
+//!    another, so a shard busy for long (a move to disk, a `compact`) stalls no writer
+//!    of the others.
 //! 2. With the shards released, the ordered index is walked in chunks (an epoch pin per
 //!    chunk, never across file I/O) and each slot's newest version is written, except a
 //!    version the capacity tier moved to disk (its slot waits for removal; the moved entry
@@ -37,9 +41,12 @@
 //!   reused since), or its moved entry (the key goes to disk, as at every open);
 //! - a tail put or delete numbered below the horizon whose key has no checkpoint entry is
 //!   a copy of a version that was not its key's newest when the walk passed (the cleaner
-//!   copies older versions a snapshot needs, and deletes of keys without a slot): it is
-//!   ignored. (A key without a checkpoint entry had no slot, or a moved newest version,
-//!   when the walk passed; any later write of it is numbered at or above the horizon.)
+//!   copies every version still in a chain — older ones kept for a snapshot or not
+//!   trimmed yet — and deletes of keys without a slot): it is ignored. (A key without a
+//!   checkpoint entry had no slot, or a moved newest version, when the walk passed; any
+//!   later write of it is numbered at or above the horizon; the moved entry that decides
+//!   it lies before a resume point.) Tests reach both kinds of copy
+//!   (`docs/design/native.md`, "Index checkpoints").
 //! - a checkpoint location in a segment the cleaner retired after step 1 always has a
 //!   tail copy: the cleaner holds a shard for a whole pass, so a pass that relocated an
 //!   entry before step 1 finished before it (the walk then reads the new location) and
@@ -49,7 +56,7 @@
 //! `check` (which walks every record), not by an open that loads a checkpoint.
 
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 
 use crossbeam_epoch as epoch;
 use parking_lot::Mutex;
@@ -75,6 +82,10 @@ pub const TRAILER_LEN: usize = 16;
 const NO_SEGMENT: u32 = u32::MAX;
 /// Slots walked under one epoch pin.
 const CHUNK: usize = 4096;
+/// Rounds of step 1 that only spin before writers are paused.
+const SPIN_ROUNDS: u32 = 8;
+/// Longest step 1 keeps writers paused before it waits for the busy shard alone.
+const PAUSE_LIMIT: std::time::Duration = std::time::Duration::from_millis(1);
 
 /// The header: where replay resumes and what the walk may miss.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -248,6 +259,15 @@ pub(super) struct Checkpoints {
     pub last_us: AtomicU64,
     /// Entries the open loaded from a checkpoint (0: none used).
     pub loaded_entries: u64,
+    /// Rounds of step 1 that found a shard busy, released every shard and backed off.
+    pub shard_retries: AtomicU64,
+    /// Set while step 1 keeps writers from taking shards ([`Inner::hold_every_shard`]).
+    pub(super) pause: super::Padded<AtomicBool>,
+    /// Times step 1 paused writers.
+    pub pauses: AtomicU64,
+    /// Tail entries the open dropped by the horizon rule (copies of versions that were not
+    /// their key's newest; see the module docs).
+    pub stale_dropped: u64,
     /// Why the open ignored the checkpoint file it found, if it did.
     pub rejected: Option<String>,
 }
@@ -265,6 +285,10 @@ impl Checkpoints {
             last_entries: AtomicU64::new(0),
             last_us: AtomicU64::new(0),
             loaded_entries: 0,
+            shard_retries: AtomicU64::new(0),
+            pause: super::Padded(AtomicBool::new(false)),
+            pauses: AtomicU64::new(0),
+            stale_dropped: 0,
             rejected: None,
         }
     }
@@ -311,11 +335,90 @@ impl Inner {
         }
         let segments = self.segments_created();
         let (resume, horizon) = {
-            let logs: Vec<_> = self.shards.iter().map(|s| s.log.lock()).collect();
+            let logs = self.hold_every_shard()?;
             (logs.iter().map(|l| resume_point(l)).collect::<Vec<_>>(), self.next_seq.0.load(Ordering::SeqCst))
         };
         self.ckpt.segments_at_last.store(segments, Ordering::Relaxed);
         self.write_checkpoint(Header { db_id: self.db_id, horizon, resume }, true)
+    }
+
+    /// Every shard's log, held at once (step 1 of a checkpoint), taken without ever
+    /// waiting for a shard while holding another. A round `try_lock`s every shard in
+    /// turn; at a busy one it releases all it holds and backs off:
+    /// - the first [`SPIN_ROUNDS`] rounds spin (up to 256 hints);
+    /// - then it *pauses* writers ([`Checkpoints::pause`]: a writer does not take a shard
+    ///   while it is set) and retries after a `yield`, so the writes in flight drain out
+    ///   (without the pause, writers in tight loops kept some shard busy at every try:
+    ///   80 s without a checkpoint in the four-writer test);
+    /// - past [`PAUSE_LIMIT`] of pause a shard is busy for long (a move to disk fsyncing
+    ///   its table, a `compact`, a cleaning pass, a preempted writer): the pause ends and
+    ///   it waits for that shard alone, holding none, then starts over.
+    ///
+    /// So writers wait at most about [`PAUSE_LIMIT`] per pause, and never for a shard
+    /// the checkpoint holds while it waits for another. `Error::Closed` once the store
+    /// is closing (the close holds every shard and then waits for this checkpoint).
+    fn hold_every_shard(&self) -> Result<Vec<parking_lot::MutexGuard<'_, super::log::ShardLog>>> {
+        /// Lifts the pause however the call ends.
+        struct Lift<'a>(&'a AtomicBool);
+        impl Drop for Lift<'_> {
+            fn drop(&mut self) {
+                self.0.store(false, Ordering::Release);
+            }
+        }
+        let _lift = Lift(&self.ckpt.pause.0);
+        let mut round = 0u32;
+        let mut paused_at: Option<std::time::Instant> = None;
+        loop {
+            let mut held = Vec::with_capacity(self.shards.len());
+            let mut busy = None;
+            for (i, s) in self.shards.iter().enumerate() {
+                match s.log.try_lock() {
+                    Some(g) => held.push(g),
+                    None => {
+                        busy = Some(i);
+                        break;
+                    }
+                }
+            }
+            let Some(busy) = busy else { return Ok(held) };
+            drop(held);
+            self.ckpt.shard_retries.fetch_add(1, Ordering::Relaxed);
+            if self.closed.load(Ordering::Acquire) {
+                return Err(Error::Closed);
+            }
+            round += 1;
+            if round <= SPIN_ROUNDS {
+                for _ in 0..1u32 << round {
+                    std::hint::spin_loop();
+                }
+                continue;
+            }
+            match paused_at {
+                None => {
+                    self.ckpt.pause.0.store(true, Ordering::SeqCst);
+                    self.ckpt.pauses.fetch_add(1, Ordering::Relaxed);
+                    paused_at = Some(std::time::Instant::now());
+                }
+                Some(t) if t.elapsed() >= PAUSE_LIMIT => {
+                    self.ckpt.pause.0.store(false, Ordering::Release);
+                    paused_at = None;
+                    round = 0;
+                    // Wait for the busy shard alone (in slices: the close may take it
+                    // and keep it).
+                    loop {
+                        if self.closed.load(Ordering::Acquire) {
+                            return Err(Error::Closed);
+                        }
+                        if self.shards[busy].log.try_lock_for(std::time::Duration::from_millis(1)).is_some() {
+                            break;
+                        }
+                    }
+                    continue;
+                }
+                Some(_) => {}
+            }
+            std::thread::yield_now();
+        }
     }
 
     /// Walk the index and write the checkpoint file for `header`. `stoppable`: give up

@@ -11,7 +11,9 @@
 //!
 //! Values are not copied: `value()` borrows the log entry in PM, checked when the batch is
 //! filled (its structure and key; its checksum too with `NativeOptions::verify_reads` —
-//! every record was verified once when it was replayed or written). A segment the log
+//! every record was verified once when it was replayed or written — and for a version
+//! loaded from an index checkpoint that no read verified yet, which is then marked
+//! verified, as `get` marks it: later reads of it skip the checksum). A segment the log
 //! cleaner empties is not reused while a snapshot registered before that lives, and the
 //! iterator holds one, so the borrow stays valid. Values lie in PM in write order, not key
 //! order: the refill walks the keys first and prefetches every value, then checks them, so
@@ -86,6 +88,10 @@ impl NativeIter {
                 Bound::Unbounded => Bound::Unbounded,
             };
             let (keys, ents) = (&mut self.keys, &mut self.ents);
+            // Versions of the batch loaded from a checkpoint and not verified yet (valid
+            // while both guards are held: the map guard keeps their slots, the epoch pin
+            // their chains).
+            let mut unverified: Vec<&super::index::Version> = Vec::new();
             // Take one key; returns true when the batch is full.
             let mut take = |k: &[u8], slot: &super::index::Slot| -> bool {
                 let Some(v) = slot.find(self.snap.seq, &eg) else { return false };
@@ -95,7 +101,11 @@ impl NativeIter {
                 if let Some(b) = loc.and_then(|l| inner.region.slice(l, 64)) {
                     crate::pm::flush::prefetch(b);
                 }
-                ents.push(Ent { key: (start, keys.len()), seq: v.seq, loc, val: (0, 0), verify: v.unverified() });
+                let verify = loc.is_some() && v.unverified();
+                if verify {
+                    unverified.push(v);
+                }
+                ents.push(Ent { key: (start, keys.len()), seq: v.seq, loc, val: (0, 0), verify });
                 ents.len() >= n
             };
             if forward {
@@ -112,20 +122,30 @@ impl NativeIter {
                 }
                 ents.reverse();
             }
-        }
-        // Verify the values (their lines were prefetched above).
-        for i in 0..self.ents.len() {
-            let e = self.ents[i];
-            if let Some(loc) = e.loc {
-                let key_len = self.key_at(i).len();
-                let r = inner.entry_value(self.key_at(i), e.seq, loc, e.verify);
-                match r {
-                    Ok(v) => self.ents[i].val = (loc + (ENTRY_HEADER_LEN + key_len) as u64, v.len()),
-                    Err(err) => {
-                        self.ents.clear();
-                        self.pos = 0;
-                        return Err(err);
+            // Check the values (their lines were prefetched above), still under both
+            // guards: the versions verified here are marked so, as a `get` marks them.
+            for i in 0..self.ents.len() {
+                let e = self.ents[i];
+                if let Some(loc) = e.loc {
+                    let key_len = self.key_at(i).len();
+                    let r = inner.entry_value(self.key_at(i), e.seq, loc, e.verify);
+                    match r {
+                        Ok(v) => self.ents[i].val = (loc + (ENTRY_HEADER_LEN + key_len) as u64, v.len()),
+                        Err(err) => {
+                            self.ents.clear();
+                            self.pos = 0;
+                            return Err(err);
+                        }
                     }
+                }
+            }
+            // Every value of the batch verified: the checksums of the versions that were
+            // unverified matched (a damaged one returned above, and its version stays
+            // unverified, so the next read reports it again).
+            if !unverified.is_empty() {
+                inner.gc_counters.add(super::G_CKPT_VERIFIED, unverified.len() as u64);
+                for v in unverified {
+                    v.mark_verified();
                 }
             }
         }

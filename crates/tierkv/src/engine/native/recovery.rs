@@ -122,6 +122,10 @@ pub(super) fn find_segments(region: &Region, g: &Geometry, sb: &Superblock) -> R
 /// The newest entry of a key seen by a replay: sequence number, location, kind, size.
 type Newest = (u64, u64, Kind, u32);
 
+/// Keys with their newest entries, sorted by key (`true`: taken from a checkpoint,
+/// unverified).
+type Merged<'a> = Vec<(&'a [u8], Newest, bool)>;
+
 /// Whether entry `a` replaces `b` as a key's newest: a higher sequence number, or a moved
 /// entry over a put or delete of the same number.
 #[inline]
@@ -209,8 +213,9 @@ pub(super) fn open(ctx: &EngineCtx) -> Result<Inner> {
         None => None,
     };
     let (rep, merged) = match loaded {
-        Some((rep, merged, entries)) => {
+        Some((rep, merged, entries, stale)) => {
             ckpt_state.loaded_entries = entries;
+            ckpt_state.stale_dropped = stale;
             (rep, merged)
         }
         None => {
@@ -396,16 +401,19 @@ fn replay_shard<'a>(
 /// the checkpoint does not have is a copy of a version that was not the key's newest, and
 /// is dropped. Entries taken from the checkpoint are marked unverified (their records
 /// were not replayed).
+///
+/// Returns the merged entries and how many tail entries the horizon rule dropped.
 fn merge_checkpoint<'a>(
     ckpt: &[checkpoint::Entry<'a>],
     tail: Vec<(&'a [u8], Newest, bool)>,
     horizon: u64,
-) -> Vec<(&'a [u8], Newest, bool)> {
+) -> (Merged<'a>, u64) {
     let from_ckpt = |e: &checkpoint::Entry<'a>| -> (&'a [u8], Newest, bool) {
         (e.0, (e.1, e.2, if e.4 { Kind::Delete } else { Kind::Put }, e.3), true)
     };
     let stale = |t: &Newest| t.0 < horizon && t.2 != Kind::Moved;
     let mut out = Vec::with_capacity(ckpt.len() + tail.len());
+    let mut dropped = 0u64;
     let mut c = ckpt.iter().peekable();
     let mut t = tail.into_iter().peekable();
     loop {
@@ -422,7 +430,9 @@ fn merge_checkpoint<'a>(
                 t.next();
             }
             (_, Some(te)) => {
-                if !stale(&te.1) {
+                if stale(&te.1) {
+                    dropped += 1;
+                } else {
                     out.push(*te);
                 }
                 t.next();
@@ -434,12 +444,12 @@ fn merge_checkpoint<'a>(
             (None, None) => break,
         }
     }
-    out
+    (out, dropped)
 }
 
-/// A replay, the merged newest entries (sorted; `true`: from the checkpoint, unverified)
-/// and the checkpoint's entry count.
-type Recovered<'a> = (AllReplayed<'a>, Vec<(&'a [u8], Newest, bool)>, u64);
+/// A replay, the merged newest entries (sorted; `true`: from the checkpoint, unverified),
+/// the checkpoint's entry count and the tail entries the horizon rule dropped.
+type Recovered<'a> = (AllReplayed<'a>, Merged<'a>, u64, u64);
 
 /// Recover from the checkpoint file `buf`: replay the tails after its resume points and
 /// merge them with its entries. `Ok(Err(why))` when the checkpoint does not fit the logs
@@ -469,12 +479,12 @@ fn with_checkpoint<'a>(
         Err(e) if e.is_corruption() => return Ok(Err(format!("its resume points do not fit the logs: {e}"))),
         Err(e) => return Err(e),
     };
-    let merged = merge_checkpoint(&c.entries, std::mem::take(&mut rep.tail), c.header.horizon);
+    let (merged, stale) = merge_checkpoint(&c.entries, std::mem::take(&mut rep.tail), c.header.horizon);
     if let Err(why) = entries_fit(&merged, &rep.segs, geo, region.pool_count()) {
         return Ok(Err(why));
     }
     rep.seq_end = rep.seq_end.max(c.header.horizon);
-    Ok(Ok((rep, merged, c.entries.len() as u64)))
+    Ok(Ok((rep, merged, c.entries.len() as u64, stale)))
 }
 
 /// Whether a checkpoint's header fits the logs found: its horizon is not beyond the
