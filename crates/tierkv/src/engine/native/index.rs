@@ -43,8 +43,12 @@
 //!   such starts often — a seek to the first key of a keyspace, a cleaner or checkpoint hand
 //!   resuming after keys that left the index — so every ordered walk goes through these two
 //!   functions, which read the tree's smallest (largest) key first (one descent along the
-//!   edge) and start such a walk unbounded instead, skipping the keys below the start that
-//!   writers may have added since.
+//!   edge) and start such a walk from the edge instead, skipping the keys below the start
+//!   that writers may have added since. A walk from the edge uses scc's whole-tree `Iter`,
+//!   not a `Range` with an unbounded start: such a `Range` starts at the edge leaf and
+//!   returns nothing when that leaf is empty but still linked — which the capacity tier's
+//!   removals leave behind (a removed edge leaf stays linked until a key lands in its range
+//!   again) — while `Iter` steps over empty leaves.
 //!
 //! # Invariants
 //! - A chain is sorted by strictly decreasing sequence number.
@@ -276,21 +280,20 @@ impl Index {
         from: Bound<&'g [u8]>,
         guard: &'g MapGuard,
     ) -> impl Iterator<Item = (&'g [u8], &'g Arc<Slot>)> + 'g {
-        let start = match from {
-            Bound::Included(k) | Bound::Excluded(k)
-                if self.tree.iter(guard).next().is_none_or(|(min, _)| k <= &**min) =>
-            {
-                Bound::Unbounded
-            }
-            b => b,
+        let from_edge = match from {
+            Bound::Included(k) | Bound::Excluded(k) => self.tree.iter(guard).next().is_none_or(|(min, _)| k <= &**min),
+            Bound::Unbounded => true,
         };
-        self.tree.range::<[u8], _>((start, Bound::Unbounded), guard).map(|(k, s)| (&**k, s)).skip_while(
-            move |(k, _)| match from {
-                Bound::Included(f) => *k < f,
-                Bound::Excluded(f) => *k <= f,
-                Bound::Unbounded => false,
-            },
-        )
+        let walk: Box<dyn Iterator<Item = (&'g Box<[u8]>, &'g Arc<Slot>)> + 'g> = if from_edge {
+            Box::new(self.tree.iter(guard))
+        } else {
+            Box::new(self.tree.range::<[u8], _>((from, Bound::Unbounded), guard))
+        };
+        walk.map(|(k, s)| (&**k, s)).skip_while(move |(k, _)| match from {
+            Bound::Included(f) => *k < f,
+            Bound::Excluded(f) => *k <= f,
+            Bound::Unbounded => false,
+        })
     }
 
     /// Keys in descending order from `to` down (see "Range positioning" in the module docs).
@@ -299,21 +302,22 @@ impl Index {
         to: Bound<&'g [u8]>,
         guard: &'g MapGuard,
     ) -> impl Iterator<Item = (&'g [u8], &'g Arc<Slot>)> + 'g {
-        let end = match to {
-            Bound::Included(k) | Bound::Excluded(k)
-                if self.tree.iter(guard).next_back().is_none_or(|(max, _)| k >= &**max) =>
-            {
-                Bound::Unbounded
+        let from_edge = match to {
+            Bound::Included(k) | Bound::Excluded(k) => {
+                self.tree.iter(guard).next_back().is_none_or(|(max, _)| k >= &**max)
             }
-            b => b,
+            Bound::Unbounded => true,
         };
-        self.tree.range::<[u8], _>((Bound::Unbounded, end), guard).rev().map(|(k, s)| (&**k, s)).skip_while(
-            move |(k, _)| match to {
-                Bound::Included(t) => *k > t,
-                Bound::Excluded(t) => *k >= t,
-                Bound::Unbounded => false,
-            },
-        )
+        let walk: Box<dyn Iterator<Item = (&'g Box<[u8]>, &'g Arc<Slot>)> + 'g> = if from_edge {
+            Box::new(self.tree.iter(guard).rev())
+        } else {
+            Box::new(self.tree.range::<[u8], _>((Bound::Unbounded, to), guard).rev())
+        };
+        walk.map(|(k, s)| (&**k, s)).skip_while(move |(k, _)| match to {
+            Bound::Included(t) => *k > t,
+            Bound::Excluded(t) => *k >= t,
+            Bound::Unbounded => false,
+        })
     }
 
     /// Every key in ascending order.
@@ -677,6 +681,43 @@ mod tests {
             assert_eq!(first.as_ref(), keys.first());
             let last = ix.descending(Bound::Included(b"\xff\xff"), &mg).next().map(|(k, _)| k.to_vec());
             assert_eq!(last.as_ref(), keys.last());
+        }
+    }
+
+    /// Walks from the edges while the edge leaves empty out (the capacity tier removes keys
+    /// from the tree; scc leaves an emptied edge leaf linked), against a `BTreeSet`.
+    #[test]
+    fn walks_from_the_edges_while_edge_leaves_empty_out() {
+        let ix = Index::new();
+        let mut model = std::collections::BTreeSet::new();
+        for i in 0..400u32 {
+            ix.link(&i.to_be_bytes(), v(1), 0);
+            model.insert(i.to_be_bytes().to_vec());
+        }
+        let check = |ix: &Index, model: &std::collections::BTreeSet<Vec<u8>>| {
+            let mg = MapGuard::new();
+            let (Some(min), Some(max)) = (model.first().cloned(), model.last().cloned()) else { return };
+            let all: Vec<Vec<u8>> = model.iter().cloned().collect();
+            let rev: Vec<Vec<u8>> = model.iter().rev().cloned().collect();
+            let up = |b| ix.ascending(b, &mg).map(|(k, _)| k.to_vec()).collect::<Vec<_>>();
+            let down = |b| ix.descending(b, &mg).map(|(k, _)| k.to_vec()).collect::<Vec<_>>();
+            assert_eq!(up(Bound::Unbounded), all);
+            assert_eq!(up(Bound::Included(&min[..])), all);
+            assert_eq!(up(Bound::Excluded(&min[..])), all[1..].to_vec());
+            assert_eq!(down(Bound::Unbounded), rev);
+            assert_eq!(down(Bound::Included(&max[..])), rev);
+            assert_eq!(down(Bound::Excluded(&max[..])), rev[1..].to_vec());
+        };
+        // From the top, then from the bottom, one key at a time.
+        for i in (200..400u32).rev() {
+            assert!(ix.remove(&i.to_be_bytes(), 1).is_some());
+            model.remove(&i.to_be_bytes()[..]);
+            check(&ix, &model);
+        }
+        for i in 0..199u32 {
+            assert!(ix.remove(&i.to_be_bytes(), 1).is_some());
+            model.remove(&i.to_be_bytes()[..]);
+            check(&ix, &model);
         }
     }
 }
