@@ -52,6 +52,9 @@ pub struct NodeConfig {
     pub raft: Config,
 }
 
+/// How long a proposed write may wait for its commit ([`RaftNode::write`]).
+pub const WRITE_TIMEOUT: Duration = Duration::from_secs(5);
+
 /// tierkv's openraft settings: 100 ms heartbeats, 400–800 ms election timeouts (loopback
 /// and LAN clusters; a leader's death is noticed within a second), a snapshot every 100,000
 /// entries (as etcd's default; a snapshot reads the whole store, so every 10,000 entries
@@ -211,10 +214,18 @@ impl RaftNode {
     }
 
     /// Propose `req`; returns the index of its entry once it is committed and applied here.
+    /// Gives up after [`WRITE_TIMEOUT`]: openraft 0.9 keeps a leader that lost its quorum
+    /// leading (no check-quorum step-down), so without a bound a partitioned leader's
+    /// writers would wait until the partition heals, each holding a server thread. The
+    /// entry may still commit after that: the refusal says so.
     pub async fn write(&self, req: Request) -> Result<u64, Refused> {
-        match self.raft.client_write(req).await {
-            Ok(r) => Ok(r.log_id.index),
-            Err(e) => Err(refused_from(e)),
+        match tokio::time::timeout(WRITE_TIMEOUT, self.raft.client_write(req)).await {
+            Err(_) => Err(Refused::Failed(format!(
+                "not committed within {} s (no quorum?); it may still commit",
+                WRITE_TIMEOUT.as_secs()
+            ))),
+            Ok(Ok(r)) => Ok(r.log_id.index),
+            Ok(Err(e)) => Err(refused_from(e)),
         }
     }
 

@@ -75,8 +75,15 @@ impl Replicator for RaftReplicator {
     fn barrier(&self) -> Result<u64, Refusal> {
         let node = self.node.clone();
         self.block(async move {
+            // The term is the one this node led before and after the barrier: read only
+            // after it, a term this node won again meanwhile would label state the barrier
+            // did not cover (the new term's first entry may not be applied yet).
+            let before = node.leader_term();
             match node.linearizable_barrier().await {
-                Ok(()) => Ok(node.status().term),
+                Ok(()) => match (before, node.leader_term()) {
+                    (Some(a), Some(b)) if a == b => Ok(a),
+                    _ => Err(Refusal::Failed("leadership changed during the read-index barrier".into())),
+                },
                 Err(e) => Err(refusal(&node, e).await),
             }
         })

@@ -244,6 +244,9 @@ pub(crate) struct Index {
     hasher: foldhash::fast::FixedState,
 }
 
+/// An ordered walk of the tree: whole-tree or positioned (see "Range positioning").
+type Walk<'g> = Box<dyn Iterator<Item = (&'g Box<[u8]>, &'g Arc<Slot>)> + 'g>;
+
 /// A guard of the maps' memory (readers hold one while they use a slot reference).
 pub(crate) type MapGuard = scc::Guard;
 
@@ -284,7 +287,7 @@ impl Index {
             Bound::Included(k) | Bound::Excluded(k) => self.tree.iter(guard).next().is_none_or(|(min, _)| k <= &**min),
             Bound::Unbounded => true,
         };
-        let walk: Box<dyn Iterator<Item = (&'g Box<[u8]>, &'g Arc<Slot>)> + 'g> = if from_edge {
+        let walk: Walk<'g> = if from_edge {
             Box::new(self.tree.iter(guard))
         } else {
             Box::new(self.tree.range::<[u8], _>((from, Bound::Unbounded), guard))
@@ -308,7 +311,7 @@ impl Index {
             }
             Bound::Unbounded => true,
         };
-        let walk: Box<dyn Iterator<Item = (&'g Box<[u8]>, &'g Arc<Slot>)> + 'g> = if from_edge {
+        let walk: Walk<'g> = if from_edge {
             Box::new(self.tree.iter(guard).rev())
         } else {
             Box::new(self.tree.range::<[u8], _>((Bound::Unbounded, to), guard).rev())
