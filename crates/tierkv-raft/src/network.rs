@@ -463,7 +463,7 @@ impl Conn {
                         } else {
                             ""
                         };
-                        WireError::Tls(format!("handshake with {addr} failed: {e}{hint}"))
+                        WireError::Tls(format!("handshake with the node failed: {e}{hint}"))
                     })?;
                     Stream::Tls(Box::new(tokio_rustls::TlsStream::Client(s)))
                 }
@@ -483,15 +483,16 @@ impl Conn {
                 // Under TLS 1.3 the server's verdict on our certificate arrives with its
                 // first data: a refusal shows here, as an alert.
                 return Err(match &auth.tls {
-                    Some(_) => WireError::Tls(format!("{addr} refused the session: {e}")),
+                    Some(_) => WireError::Tls(format!("the node refused the session: {e}")),
                     None => e.into(),
                 });
             }
             if &reply[..8] == TLS_REQUIRED && auth.tls.is_none() {
-                return Err(WireError::Tls(format!(
-                    "{addr} requires TLS on its Raft port (give --raft-tls-cert-file, --raft-tls-key-file and \
+                return Err(WireError::Tls(
+                    "the node requires TLS on its Raft port (give --raft-tls-cert-file, --raft-tls-key-file and \
                      --raft-tls-ca-file)"
-                )));
+                        .into(),
+                ));
             }
             if &reply[..8] != MAGIC {
                 return Err(WireError::Protocol("not a tierkv raft port".into()));
