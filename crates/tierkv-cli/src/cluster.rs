@@ -1,5 +1,9 @@
 //! `tierkv serve --raft-*` (a replicated node) and `tierkv cluster …` (issue 25; the
 //! consensus is `tierkv-raft`, the server's side `tierkv_server::replica`).
+//!
+//! `--raft-tls-cert-file`, `--raft-tls-key-file` and `--raft-tls-ca-file` (all three or none,
+//! on `serve` and on every `cluster` command) make every Raft connection mutual TLS
+//! (`tierkv_raft::network`); the cluster secret stays required with or without them.
 
 use std::io::Write;
 use std::path::{Path, PathBuf};
@@ -7,7 +11,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use tierkv::{Db, Options};
-use tierkv_raft::network::{call_once, NodeStatus, Refused, RpcReply, RpcRequest, Secret};
+use tierkv_raft::network::{call_once, Auth, NodeStatus, Refused, RpcReply, RpcRequest, Secret, Tls};
 use tierkv_raft::node::{default_config, parse_peers, NodeConfig, RaftNode};
 use tierkv_raft::resp::RaftReplicator;
 use tierkv_raft::{ClusterNode, NodeId};
@@ -36,6 +40,48 @@ pub struct RaftArgs {
     /// of the process).
     #[arg(long, default_value = "no")]
     pub raft_sync: crate::YesNo,
+    #[command(flatten)]
+    pub tls: RaftTlsArgs,
+}
+
+/// `--raft-tls-*`: mutual TLS on the Raft port (all three or none).
+#[derive(clap::Args, Debug, Default)]
+pub struct RaftTlsArgs {
+    /// Mutual TLS on every Raft connection (with --raft-tls-key-file and --raft-tls-ca-file):
+    /// the PEM certificate chain (leaf first) presented to peers. It must chain to the CA file
+    /// and name the host of this node's --raft-addr (DNS name, or IP address SAN), for both
+    /// server and client use. The cluster secret stays required.
+    #[arg(long, value_name = "FILE")]
+    pub raft_tls_cert_file: Option<PathBuf>,
+    /// The PEM private key of --raft-tls-cert-file (PKCS#8, PKCS#1 or SEC1).
+    #[arg(long, value_name = "FILE")]
+    pub raft_tls_key_file: Option<PathBuf>,
+    /// The cluster's CA (PEM): a peer's certificate must chain to it, and the server's must
+    /// name the host of the --raft-addr it is reached at. Nodes refuse plain connections.
+    #[arg(long, value_name = "FILE")]
+    pub raft_tls_ca_file: Option<PathBuf>,
+}
+
+impl RaftTlsArgs {
+    /// Whether any of the three flags is given.
+    pub fn any(&self) -> bool {
+        self.raft_tls_cert_file.is_some() || self.raft_tls_key_file.is_some() || self.raft_tls_ca_file.is_some()
+    }
+
+    /// Load the certificates, if the flags are given (all three, or an error).
+    fn load(&self) -> Result<Option<Tls>, tierkv::Error> {
+        match (&self.raft_tls_cert_file, &self.raft_tls_key_file, &self.raft_tls_ca_file) {
+            (None, None, None) => Ok(None),
+            (Some(c), Some(k), Some(a)) => Tls::from_files(c, k, a).map(Some).map_err(err),
+            _ => Err(err("--raft-tls-cert-file, --raft-tls-key-file and --raft-tls-ca-file go together")),
+        }
+    }
+
+    /// The secret in `secret_file` and these TLS settings.
+    fn auth(&self, secret_file: &Path) -> Result<Auth, tierkv::Error> {
+        let tls = self.load()?;
+        Ok(Auth::new(Secret::from_file(secret_file).map_err(err)?, tls))
+    }
 }
 
 fn err(m: impl std::fmt::Display) -> tierkv::Error {
@@ -59,6 +105,7 @@ pub fn serve(
     if peers.get(&id).is_some_and(|a| *a != raft_addr) {
         return Err(err(format!("--raft-peers gives node {id} another address than --raft-addr {raft_addr}")));
     }
+    let tls = r.tls.load()?;
     let secret = Secret::from_file(&secret).map_err(err)?;
     let host = raft_addr.rsplit_once(':').map(|(h, _)| h.to_string()).unwrap_or_default();
     // A server thread waits for each commit it proposes: enough threads that many clients'
@@ -79,6 +126,7 @@ pub fn serve(
         resp_addr: String::new(),
         peers,
         secret,
+        tls,
         log_options: Options::new().pm_sync(r.raft_sync.0),
         raft: default_config(),
     };
@@ -112,6 +160,8 @@ pub enum ClusterCmd {
         /// The cluster secret file.
         #[arg(long)]
         cluster_secret_file: PathBuf,
+        #[command(flatten)]
+        tls: RaftTlsArgs,
     },
     /// Add a node (started with `serve --raft-*`): as a learner until it has caught up, then
     /// as a voter (joint consensus). Prints the index of the membership entry.
@@ -122,6 +172,8 @@ pub enum ClusterCmd {
         /// The cluster secret file.
         #[arg(long)]
         cluster_secret_file: PathBuf,
+        #[command(flatten)]
+        tls: RaftTlsArgs,
         /// The new node's id.
         #[arg(long)]
         id: NodeId,
@@ -140,14 +192,16 @@ pub enum ClusterCmd {
         /// The cluster secret file.
         #[arg(long)]
         cluster_secret_file: PathBuf,
+        #[command(flatten)]
+        tls: RaftTlsArgs,
         /// The node to remove.
         #[arg(long)]
         id: NodeId,
     },
 }
 
-async fn status_of(addr: &str, secret: &Secret) -> Result<NodeStatus, String> {
-    match call_once(addr, secret, &RpcRequest::Status, Duration::from_secs(2)).await {
+async fn status_of(addr: &str, auth: &Auth) -> Result<NodeStatus, String> {
+    match call_once(addr, auth, &RpcRequest::Status, Duration::from_secs(2)).await {
         Ok(RpcReply::Status(s)) => Ok(s),
         Ok(other) => Err(format!("{addr}: unexpected reply {other:?}")),
         Err(e) => Err(format!("{addr}: {e}")),
@@ -155,9 +209,9 @@ async fn status_of(addr: &str, secret: &Secret) -> Result<NodeStatus, String> {
 }
 
 /// Send a membership change to `addr`, following the leader (at most 3 hops).
-async fn change(mut addr: String, secret: &Secret, req: RpcRequest) -> Result<u64, String> {
+async fn change(mut addr: String, auth: &Auth, req: RpcRequest) -> Result<u64, String> {
     for _ in 0..3 {
-        match call_once(&addr, secret, &req, Duration::from_secs(120)).await {
+        match call_once(&addr, auth, &req, Duration::from_secs(120)).await {
             Ok(RpcReply::Committed(Ok(i))) => return Ok(i),
             Ok(RpcReply::Committed(Err(Refused::NotLeader(Some((_, n)))))) if !n.raft_addr.is_empty() => {
                 addr = n.raft_addr;
@@ -174,8 +228,8 @@ async fn change(mut addr: String, secret: &Secret, req: RpcRequest) -> Result<u6
 pub fn run(cmd: ClusterCmd, out: &mut impl Write) -> Result<(), tierkv::Error> {
     let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().map_err(err)?;
     match cmd {
-        ClusterCmd::Status { raft_addr, cluster_secret_file } => {
-            let secret = Secret::from_file(&cluster_secret_file).map_err(err)?;
+        ClusterCmd::Status { raft_addr, cluster_secret_file, tls } => {
+            let secret = tls.auth(&cluster_secret_file)?;
             let json = rt.block_on(async {
                 let s = status_of(&raft_addr, &secret).await?;
                 let voters: std::collections::BTreeSet<NodeId> = s.voters.iter().flatten().copied().collect();
@@ -205,14 +259,14 @@ pub fn run(cmd: ClusterCmd, out: &mut impl Write) -> Result<(), tierkv::Error> {
             let json = json.map_err(err)?;
             writeln!(out, "{}", serde_json::to_string_pretty(&json).map_err(err)?)?;
         }
-        ClusterCmd::AddNode { raft_addr, cluster_secret_file, id, node_raft_addr, node_resp_addr } => {
-            let secret = Secret::from_file(&cluster_secret_file).map_err(err)?;
+        ClusterCmd::AddNode { raft_addr, cluster_secret_file, tls, id, node_raft_addr, node_resp_addr } => {
+            let secret = tls.auth(&cluster_secret_file)?;
             let node = ClusterNode { raft_addr: node_raft_addr, resp_addr: node_resp_addr };
             let i = rt.block_on(change(raft_addr, &secret, RpcRequest::AddNode { id, node })).map_err(err)?;
             writeln!(out, "{i}")?;
         }
-        ClusterCmd::RemoveNode { raft_addr, cluster_secret_file, id } => {
-            let secret = Secret::from_file(&cluster_secret_file).map_err(err)?;
+        ClusterCmd::RemoveNode { raft_addr, cluster_secret_file, tls, id } => {
+            let secret = tls.auth(&cluster_secret_file)?;
             let i = rt.block_on(change(raft_addr, &secret, RpcRequest::RemoveNode { id })).map_err(err)?;
             writeln!(out, "{i}")?;
         }

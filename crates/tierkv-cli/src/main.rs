@@ -691,6 +691,12 @@ fn run(cli: Cli) -> Result<Outcome, Error> {
                     None => None,
                 },
             };
+            if raft.raft_id.is_none() && raft.tls.any() {
+                return Err(Error::InvalidArgument(
+                    "--raft-tls-* secure the Raft transport and need --raft-id (the RESP port's TLS is --tls-port)"
+                        .into(),
+                ));
+            }
             if t.preset.is_none() && Db::stored_preset(&t.dir)?.is_none() {
                 t.preset = Some(Preset::Native.name().to_string());
             }

@@ -381,3 +381,110 @@ fn repair_salvages_a_damaged_store_for_every_preset() {
         assert_eq!(code(&g), 1, "{p}: the damaged key is gone, not wrong: {:?}", String::from_utf8_lossy(&g.stdout));
     }
 }
+
+/// A CA, and a certificate for 127.0.0.1 it signed (server and client use), as PEM files
+/// `ca.crt`, `node.crt`, `node.key` in `dir`.
+fn raft_tls_files(dir: &Path) {
+    let ca_key = rcgen::KeyPair::generate().unwrap();
+    let mut p = rcgen::CertificateParams::new(Vec::<String>::new()).unwrap();
+    p.is_ca = rcgen::IsCa::Ca(rcgen::BasicConstraints::Unconstrained);
+    p.distinguished_name.push(rcgen::DnType::CommonName, "tierkv cli test CA");
+    let ca = p.self_signed(&ca_key).unwrap();
+    let key = rcgen::KeyPair::generate().unwrap();
+    let mut p = rcgen::CertificateParams::new(vec!["127.0.0.1".to_string()]).unwrap();
+    p.extended_key_usages =
+        vec![rcgen::ExtendedKeyUsagePurpose::ServerAuth, rcgen::ExtendedKeyUsagePurpose::ClientAuth];
+    let cert = p.signed_by(&key, &ca, &ca_key).unwrap();
+    std::fs::write(dir.join("ca.crt"), ca.pem()).unwrap();
+    std::fs::write(dir.join("node.crt"), cert.pem()).unwrap();
+    std::fs::write(dir.join("node.key"), key.serialize_pem()).unwrap();
+}
+
+#[test]
+fn cluster_status_over_raft_tls() {
+    use std::io::{BufRead, BufReader};
+    let d = tmp();
+    raft_tls_files(d.path());
+    let secret = d.path().join("secret");
+    std::fs::write(&secret, "cli test cluster secret 0123456789\n").unwrap();
+    let p = |f: &str| d.path().join(f).to_str().unwrap().to_string();
+    let tls = [
+        "--raft-tls-cert-file",
+        &p("node.crt"),
+        "--raft-tls-key-file",
+        &p("node.key"),
+        "--raft-tls-ca-file",
+        &p("ca.crt"),
+    ];
+    let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+    let addr = format!("127.0.0.1:{port}");
+    let peers = format!("1={addr}");
+    let dir = p("db");
+
+    // The TLS flags go together, and belong to a Raft node.
+    let o = tierkv(&["serve", "--dir", &dir, "--port", "auto", "--raft-tls-ca-file", &p("ca.crt")], None);
+    assert_eq!(code(&o), 2);
+    assert!(String::from_utf8_lossy(&o.stderr).contains("need --raft-id"), "{o:?}");
+    let mut partial: Vec<&str> = vec!["serve", "--dir", &dir, "--port", "auto", "--raft-id", "1", "--raft-addr", &addr];
+    partial.extend(["--raft-peers", &peers, "--cluster-secret-file", secret.to_str().unwrap()]);
+    partial.extend(&tls[..4]);
+    let o = tierkv(&partial, None);
+    assert_eq!(code(&o), 2);
+    assert!(String::from_utf8_lossy(&o.stderr).contains("go together"), "{o:?}");
+
+    // A one-node cluster over TLS.
+    let mut child = Command::new(env!("CARGO_BIN_EXE_tierkv"))
+        .args([
+            "serve",
+            "--dir",
+            &dir,
+            "--port",
+            "auto",
+            "--raft-id",
+            "1",
+            "--raft-addr",
+            &addr,
+            "--raft-peers",
+            &peers,
+        ])
+        .args(["--cluster-secret-file", secret.to_str().unwrap()])
+        .args(tls)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let mut lines = BufReader::new(child.stdout.take().unwrap()).lines();
+    loop {
+        let line = lines.next().expect("serve exited before its raft line").unwrap();
+        if line.starts_with("raft node 1 on") {
+            break;
+        }
+    }
+    let status = |extra: &[&str]| {
+        let mut a = vec!["cluster", "status", "--raft-addr", &addr, "--cluster-secret-file", secret.to_str().unwrap()];
+        a.extend(extra);
+        tierkv(&a, None)
+    };
+    let t = std::time::Instant::now();
+    let json = loop {
+        let o = status(&tls);
+        assert_eq!(code(&o), 0, "{}", String::from_utf8_lossy(&o.stderr));
+        let v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+        if v["leader"] == 1 {
+            break v;
+        }
+        assert!(t.elapsed() < std::time::Duration::from_secs(30), "no leader: {v}");
+        std::thread::sleep(std::time::Duration::from_millis(200));
+    };
+    assert_eq!(json["members"][0]["raft_addr"], addr.as_str(), "{json}");
+    assert_eq!(json["members"][0]["reachable"], true, "{json}");
+    assert_eq!(json["members"][0]["state"], "Leader", "{json}");
+    // Without the TLS flags the node refuses the command's connection, and says why.
+    let o = status(&[]);
+    assert_eq!(code(&o), 2);
+    assert!(String::from_utf8_lossy(&o.stderr).contains("requires TLS"), "{o:?}");
+
+    // SAFETY: plain system call on our child's pid.
+    unsafe { libc::kill(child.id() as libc::pid_t, libc::SIGTERM) };
+    assert!(child.wait().unwrap().success());
+}

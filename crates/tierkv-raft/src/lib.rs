@@ -8,8 +8,9 @@
 //!   never applies an entry twice or loses one; snapshots from `Db::snapshot()`.
 //! - [`snapshot`]: the snapshot file (built from a point-in-time view, streamed to followers
 //!   in chunks by openraft, installed crash-safely).
-//! - [`network`]: the node-to-node transport: TCP, length-prefixed bincode frames
-//!   authenticated with HMAC-SHA256 under a shared cluster secret, timeouts, reconnects.
+//! - [`network`]: the node-to-node transport: TCP, optionally mutual TLS 1.3 (one CA for
+//!   the cluster), length-prefixed bincode frames authenticated with HMAC-SHA256 under a
+//!   shared cluster secret (with or without TLS), timeouts, reconnects.
 //! - [`node`]: one running node (store + Raft + transport), cluster bootstrap.
 //! - [`resp`]: the bridge to `tierkv serve` (the server's `Replicator` on a [`node::RaftNode`]).
 //! - [`codec`]: the persisted encodings (`docs/format/raft.md`).

@@ -1,9 +1,10 @@
-//! The node-to-node transport (and the cluster commands' client): TCP, one request at a time
-//! per connection, each message a length-prefixed bincode frame authenticated with
-//! HMAC-SHA256 under the shared cluster secret.
+//! The node-to-node transport (and the cluster commands' client): TCP, optionally inside
+//! mutual TLS, one request at a time per connection, each message a length-prefixed bincode
+//! frame authenticated with HMAC-SHA256 under the shared cluster secret.
 //!
-//! Connection: the client sends `"TKVRAFT1" | client nonce (16 random bytes)`, the server
-//! answers `"TKVRAFT1" | server nonce (16)`. Every later frame is
+//! Connection: with TLS ([`Tls`]), a TLS 1.3 handshake first; then, inside it (or directly on
+//! TCP without TLS), the client sends `"TKVRAFT1" | client nonce (16 random bytes)` and the
+//! server answers `"TKVRAFT1" | server nonce (16)`. Every later frame is
 //!
 //! ```text
 //! length u32 LE | bincode payload | HMAC-SHA256(secret, client nonce | server nonce |
@@ -14,18 +15,47 @@
 //! connection's frames in each direction from 0. A peer without the secret can neither send a
 //! request that is accepted nor forge a reply; a recorded frame cannot be replayed on another
 //! connection (other nonces) or at another place in this one (other sequence number). The
-//! secret authenticates; it does not encrypt (TLS is not implemented yet).
+//! secret authenticates; it does not encrypt.
+//!
+//! **TLS** (`--raft-tls-cert-file`, `--raft-tls-key-file`, `--raft-tls-ca-file`) adds
+//! confidentiality and a second, independent authentication: every connection is mutual TLS
+//! 1.3 (rustls with the `ring` provider, as the RESP server's TLS). Both sides present their
+//! certificate and verify the peer's against the cluster's CA file (one CA for the cluster:
+//! whatever it signed is a member); the connecting side also checks that the server's
+//! certificate names the host part of the address it dialled (the peer's `--raft-addr`: a
+//! DNS name SAN, or an IP address SAN for an IP address), so a stolen certificate of one node
+//! cannot impersonate another. Node certificates serve both roles, so they need the
+//! `serverAuth` and `clientAuth` extended key usages (or no EKU extension). The HMAC framing
+//! stays on inside TLS (defence in depth: a CA that signs too much, or a leaked key, still
+//! does not admit a peer without the secret), so the secret stays mandatory. TLS 1.3 only:
+//! every node runs the same build, so there is no older peer to talk to.
+//!
+//! A TLS node refuses plain connections and a plain node refuses TLS ones ([`WireError::Tls`],
+//! logged by the refusing node, rate limited by [`LogThrottle`]): a plain client's first
+//! bytes are the magic (`T`), a TLS client's a handshake record (`0x16`), so the server tells
+//! them apart from the first byte. A TLS server answers a plain client with
+//! `"TKVRTLS1"` and 16 zero bytes in place of its hello, so the client can say why it was
+//! refused; a plain server closes a TLS client's connection (the client reports a failed
+//! handshake and suggests the settings differ).
 //!
 //! Choices: bincode 1 for the payload (compact, and serde is what openraft's messages
 //! derive); `ring`'s HMAC (already in the workspace for the server's TLS) with its
 //! constant-time verification. The wire format is not persisted, so it carries no version of
-//! its own beyond the magic: all nodes of a cluster run the same build.
+//! its own beyond the magic: all nodes of a cluster run the same build. The stream is an enum
+//! ([`Stream`]: plain TCP or a TLS stream) rather than a boxed trait object: two cases,
+//! static dispatch, and the plain path is the same `TcpStream` calls as before.
 //!
 //! Client side ([`TcpNetwork`], openraft's `RaftNetworkFactory`): a connection per target,
 //! opened lazily with a connect timeout, dropped on any error and reopened by the next call
-//! (openraft retries with its backoff); each call is bounded by the RPC's hard TTL.
+//! (openraft retries with its backoff); each call is bounded by the RPC's hard TTL. A TLS
+//! failure towards a target is logged (at most every 10 s per target).
 
-use std::time::Duration;
+use std::collections::HashMap;
+use std::path::Path;
+use std::pin::Pin;
+use std::sync::{Arc, Mutex};
+use std::task::{Context, Poll};
+use std::time::{Duration, Instant};
 
 use openraft::error::{InstallSnapshotError, NetworkError, RPCError, RaftError, RemoteError, Timeout, Unreachable};
 use openraft::network::RPCOption;
@@ -36,14 +66,22 @@ use openraft::raft::{
 use openraft::{RPCTypes, RaftNetwork, RaftNetworkFactory};
 use rand::RngCore;
 use ring::hmac;
+use rustls::pki_types::pem::PemObject;
+use rustls::pki_types::{CertificateDer, PrivateKeyDer, ServerName};
+use rustls::server::WebPkiClientVerifier;
+use rustls::{ClientConfig, RootCertStore, ServerConfig};
 use serde::{Deserialize, Serialize};
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt, ReadBuf};
 use tokio::net::TcpStream;
 
 use crate::{ClusterNode, NodeId, Request, TypeConfig};
 
 /// Magic of the connection handshake.
 pub const MAGIC: &[u8; 8] = b"TKVRAFT1";
+/// What a TLS node answers a plain client's hello with (then it closes the connection).
+pub const TLS_REQUIRED: &[u8; 8] = b"TKVRTLS1";
+/// The first byte of a TLS handshake record (a TLS client's first byte).
+const TLS_HANDSHAKE_RECORD: u8 = 0x16;
 /// Largest frame accepted (a snapshot chunk or a batch of entries).
 pub const MAX_FRAME: usize = 256 << 20;
 /// How long a connection attempt may take.
@@ -155,6 +193,9 @@ pub enum WireError {
     Protocol(String),
     /// No answer in time.
     Timeout,
+    /// TLS failed: a handshake or certificate verification failed, or one side uses TLS and
+    /// the other does not.
+    Tls(String),
 }
 
 impl std::fmt::Display for WireError {
@@ -163,6 +204,7 @@ impl std::fmt::Display for WireError {
             WireError::Io(e) => write!(f, "{e}"),
             WireError::Protocol(m) => write!(f, "protocol error: {m}"),
             WireError::Timeout => f.write_str("timed out"),
+            WireError::Tls(m) => write!(f, "tls: {m}"),
         }
     }
 }
@@ -203,10 +245,192 @@ impl Secret {
     }
 }
 
+/// How this side secures its connections: the shared secret (always) and, optionally,
+/// mutual TLS.
+#[derive(Debug, Clone)]
+pub struct Auth {
+    /// The cluster secret (HMAC of every frame).
+    pub secret: Secret,
+    /// Mutual TLS around the frames, if configured.
+    pub tls: Option<Tls>,
+}
+
+impl Auth {
+    /// `secret`, and TLS if `tls` is given.
+    pub fn new(secret: Secret, tls: Option<Tls>) -> Auth {
+        Auth { secret, tls }
+    }
+}
+
+impl From<Secret> for Auth {
+    /// Plain TCP, frames authenticated with the secret.
+    fn from(secret: Secret) -> Auth {
+        Auth { secret, tls: None }
+    }
+}
+
+/// Mutual TLS for the Raft transport: this side's certificate chain and key, and the
+/// cluster's CA that every peer's certificate must chain to (see the module docs).
+#[derive(Clone)]
+pub struct Tls {
+    connector: tokio_rustls::TlsConnector,
+    acceptor: tokio_rustls::TlsAcceptor,
+}
+
+impl std::fmt::Debug for Tls {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("Tls(..)")
+    }
+}
+
+fn provider() -> Arc<rustls::crypto::CryptoProvider> {
+    Arc::new(rustls::crypto::ring::default_provider())
+}
+
+impl Tls {
+    /// Load `--raft-tls-cert-file` (PEM chain, leaf first), `--raft-tls-key-file` (PEM key:
+    /// PKCS#8, PKCS#1 or SEC1) and `--raft-tls-ca-file` (PEM CA certificates).
+    pub fn from_files(cert: &Path, key: &Path, ca: &Path) -> Result<Tls, String> {
+        let read = |flag: &str, p: &Path| std::fs::read(p).map_err(|e| format!("{flag} {}: {e}", p.display()));
+        let (c, k, a) =
+            (read("--raft-tls-cert-file", cert)?, read("--raft-tls-key-file", key)?, read("--raft-tls-ca-file", ca)?);
+        Tls::from_pem_labelled(
+            &c,
+            &k,
+            &a,
+            [
+                format!("--raft-tls-cert-file {}", cert.display()),
+                format!("--raft-tls-key-file {}", key.display()),
+                format!("--raft-tls-ca-file {}", ca.display()),
+            ],
+        )
+    }
+
+    /// The same from PEM bytes.
+    pub fn from_pem(cert: &[u8], key: &[u8], ca: &[u8]) -> Result<Tls, String> {
+        Tls::from_pem_labelled(cert, key, ca, ["certificate".into(), "key".into(), "CA".into()])
+    }
+
+    fn from_pem_labelled(cert: &[u8], key: &[u8], ca: &[u8], [lc, lk, la]: [String; 3]) -> Result<Tls, String> {
+        let certs: Vec<CertificateDer<'static>> =
+            CertificateDer::pem_slice_iter(cert).collect::<Result<_, _>>().map_err(|e| format!("{lc}: {e}"))?;
+        if certs.is_empty() {
+            return Err(format!("{lc}: no certificate in it"));
+        }
+        let key = PrivateKeyDer::from_pem_slice(key).map_err(|e| format!("{lk}: {e}"))?;
+        let mut roots = RootCertStore::empty();
+        for c in CertificateDer::pem_slice_iter(ca) {
+            let c = c.map_err(|e| format!("{la}: {e}"))?;
+            roots.add(c).map_err(|e| format!("{la}: {e}"))?;
+        }
+        if roots.is_empty() {
+            return Err(format!("{la}: no certificate in it"));
+        }
+        let roots = Arc::new(roots);
+        let verifier = WebPkiClientVerifier::builder_with_provider(roots.clone(), provider())
+            .build()
+            .map_err(|e| format!("{la}: {e}"))?;
+        let server = ServerConfig::builder_with_provider(provider())
+            .with_protocol_versions(&[&rustls::version::TLS13])
+            .map_err(|e| e.to_string())?
+            .with_client_cert_verifier(verifier)
+            .with_single_cert(certs.clone(), key.clone_key())
+            .map_err(|e| format!("{lc} / {lk}: {e}"))?;
+        let client = ClientConfig::builder_with_provider(provider())
+            .with_protocol_versions(&[&rustls::version::TLS13])
+            .map_err(|e| e.to_string())?
+            .with_root_certificates(roots)
+            .with_client_auth_cert(certs, key)
+            .map_err(|e| format!("{lc} / {lk}: {e}"))?;
+        Ok(Tls {
+            connector: tokio_rustls::TlsConnector::from(Arc::new(client)),
+            acceptor: tokio_rustls::TlsAcceptor::from(Arc::new(server)),
+        })
+    }
+}
+
+/// The name a server's certificate must carry when it is reached at `addr` (`HOST:PORT`,
+/// `[V6]:PORT`): an IP address, or else a DNS name.
+fn server_name(addr: &str) -> Result<ServerName<'static>, WireError> {
+    let host = addr.rsplit_once(':').map_or(addr, |(h, _)| h);
+    let host = host.strip_prefix('[').and_then(|h| h.strip_suffix(']')).unwrap_or(host);
+    ServerName::try_from(host.to_string())
+        .map_err(|_| WireError::Tls(format!("{host:?} (of {addr}) is neither an IP address nor a DNS name")))
+}
+
+/// A connection's byte stream: plain TCP or TLS over TCP.
+#[derive(Debug)]
+pub enum Stream {
+    /// Plain TCP.
+    Plain(TcpStream),
+    /// TLS (either side) over TCP.
+    Tls(Box<tokio_rustls::TlsStream<TcpStream>>),
+}
+
+impl AsyncRead for Stream {
+    fn poll_read(self: Pin<&mut Self>, cx: &mut Context<'_>, buf: &mut ReadBuf<'_>) -> Poll<std::io::Result<()>> {
+        match self.get_mut() {
+            Stream::Plain(s) => Pin::new(s).poll_read(cx, buf),
+            Stream::Tls(s) => Pin::new(s.as_mut()).poll_read(cx, buf),
+        }
+    }
+}
+
+impl AsyncWrite for Stream {
+    fn poll_write(self: Pin<&mut Self>, cx: &mut Context<'_>, buf: &[u8]) -> Poll<std::io::Result<usize>> {
+        match self.get_mut() {
+            Stream::Plain(s) => Pin::new(s).poll_write(cx, buf),
+            Stream::Tls(s) => Pin::new(s.as_mut()).poll_write(cx, buf),
+        }
+    }
+
+    fn poll_flush(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
+        match self.get_mut() {
+            Stream::Plain(s) => Pin::new(s).poll_flush(cx),
+            Stream::Tls(s) => Pin::new(s.as_mut()).poll_flush(cx),
+        }
+    }
+
+    fn poll_shutdown(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
+        match self.get_mut() {
+            Stream::Plain(s) => Pin::new(s).poll_shutdown(cx),
+            Stream::Tls(s) => Pin::new(s.as_mut()).poll_shutdown(cx),
+        }
+    }
+}
+
+/// Rate limit for log lines about refused or failed connections: a misconfigured peer
+/// retries every heartbeat, and one line per key (a peer's IP address, a target) every
+/// 10 s says as much as ten a second.
+#[derive(Debug, Default)]
+pub struct LogThrottle {
+    last: Mutex<HashMap<String, Instant>>,
+}
+
+impl LogThrottle {
+    /// Interval between two lines for the same key.
+    pub const EVERY: Duration = Duration::from_secs(10);
+
+    /// Whether a line about `key` may be written now (and, if so, note that it was).
+    pub fn allow(&self, key: &str) -> bool {
+        let Ok(mut last) = self.last.lock() else { return true };
+        let now = Instant::now();
+        if last.get(key).is_some_and(|t| now.duration_since(*t) < Self::EVERY) {
+            return false;
+        }
+        if last.len() >= 4096 {
+            // Many addresses (a scan): forget the old ones rather than grow without bound.
+            last.retain(|_, t| now.duration_since(*t) < Self::EVERY);
+        }
+        last.insert(key.to_string(), now);
+        true
+    }
+}
+
 /// One authenticated connection (either side).
 #[derive(Debug)]
 pub struct Conn {
-    stream: TcpStream,
+    stream: Stream,
     secret: Secret,
     nonces: [u8; 32],
     /// This side's direction byte for frames it sends (0 client, 1 server).
@@ -222,46 +446,116 @@ fn nonce() -> [u8; 16] {
 }
 
 impl Conn {
-    /// Connect to `addr` and handshake, within [`CONNECT_TIMEOUT`].
-    pub async fn connect(addr: &str, secret: &Secret) -> Result<Conn, WireError> {
+    /// Connect to `addr` (over TLS if `auth` has it) and handshake, within
+    /// [`CONNECT_TIMEOUT`].
+    pub async fn connect(addr: &str, auth: &Auth) -> Result<Conn, WireError> {
         let fut = async {
-            let mut stream = TcpStream::connect(addr).await?;
-            stream.set_nodelay(true)?;
+            let tcp = TcpStream::connect(addr).await?;
+            tcp.set_nodelay(true)?;
+            let mut stream = match &auth.tls {
+                None => Stream::Plain(tcp),
+                Some(tls) => {
+                    let name = server_name(addr)?;
+                    let s = tls.connector.connect(name, tcp).await.map_err(|e| {
+                        use std::io::ErrorKind::{ConnectionReset, UnexpectedEof};
+                        let hint = if matches!(e.kind(), UnexpectedEof | ConnectionReset) {
+                            " (the node closed the connection: does it run without --raft-tls-*?)"
+                        } else {
+                            ""
+                        };
+                        WireError::Tls(format!("handshake with the node failed: {e}{hint}"))
+                    })?;
+                    Stream::Tls(Box::new(tokio_rustls::TlsStream::Client(s)))
+                }
+            };
             let cn = nonce();
             let mut hello = MAGIC.to_vec();
             hello.extend_from_slice(&cn);
-            stream.write_all(&hello).await?;
             let mut reply = [0u8; 24];
-            stream.read_exact(&mut reply).await?;
+            let exchanged = async {
+                stream.write_all(&hello).await?;
+                stream.flush().await?;
+                stream.read_exact(&mut reply).await?;
+                Ok::<_, std::io::Error>(())
+            }
+            .await;
+            if let Err(e) = exchanged {
+                // Under TLS 1.3 the server's verdict on our certificate arrives with its
+                // first data: a refusal shows here, as an alert.
+                return Err(match &auth.tls {
+                    Some(_) => WireError::Tls(format!("the node refused the session: {e}")),
+                    None => e.into(),
+                });
+            }
+            if &reply[..8] == TLS_REQUIRED && auth.tls.is_none() {
+                return Err(WireError::Tls(
+                    "the node requires TLS on its Raft port (give --raft-tls-cert-file, --raft-tls-key-file and \
+                     --raft-tls-ca-file)"
+                        .into(),
+                ));
+            }
             if &reply[..8] != MAGIC {
                 return Err(WireError::Protocol("not a tierkv raft port".into()));
             }
             let mut nonces = [0u8; 32];
             nonces[..16].copy_from_slice(&cn);
             nonces[16..].copy_from_slice(&reply[8..]);
-            Ok(Conn { stream, secret: secret.clone(), nonces, dir: 0, sent: 0, received: 0 })
+            Ok(Conn { stream, secret: auth.secret.clone(), nonces, dir: 0, sent: 0, received: 0 })
         };
         tokio::time::timeout(CONNECT_TIMEOUT, fut).await.map_err(|_| WireError::Timeout)?
     }
 
-    /// Accept the handshake of a client on `stream`.
-    pub async fn accept(mut stream: TcpStream, secret: &Secret) -> Result<Conn, WireError> {
+    /// Accept the handshake of a client on `stream` (TLS first if `auth` has it), within 5 s.
+    pub async fn accept(stream: TcpStream, auth: &Auth) -> Result<Conn, WireError> {
         stream.set_nodelay(true)?;
-        let mut hello = [0u8; 24];
-        tokio::time::timeout(Duration::from_secs(5), stream.read_exact(&mut hello))
+        tokio::time::timeout(Duration::from_secs(5), Conn::accept_inner(stream, auth))
             .await
-            .map_err(|_| WireError::Timeout)??;
+            .map_err(|_| WireError::Timeout)?
+    }
+
+    async fn accept_inner(tcp: TcpStream, auth: &Auth) -> Result<Conn, WireError> {
+        let mut stream = match &auth.tls {
+            None => Stream::Plain(tcp),
+            Some(tls) => {
+                let mut first = [0u8; 1];
+                if tcp.peek(&mut first).await? == 0 {
+                    return Err(WireError::Io(std::io::ErrorKind::UnexpectedEof.into()));
+                }
+                if first[0] == MAGIC[0] {
+                    // A plain client: read its hello (closing with unread data would reset
+                    // the connection before our answer arrives), say why, close.
+                    let mut tcp = tcp;
+                    let mut hello = [0u8; 24];
+                    tcp.read_exact(&mut hello).await?;
+                    let mut reply = TLS_REQUIRED.to_vec();
+                    reply.extend_from_slice(&[0u8; 16]);
+                    tcp.write_all(&reply).await?;
+                    let _ = tcp.shutdown().await;
+                    return Err(WireError::Tls("a plain (non-TLS) client: this node's Raft port requires TLS".into()));
+                }
+                let s = tls.acceptor.accept(tcp).await.map_err(|e| WireError::Tls(format!("handshake failed: {e}")))?;
+                Stream::Tls(Box::new(tokio_rustls::TlsStream::Server(s)))
+            }
+        };
+        let mut hello = [0u8; 24];
+        stream.read_exact(&mut hello).await?;
         if &hello[..8] != MAGIC {
+            if auth.tls.is_none() && hello[0] == TLS_HANDSHAKE_RECORD {
+                return Err(WireError::Tls(
+                    "a TLS client: this node's Raft port is plain (it runs without --raft-tls-*)".into(),
+                ));
+            }
             return Err(WireError::Protocol("not a tierkv raft client".into()));
         }
         let sn = nonce();
         let mut reply = MAGIC.to_vec();
         reply.extend_from_slice(&sn);
         stream.write_all(&reply).await?;
+        stream.flush().await?;
         let mut nonces = [0u8; 32];
         nonces[..16].copy_from_slice(&hello[8..]);
         nonces[16..].copy_from_slice(&sn);
-        Ok(Conn { stream, secret: secret.clone(), nonces, dir: 1, sent: 0, received: 0 })
+        Ok(Conn { stream, secret: auth.secret.clone(), nonces, dir: 1, sent: 0, received: 0 })
     }
 
     fn tag(&self, dir: u8, seq: u64, payload: &[u8]) -> hmac::Tag {
@@ -285,6 +579,8 @@ impl Conn {
         frame.extend_from_slice(&payload);
         frame.extend_from_slice(tag.as_ref());
         self.stream.write_all(&frame).await?;
+        // TLS buffers records until flushed (a no-op on plain TCP).
+        self.stream.flush().await?;
         self.sent += 1;
         Ok(())
     }
@@ -330,21 +626,22 @@ impl Conn {
 }
 
 /// One request to `addr` on a fresh connection (the cluster commands' client).
-pub async fn call_once(addr: &str, secret: &Secret, req: &RpcRequest, ttl: Duration) -> Result<RpcReply, WireError> {
-    let mut c = Conn::connect(addr, secret).await?;
+pub async fn call_once(addr: &str, auth: &Auth, req: &RpcRequest, ttl: Duration) -> Result<RpcReply, WireError> {
+    let mut c = Conn::connect(addr, auth).await?;
     c.call(req, ttl).await
 }
 
-/// openraft's network factory over TCP.
+/// openraft's network factory over TCP (and TLS).
 #[derive(Debug, Clone)]
 pub struct TcpNetwork {
-    secret: Secret,
+    auth: Auth,
+    log: Arc<LogThrottle>,
 }
 
 impl TcpNetwork {
-    /// Connections authenticated with `secret`.
-    pub fn new(secret: Secret) -> TcpNetwork {
-        TcpNetwork { secret }
+    /// Connections secured by `auth`.
+    pub fn new(auth: Auth) -> TcpNetwork {
+        TcpNetwork { auth, log: Arc::new(LogThrottle::default()) }
     }
 }
 
@@ -353,15 +650,16 @@ impl TcpNetwork {
 pub struct TcpClient {
     target: NodeId,
     addr: String,
-    secret: Secret,
+    auth: Auth,
     conn: Option<Conn>,
+    log: Arc<LogThrottle>,
 }
 
 impl RaftNetworkFactory<TypeConfig> for TcpNetwork {
     type Network = TcpClient;
 
     async fn new_client(&mut self, target: NodeId, node: &ClusterNode) -> TcpClient {
-        TcpClient { target, addr: node.raft_addr.clone(), secret: self.secret.clone(), conn: None }
+        TcpClient { target, addr: node.raft_addr.clone(), auth: self.auth.clone(), conn: None, log: self.log.clone() }
     }
 }
 
@@ -376,9 +674,14 @@ impl TcpClient {
     ) -> Result<RpcReply, RpcErr<E>> {
         let ttl = option.hard_ttl();
         if self.conn.is_none() {
-            match Conn::connect(&self.addr, &self.secret).await {
+            match Conn::connect(&self.addr, &self.auth).await {
                 Ok(c) => self.conn = Some(c),
-                Err(e) => return Err(RPCError::Unreachable(Unreachable::new(&e))),
+                Err(e) => {
+                    if matches!(e, WireError::Tls(_)) && self.log.allow(&self.addr) {
+                        eprintln!("tierkv raft: cannot reach node {} at {}: {e}", self.target, self.addr);
+                    }
+                    return Err(RPCError::Unreachable(Unreachable::new(&e)));
+                }
             }
         }
         let Some(conn) = self.conn.as_mut() else {
@@ -451,16 +754,63 @@ impl RaftNetwork<TypeConfig> for TcpClient {
 mod tests {
     use super::*;
 
-    async fn pair(a: &Secret, b: &Secret) -> (Conn, Conn) {
+    /// Connect a client secured by `a` to a server secured by `b`; both sides' outcomes.
+    async fn try_pair(a: &Auth, b: &Auth) -> (Result<Conn, WireError>, Result<Conn, WireError>) {
         let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("bind");
         let addr = l.local_addr().expect("addr").to_string();
         let b = b.clone();
         let server = tokio::spawn(async move {
             let (s, _) = l.accept().await.expect("accept");
-            Conn::accept(s, &b).await.expect("handshake")
+            Conn::accept(s, &b).await
         });
-        let c = Conn::connect(&addr, a).await.expect("connect");
+        let c = Conn::connect(&addr, a).await;
         (c, server.await.expect("join"))
+    }
+
+    async fn pair(a: &Secret, b: &Secret) -> (Conn, Conn) {
+        let (c, s) = try_pair(&a.clone().into(), &b.clone().into()).await;
+        (c.expect("connect"), s.expect("handshake"))
+    }
+
+    /// A CA made for the test, signing node certificates (both EKUs, as the docs ask).
+    struct TestCa {
+        cert: rcgen::Certificate,
+        key: rcgen::KeyPair,
+    }
+
+    impl TestCa {
+        fn new(name: &str) -> TestCa {
+            let key = rcgen::KeyPair::generate().expect("key");
+            let mut p = rcgen::CertificateParams::new(Vec::<String>::new()).expect("params");
+            p.is_ca = rcgen::IsCa::Ca(rcgen::BasicConstraints::Unconstrained);
+            p.distinguished_name.push(rcgen::DnType::CommonName, name);
+            TestCa { cert: p.self_signed(&key).expect("self-signed"), key }
+        }
+
+        /// (certificate PEM, key PEM) for `sans`.
+        fn issue(&self, sans: &[&str]) -> (String, String) {
+            let key = rcgen::KeyPair::generate().expect("key");
+            let mut p =
+                rcgen::CertificateParams::new(sans.iter().map(|s| s.to_string()).collect::<Vec<_>>()).expect("params");
+            p.extended_key_usages =
+                vec![rcgen::ExtendedKeyUsagePurpose::ServerAuth, rcgen::ExtendedKeyUsagePurpose::ClientAuth];
+            let cert = p.signed_by(&key, &self.cert, &self.key).expect("sign");
+            (cert.pem(), key.serialize_pem())
+        }
+
+        /// TLS with a certificate of this CA for `sans`, trusting `trust`.
+        fn tls(&self, sans: &[&str], trust: &TestCa) -> Tls {
+            let (c, k) = self.issue(sans);
+            Tls::from_pem(c.as_bytes(), k.as_bytes(), trust.cert.pem().as_bytes()).expect("tls")
+        }
+    }
+
+    fn tls_err(r: Result<Conn, WireError>) -> String {
+        match r {
+            Err(WireError::Tls(m)) => m,
+            Err(e) => panic!("expected a TLS error, got {e}"),
+            Ok(_) => panic!("expected a TLS error, got a connection"),
+        }
     }
 
     #[tokio::test]
@@ -509,5 +859,77 @@ mod tests {
         // Sequence 0 on a new connection, but the nonces differ: refused as well.
         c.stream.write_all(&bad).await.expect("write");
         assert!(matches!(srv.recv::<RpcRequest>().await, Err(WireError::Protocol(_))));
+    }
+
+    #[tokio::test]
+    async fn tls_frames_round_trip_and_every_mismatch_is_refused() {
+        let s = Secret::new(b"0123456789abcdef0123").expect("secret");
+        let ca = TestCa::new("cluster CA");
+        let tls = |sans: &[&str]| Auth::new(s.clone(), Some(ca.tls(sans, &ca)));
+        let node = tls(&["127.0.0.1", "localhost"]);
+
+        // Both sides TLS, one CA: the same frames as on plain TCP.
+        let (c, srv) = try_pair(&tls(&["127.0.0.1"]), &node).await;
+        let (mut c, mut srv) = (c.expect("connect"), srv.expect("accept"));
+        assert!(matches!(c.stream, Stream::Tls(_)));
+        c.send(&RpcRequest::Read(b"k".to_vec())).await.expect("send");
+        assert!(matches!(srv.recv::<RpcRequest>().await, Ok(Some(RpcRequest::Read(k))) if k == b"k"));
+        srv.send(&RpcReply::Value(Ok(Some(b"v".to_vec())))).await.expect("send");
+        assert!(matches!(c.recv::<RpcReply>().await, Ok(Some(RpcReply::Value(Ok(Some(v))))) if v == b"v"));
+
+        // The HMAC stays on inside TLS: a right certificate with the wrong secret is refused.
+        let wrong = Auth::new(Secret::new(b"another secret of 16+ bytes").expect("secret"), node.tls.clone());
+        let (c, srv) = try_pair(&wrong, &node).await;
+        let (mut c, mut srv) = (c.expect("connect"), srv.expect("accept"));
+        c.send(&RpcRequest::Status).await.expect("send");
+        assert!(matches!(srv.recv::<RpcRequest>().await, Err(WireError::Protocol(m)) if m.contains("authentication")));
+
+        // A plain client against a TLS node: both sides say why.
+        let (c, srv) = try_pair(&s.clone().into(), &node).await;
+        assert!(tls_err(c).contains("requires TLS"));
+        assert!(tls_err(srv).contains("plain (non-TLS) client"));
+
+        // A TLS client against a plain node.
+        let (c, srv) = try_pair(&node, &s.clone().into()).await;
+        assert!(tls_err(c).contains("handshake with"));
+        assert!(tls_err(srv).contains("a TLS client"));
+
+        // A certificate from another CA (its holder even trusts ours): the node refuses it.
+        let other = TestCa::new("another CA");
+        let rogue = Auth::new(s.clone(), Some(other.tls(&["127.0.0.1"], &ca)));
+        let (c, srv) = try_pair(&rogue, &node).await;
+        assert!(tls_err(c).contains("refused"));
+        assert!(tls_err(srv).contains("handshake failed"));
+        // And a node with such a certificate is not trusted as a server either.
+        let rogue_server = Auth::new(s.clone(), Some(other.tls(&["127.0.0.1"], &other)));
+        let (c, _) = try_pair(&node, &rogue_server).await;
+        assert!(tls_err(c).contains("handshake with"));
+
+        // The server's certificate must name the host that was dialled (127.0.0.1 here).
+        let elsewhere = tls(&["10.1.2.3", "node7.example"]);
+        let (c, _) = try_pair(&node, &elsewhere).await;
+        assert!(tls_err(c).contains("handshake with"));
+    }
+
+    #[test]
+    fn tls_settings_are_checked_when_loaded() {
+        let ca = TestCa::new("cluster CA");
+        let (cert, key) = ca.issue(&["127.0.0.1"]);
+        let (_, other_key) = ca.issue(&["127.0.0.1"]);
+        let ca_pem = ca.cert.pem();
+        assert!(Tls::from_pem(cert.as_bytes(), key.as_bytes(), ca_pem.as_bytes()).is_ok());
+        let e = Tls::from_pem(b"", key.as_bytes(), ca_pem.as_bytes()).expect_err("no certificate");
+        assert!(e.contains("no certificate"), "{e}");
+        assert!(Tls::from_pem(cert.as_bytes(), b"not a key", ca_pem.as_bytes()).is_err());
+        let e = Tls::from_pem(cert.as_bytes(), key.as_bytes(), b"").expect_err("no CA");
+        assert!(e.contains("CA: no certificate"), "{e}");
+        // The key of another certificate.
+        assert!(Tls::from_pem(cert.as_bytes(), other_key.as_bytes(), ca_pem.as_bytes()).is_err());
+        let d = tempfile::tempdir().expect("tempdir");
+        let e = Tls::from_files(&d.path().join("none.crt"), &d.path().join("k"), &d.path().join("ca"))
+            .expect_err("missing file");
+        assert!(e.starts_with("--raft-tls-cert-file"), "{e}");
+        assert_eq!(server_name("[::1]:7000").ok(), ServerName::try_from("::1").ok());
+        assert!(server_name("bad host:7000").is_err());
     }
 }

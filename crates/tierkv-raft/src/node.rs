@@ -13,6 +13,12 @@
 //! answering node with the smallest id calls `initialize` with all listed peers as voters.
 //! openraft accepts the same initial membership proposed by more than one node, so a race
 //! (two nodes seeing different majorities) is still safe.
+//!
+//! Transport security ([`NodeConfig::secret`], [`NodeConfig::tls`]): the same [`Auth`] secures
+//! the node's listener, its connections to peers and its bootstrap probes. A connection
+//! refused for a TLS reason (mismatch, failed handshake, untrusted certificate) is logged to
+//! stderr, at most once per peer address and reason every 10 s; other failed handshakes (probes, closed
+//! sockets) stay quiet.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::net::SocketAddr;
@@ -27,7 +33,9 @@ use tokio::net::TcpListener;
 use tokio::sync::watch;
 
 use crate::log_store::LogStore;
-use crate::network::{call_once, Conn, NodeStatus, Refused, RpcReply, RpcRequest, Secret, TcpNetwork};
+use crate::network::{
+    call_once, Auth, Conn, LogThrottle, NodeStatus, Refused, RpcReply, RpcRequest, Secret, TcpNetwork, Tls, WireError,
+};
 use crate::state_machine::StateMachine;
 use crate::{ClusterNode, NodeId, Raft, Request};
 
@@ -46,6 +54,8 @@ pub struct NodeConfig {
     pub peers: BTreeMap<NodeId, String>,
     /// The shared cluster secret.
     pub secret: Secret,
+    /// Mutual TLS on every Raft connection (`--raft-tls-*`), in addition to the secret.
+    pub tls: Option<Tls>,
     /// Options of the log store (its PM pool, `pm_sync`).
     pub log_options: Options,
     /// openraft's settings ([`default_config`]).
@@ -101,13 +111,15 @@ pub struct RaftNode {
     raft: Raft,
     sm: StateMachine,
     log_db: Arc<Db>,
-    secret: Secret,
+    auth: Auth,
     addr: SocketAddr,
     resp_addr: Mutex<String>,
     stop: watch::Sender<bool>,
     tasks: Mutex<Vec<tokio::task::JoinHandle<()>>>,
     /// Leaders' RESP addresses learnt by asking them (`Hello` has none; `Status` has).
     leader_resp: Mutex<BTreeMap<NodeId, String>>,
+    /// Rate limit of the log lines about refused connections and failed bootstrap probes.
+    log: LogThrottle,
 }
 
 impl std::fmt::Debug for RaftNode {
@@ -143,7 +155,8 @@ impl RaftNode {
         let sm = StateMachine::open(db, cfg.raft_dir.join("snapshot")).map_err(|e| e.to_string())?;
         let config = Arc::new(cfg.raft.clone().validate().map_err(|e| e.to_string())?);
         let addr = listener.local_addr().map_err(|e| e.to_string())?;
-        let raft = Raft::new(cfg.id, config, TcpNetwork::new(cfg.secret.clone()), log, sm.clone())
+        let auth = Auth::new(cfg.secret.clone(), cfg.tls.clone());
+        let raft = Raft::new(cfg.id, config, TcpNetwork::new(auth.clone()), log, sm.clone())
             .await
             .map_err(|e| format!("cannot start raft: {e}"))?;
         let (stop, stop_rx) = watch::channel(false);
@@ -152,12 +165,13 @@ impl RaftNode {
             raft,
             sm,
             log_db,
-            secret: cfg.secret.clone(),
+            auth,
             addr,
             resp_addr: Mutex::new(cfg.resp_addr.clone()),
             stop,
             tasks: Mutex::new(Vec::new()),
             leader_resp: Mutex::new(BTreeMap::new()),
+            log: LogThrottle::default(),
         });
         let serve = tokio::spawn(serve(node.clone(), listener, stop_rx.clone()));
         let boot = tokio::spawn(bootstrap(node.clone(), cfg, stop_rx));
@@ -261,7 +275,7 @@ impl RaftNode {
             } else if let Some(a) = cached {
                 node.resp_addr = a;
             } else if let Ok(RpcReply::Status(s)) =
-                call_once(&node.raft_addr, &self.secret, &RpcRequest::Status, Duration::from_secs(1)).await
+                call_once(&node.raft_addr, &self.auth, &RpcRequest::Status, Duration::from_secs(1)).await
             {
                 if let Some((_, n)) = s.nodes.iter().find(|(i, _)| *i == id) {
                     node.resp_addr = n.resp_addr.clone();
@@ -352,7 +366,7 @@ impl RaftNode {
 
 async fn serve(node: Arc<RaftNode>, listener: TcpListener, mut stop: watch::Receiver<bool>) {
     loop {
-        let (stream, _) = tokio::select! {
+        let (stream, peer) = tokio::select! {
             r = listener.accept() => match r {
                 Ok(s) => s,
                 Err(_) => {
@@ -365,7 +379,17 @@ async fn serve(node: Arc<RaftNode>, listener: TcpListener, mut stop: watch::Rece
         let node = node.clone();
         let mut stop = stop.clone();
         tokio::spawn(async move {
-            let Ok(mut conn) = Conn::accept(stream, &node.secret).await else { return };
+            let mut conn = match Conn::accept(stream, &node.auth).await {
+                Ok(c) => c,
+                Err(e) => {
+                    // A TLS mismatch or a failed handshake is a misconfiguration worth a line;
+                    // other failures (a probe, a closed socket) stay quiet as before.
+                    if matches!(e, WireError::Tls(_)) && node.log.allow(&format!("{} {e}", peer.ip())) {
+                        eprintln!("tierkv raft: node {}: refused a connection from {peer}: {e}", node.id);
+                    }
+                    return;
+                }
+            };
             loop {
                 let req = tokio::select! {
                     r = conn.recv::<RpcRequest>() => r,
@@ -390,13 +414,15 @@ async fn bootstrap(node: Arc<RaftNode>, cfg: NodeConfig, mut stop: watch::Receiv
         let mut up = BTreeSet::from([node.id]);
         let mut someone_initialized = false;
         for (&id, addr) in cfg.peers.iter().filter(|(id, _)| **id != node.id) {
-            if let Ok(RpcReply::Hello { id: got, initialized }) =
-                call_once(addr, &cfg.secret, &RpcRequest::Hello, Duration::from_millis(500)).await
-            {
-                if got == id {
+            match call_once(addr, &node.auth, &RpcRequest::Hello, Duration::from_millis(500)).await {
+                Ok(RpcReply::Hello { id: got, initialized }) if got == id => {
                     up.insert(id);
                     someone_initialized |= initialized;
                 }
+                Err(e @ WireError::Tls(_)) if node.log.allow(addr) => {
+                    eprintln!("tierkv raft: node {}: cannot reach peer {id} at {addr}: {e}", node.id);
+                }
+                _ => {}
             }
         }
         if someone_initialized {

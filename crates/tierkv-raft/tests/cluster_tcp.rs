@@ -37,6 +37,7 @@ impl Cluster {
             resp_addr: format!("127.0.0.1:{}", 7000 + id),
             peers: self.peers.clone(),
             secret: secret(),
+            tls: None,
             log_options: opts(),
             raft: default_config(),
         }
@@ -130,7 +131,7 @@ async fn three_nodes_replicate_survive_a_leader_restart_and_snapshot_a_new_node(
     let (lid, lnode) = c.nodes[&follower].0.leader().await.expect("leader known");
     assert_eq!((lid, lnode.resp_addr), (leader, format!("127.0.0.1:{}", 7000 + leader)));
     // Over the wire: status, and the same refusal.
-    match call_once(&c.peers[&follower], &secret(), &RpcRequest::Status, Duration::from_secs(2)).await {
+    match call_once(&c.peers[&follower], &secret().into(), &RpcRequest::Status, Duration::from_secs(2)).await {
         Ok(RpcReply::Status(s)) => {
             assert_eq!((s.id, s.leader), (follower, Some(leader)));
             assert_eq!(s.voters, vec![vec![1, 2, 3]]);
@@ -138,7 +139,7 @@ async fn three_nodes_replicate_survive_a_leader_restart_and_snapshot_a_new_node(
         other => panic!("status: {other:?}"),
     }
     let wrong = Secret::new(b"not the cluster secret at all").expect("secret");
-    assert!(call_once(&c.peers[&follower], &wrong, &RpcRequest::Status, Duration::from_secs(2)).await.is_err());
+    assert!(call_once(&c.peers[&follower], &wrong.into(), &RpcRequest::Status, Duration::from_secs(2)).await.is_err());
 
     // Stop the leader; the others elect a new one and keep accepting writes.
     c.converge(last).await;
@@ -177,8 +178,13 @@ async fn three_nodes_replicate_survive_a_leader_restart_and_snapshot_a_new_node(
     c.peers.insert(4, l4.local_addr().expect("addr").to_string());
     c.start(4, Some(l4)).await;
     let node4 = ClusterNode { raft_addr: c.peers[&4].clone(), resp_addr: "127.0.0.1:7004".into() };
-    match call_once(&c.peers[&leader2], &secret(), &RpcRequest::AddNode { id: 4, node: node4 }, Duration::from_secs(30))
-        .await
+    match call_once(
+        &c.peers[&leader2],
+        &secret().into(),
+        &RpcRequest::AddNode { id: 4, node: node4 },
+        Duration::from_secs(30),
+    )
+    .await
     {
         Ok(RpcReply::Committed(Ok(i))) => last = i,
         other => panic!("add-node: {other:?}"),
@@ -191,7 +197,9 @@ async fn three_nodes_replicate_survive_a_leader_restart_and_snapshot_a_new_node(
         assert_eq!(c.nodes[&4].1.get(k).expect("get").as_deref(), Some(v.as_bytes()), "{k} missing on node 4");
     }
     // Remove it again (joint consensus back to three voters).
-    match call_once(&c.peers[&leader2], &secret(), &RpcRequest::RemoveNode { id: 4 }, Duration::from_secs(30)).await {
+    match call_once(&c.peers[&leader2], &secret().into(), &RpcRequest::RemoveNode { id: 4 }, Duration::from_secs(30))
+        .await
+    {
         Ok(RpcReply::Committed(Ok(_))) => {}
         other => panic!("remove-node: {other:?}"),
     }

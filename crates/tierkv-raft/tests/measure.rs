@@ -60,6 +60,7 @@ impl Cluster {
             resp_addr: String::new(),
             peers: self.peers.clone(),
             secret: Secret::new(b"measurement secret 0123456789").unwrap(),
+            tls: None,
             log_options: opts(),
             raft: default_config(),
         };
