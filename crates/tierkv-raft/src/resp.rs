@@ -90,7 +90,7 @@ impl Replicator for RaftReplicator {
     }
 
     fn is_leader(&self) -> bool {
-        self.node.status().state == "Leader"
+        self.node.leader_term().is_some()
     }
 
     fn leader_term(&self) -> Option<u64> {

@@ -323,11 +323,6 @@ impl Index {
         })
     }
 
-    /// Every key in ascending order.
-    pub fn all<'g>(&'g self, guard: &'g MapGuard) -> impl Iterator<Item = (&'g [u8], &'g Arc<Slot>)> + 'g {
-        self.tree.iter(guard).map(|(k, s)| (&**k, s))
-    }
-
     /// The slot of `key`, created (in both maps) if it has none. A new slot goes into the
     /// tree first and into the hash second: writers find slots through the hash, so no
     /// version is linked into a slot an iterator could not find. Creation holds the key's

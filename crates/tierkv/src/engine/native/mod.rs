@@ -992,7 +992,7 @@ impl Inner {
         let guard = epoch::pin();
         let mg = index::MapGuard::new();
         let mut in_tree = 0usize;
-        for (key, slot) in self.index.all(&mg) {
+        for (key, slot) in self.index.ascending(std::ops::Bound::Unbounded, &mg) {
             in_tree += 1;
             let Some(v) = slot.find(u64::MAX, &guard) else { continue };
             if !v.tomb {

@@ -1010,7 +1010,11 @@ fn the_horizon_rule_drops_an_old_put_copied_after_a_checkpoint() {
 fn unverified_versions(e: &Native) -> usize {
     let g = epoch::pin();
     let mg = super::index::MapGuard::new();
-    e.inner.index.all(&mg).filter(|(_, s)| s.head(&g).is_some_and(|v| v.unverified())).count()
+    e.inner
+        .index
+        .ascending(std::ops::Bound::Unbounded, &mg)
+        .filter(|(_, s)| s.head(&g).is_some_and(|v| v.unverified()))
+        .count()
 }
 
 /// After an open from a checkpoint, a scan verifies each version it reads once and marks
