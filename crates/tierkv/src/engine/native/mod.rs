@@ -232,6 +232,8 @@ pub(crate) struct Inner {
 pub struct Native {
     inner: Arc<Inner>,
     worker: Mutex<Option<std::thread::JoinHandle<()>>>,
+    /// Moves new keys into the ordered index (see "Deferred tree inserts" in [`index`]).
+    inserter: Mutex<Option<std::thread::JoinHandle<()>>>,
 }
 
 impl std::fmt::Debug for Native {
@@ -260,14 +262,23 @@ impl Native {
         } else {
             None
         };
-        Ok(Native { inner, worker: Mutex::new(worker) })
+        let me = inner.clone();
+        let inserter = std::thread::Builder::new()
+            .name("tierkv-native-ix".into())
+            .spawn(move || me.index.run_inserter(&me.stop))?;
+        inner.index.set_inserter(inserter.thread().clone());
+        Ok(Native { inner, worker: Mutex::new(worker), inserter: Mutex::new(Some(inserter)) })
     }
 
-    /// Stop the background thread and wait for it.
+    /// Stop the background threads and wait for them.
     fn stop_worker(&self) {
         self.inner.stop.store(true, Ordering::Release);
         self.inner.signal();
         if let Some(h) = self.worker.lock().take() {
+            let _ = h.join();
+        }
+        if let Some(h) = self.inserter.lock().take() {
+            self.inner.index.wake_inserter();
             let _ = h.join();
         }
     }
@@ -576,6 +587,9 @@ impl Inner {
         drop(log);
         if publish {
             self.publish();
+        }
+        if self.index.behind() {
+            self.index.help();
         }
         if let Err(e) = &r {
             // A failure before the append (a conditional write's read of the disk tier)
@@ -937,6 +951,8 @@ impl Inner {
                 ("checkpoint_versions_verified", self.gc_counters.get(G_CKPT_VERIFIED)),
                 ("segments_retired", self.alloc.lock().retired() as u64),
                 ("index_slots", slots),
+                ("tree_inserts_by_inserter", self.index.moved_by_inserter.load(Ordering::Relaxed)),
+                ("tree_inserts_by_drains", self.index.moved_by_drains.load(Ordering::Relaxed)),
                 ("free_segment_slots", free_slots),
                 ("segments", live_segments),
                 ("published_seq", self.published.0.load(Ordering::Relaxed)),
