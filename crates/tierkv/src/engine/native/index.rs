@@ -50,9 +50,10 @@
 //!   key are never both pending and not gone (a slot is created only when the key has none
 //!   in the hash). Writers pay a short uncontended lock and a push; when a list grows past
 //!   [`PENDING_HELP`] entries (the inserter is behind: more writers than cores), writers
-//!   drain themselves after their write (see `Native::write_impl`), which bounds the lists.
-//!   On a many-core machine the inserter is one core's worth of tree inserts (~2 M/s here);
-//!   past that rate writers take over the work as before.
+//!   insert new slots into the tree themselves, as before, until the next drain, which
+//!   bounds the lists without making any one writer drain thousands of them. On a
+//!   many-core machine the inserter is one core's worth of tree inserts (~2 M/s here); past
+//!   that rate writers take over the work.
 //! - **Range positioning** ([`Index::ascending`], [`Index::descending`]): scc 3.8.8 positions
 //!   a range at a start key by descending to a leaf and walking the leaf list back (forward,
 //!   for a reverse range) until it finds a key at or below the start. When the start lies
@@ -255,7 +256,8 @@ const STRIPES: usize = 256;
 /// `Index::nonempty`).
 pub(crate) const PENDING: usize = 64;
 
-/// A pending list this long asks writers to drain (the inserter is behind).
+/// A pending list this long makes writers insert into the tree themselves until the next
+/// drain (the inserter is behind).
 pub(crate) const PENDING_HELP: usize = 4096;
 
 /// A slot waiting for its tree insert.
@@ -282,7 +284,8 @@ pub(crate) struct Index {
     nonempty: AtomicU64,
     /// Held while pending slots move into the tree.
     drain: Mutex<()>,
-    /// Set by a writer whose pending list passed [`PENDING_HELP`].
+    /// Set by a writer whose pending list passed [`PENDING_HELP`]: until the next drain,
+    /// writers insert new slots into the tree themselves.
     behind: AtomicBool,
     /// The inserter sleeps until a writer wakes it.
     parked: AtomicBool,
@@ -358,18 +361,6 @@ impl Index {
         if n > 0 {
             self.moved_by_drains.fetch_add(n as u64, Ordering::Relaxed);
         }
-    }
-
-    /// Whether writers are asked to drain (a pending list passed [`PENDING_HELP`]).
-    #[inline]
-    pub fn behind(&self) -> bool {
-        self.behind.load(Ordering::Relaxed)
-    }
-
-    /// A writer asked to help: drain (as [`Index::drain`]). Holds no lock on entry.
-    #[cold]
-    pub fn help(&self) {
-        self.drain_for_walk();
     }
 
     /// The inserter: move pending slots into the tree until `stop` is set. Polls every
@@ -534,8 +525,14 @@ impl Index {
         // Under the stripe no other live slot of `key` is in the hash, the tree or a
         // pending list (removal takes a slot out of both maps and marks it gone before it
         // lets the stripe go), so the insert succeeds and the deferred one will.
-        let _ = self.hash.insert_sync(key.into(), mine.clone());
-        self.defer_insert(key, mine.clone(), h);
+        if self.behind.load(Ordering::Relaxed) {
+            // The inserter is behind (more writers than cores): insert as the writer.
+            let _ = self.tree.insert_sync(key.into(), mine.clone());
+            let _ = self.hash.insert_sync(key.into(), mine.clone());
+        } else {
+            let _ = self.hash.insert_sync(key.into(), mine.clone());
+            self.defer_insert(key, mine.clone(), h);
+        }
         mine
     }
 
@@ -975,9 +972,6 @@ mod tests {
                         for i in 0..PER {
                             ix.link(&key(w, i), v(w * PER + i + 1), 0);
                             acked[w as usize].store(i + 1, Ordering::Release);
-                            if ix.behind() {
-                                ix.help();
-                            }
                         }
                     })
                 })
@@ -1000,6 +994,6 @@ mod tests {
         assert_eq!(ix.ascending(Bound::Unbounded, &mg).count() as u64, WRITERS * PER);
         let (by_inserter, by_drains) =
             (ix.moved_by_inserter.load(Ordering::Relaxed), ix.moved_by_drains.load(Ordering::Relaxed));
-        assert_eq!(by_inserter + by_drains, WRITERS * PER, "every slot was moved once");
+        assert!(by_inserter + by_drains <= WRITERS * PER, "a slot was moved twice");
     }
 }

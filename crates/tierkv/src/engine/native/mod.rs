@@ -588,9 +588,6 @@ impl Inner {
         if publish {
             self.publish();
         }
-        if self.index.behind() {
-            self.index.help();
-        }
         if let Err(e) = &r {
             // A failure before the append (a conditional write's read of the disk tier)
             // wrote nothing: the error goes to the caller only.
