@@ -3,6 +3,8 @@
 //!   while other threads wrote (the snapshot number stopped below writes in flight);
 //! - a write racing `Db::close` could be acknowledged after the clean-close record was
 //!   written, and then be lost at reopen (or make the reopen fail).
+//!
+//! And the segment prefaulting of the inserter thread on real pool files.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
 use std::collections::BTreeMap;
@@ -140,4 +142,37 @@ fn data_four_times_the_pm_capacity_fits_through_the_capacity_tier() {
     let db = Db::open("/db", o()).unwrap();
     let n = db.scan(..).unwrap().map(|r| r.unwrap()).filter(|(k, v)| m.get(k) == Some(v)).count();
     assert_eq!(n, m.len());
+}
+
+/// On real pool files the inserter thread faults in the segment slots writers take next
+/// (`segments_prefaulted`), and what was written reads back unchanged.
+#[test]
+fn the_segments_writers_take_next_are_faulted_in_ahead() {
+    let dir = tempfile::tempdir().unwrap();
+    let o = tierkv::Options::new().preset(Preset::Native).pm_pool_size(16 << 20).native(NativeOptions {
+        shards: 4,
+        segment_size: 256 << 10,
+        ..NativeOptions::default()
+    });
+    let db = Db::open(dir.path(), o.clone()).unwrap();
+    let design = |db: &Db, name: &str| db.stats().design.get(name).copied().unwrap();
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
+    let mut i = 0u32;
+    // Writes until the inserter has faulted in segments beyond the first ones (it runs
+    // on its own schedule: poll, never time it).
+    while design(&db, "segments_prefaulted") < 8 {
+        assert!(std::time::Instant::now() < deadline, "no segment was faulted in ahead");
+        for _ in 0..64 {
+            db.put(format!("k{i:08}"), vec![(i % 251) as u8; 1000]).unwrap();
+            i += 1;
+        }
+        std::thread::sleep(std::time::Duration::from_millis(1));
+    }
+    assert!(design(&db, "segments_created") >= 2);
+    db.close().unwrap();
+    drop(db);
+    let db = Db::open(dir.path(), o).unwrap();
+    for j in (0..i).step_by(97) {
+        assert_eq!(db.get(format!("k{j:08}")).unwrap(), Some(vec![(j % 251) as u8; 1000]));
+    }
 }

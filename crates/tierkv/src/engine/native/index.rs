@@ -366,13 +366,16 @@ impl Index {
     /// The inserter: move pending slots into the tree until `stop` is set. Polls every
     /// 100 µs while writes come; after ~6 ms without any it sleeps until a writer wakes it
     /// (or 50 ms pass: a missed wake-up only delays inserts, which walks drain anyway).
-    pub fn run_inserter(&self, stop: &AtomicBool) {
+    ///
+    /// `tick` runs once per round (the engine's other light background work).
+    pub fn run_inserter(&self, stop: &AtomicBool, mut tick: impl FnMut()) {
         let mut idle = 0u32;
         while !stop.load(Ordering::Acquire) {
             let n = {
                 let _d = self.drain.lock();
                 self.drain_locked()
             };
+            tick();
             if n > 0 {
                 self.moved_by_inserter.fetch_add(n as u64, Ordering::Relaxed);
                 idle = 0;
@@ -962,7 +965,7 @@ mod tests {
             }
         }
         std::thread::scope(|s| {
-            let ins = s.spawn(|| ix.run_inserter(&stop));
+            let ins = s.spawn(|| ix.run_inserter(&stop, || {}));
             ix.set_inserter(ins.thread().clone());
             let _stop = Stop(&ix, &stop);
             let writers: Vec<_> = (0..WRITERS)

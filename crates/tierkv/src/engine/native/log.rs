@@ -122,6 +122,11 @@ impl SlotAlloc {
         n
     }
 
+    /// The `n` lowest free slots (those `take` hands out next, one-slot segments).
+    pub fn lowest_free(&self, n: usize) -> Vec<u64> {
+        self.free.iter().take(n).copied().collect()
+    }
+
     /// Take `span` contiguous free slots of one pool; grows the region when none are free.
     pub fn take(&mut self, g: &Geometry, region: &Region, span: u64) -> Result<u64> {
         if span > g.slots_per_pool - 1 {
