@@ -13,6 +13,13 @@
 //! Invariants: moving forward, every valid child is at its first entry `>=` the current
 //! key; moving backward, at its last entry `<=` it. A change of direction re-seeks every
 //! child but the current one, as LevelDB does.
+//!
+//! One comparison per child per step: the pass that finds the smallest (largest) key also
+//! records the children *tied* with it, and the next step moves exactly those past the key
+//! — no second pass of comparisons (after a change of direction, which re-seeks, the ties
+//! are found by comparing).
+
+use std::cmp::Ordering;
 
 use super::{BoxedIter, InternalIterator};
 use crate::error::Result;
@@ -28,6 +35,9 @@ pub struct MergingIterator {
     children: Vec<BoxedIter>,
     current: Option<usize>,
     dir: Dir,
+    /// The children other than `current` positioned at the current key (found by the last
+    /// `find_smallest`/`find_largest`).
+    ties: Vec<usize>,
     /// The current key, copied only when the direction changes.
     scratch: Vec<u8>,
 }
@@ -41,27 +51,46 @@ impl std::fmt::Debug for MergingIterator {
 impl MergingIterator {
     /// Merge `children`, newest first. Unpositioned until a seek.
     pub fn new(children: Vec<BoxedIter>) -> MergingIterator {
-        MergingIterator { children, current: None, dir: Dir::Forward, scratch: Vec::new() }
+        MergingIterator { children, current: None, dir: Dir::Forward, ties: Vec::new(), scratch: Vec::new() }
+    }
+
+    /// Index of the child the current entry comes from (`None` when invalid): lets a
+    /// preset resolve an entry whose value its cursor does not hold (hoakv's hot keys).
+    pub fn current_child(&self) -> Option<usize> {
+        self.current
+    }
+
+    /// Make the child with the smallest key (`want == Less`) or the largest (`Greater`)
+    /// current, the lowest index winning ties, and record the tied children.
+    fn find(&mut self, want: Ordering) {
+        let MergingIterator { children, current, ties, .. } = self;
+        ties.clear();
+        let mut best: Option<usize> = None;
+        for (i, c) in children.iter().enumerate() {
+            if !c.valid() {
+                continue;
+            }
+            match best {
+                None => best = Some(i),
+                Some(b) => match c.key().cmp(children[b].key()) {
+                    Ordering::Equal => ties.push(i),
+                    o if o == want => {
+                        best = Some(i);
+                        ties.clear();
+                    }
+                    _ => {}
+                },
+            }
+        }
+        *current = best;
     }
 
     fn find_smallest(&mut self) {
-        let mut best: Option<usize> = None;
-        for (i, c) in self.children.iter().enumerate() {
-            if c.valid() && best.is_none_or(|b| c.key() < self.children[b].key()) {
-                best = Some(i);
-            }
-        }
-        self.current = best;
+        self.find(Ordering::Less);
     }
 
     fn find_largest(&mut self) {
-        let mut best: Option<usize> = None;
-        for (i, c) in self.children.iter().enumerate() {
-            if c.valid() && best.is_none_or(|b| c.key() > self.children[b].key()) {
-                best = Some(i);
-            }
-        }
-        self.current = best;
+        self.find(Ordering::Greater);
     }
 
     /// Run `f` on every child; on an error the merge becomes invalid.
@@ -80,18 +109,23 @@ impl MergingIterator {
         Err(e)
     }
 
-    /// Step every child other than `cur` that sits at `cur`'s key, forward or back.
-    fn step_ties(&mut self, cur: usize, forward: bool) -> Result<()> {
-        for i in 0..self.children.len() {
-            if i == cur {
-                continue;
-            }
-            let tie = self.children[i].valid() && self.children[i].key() == self.children[cur].key();
-            if tie {
-                let r = if forward { self.children[i].next() } else { self.children[i].prev() };
-                if let Err(e) = r {
-                    return self.fail(e);
+    /// Step every child other than `cur` that sits at `cur`'s key, forward or back: the
+    /// recorded ties, or (`compare`, after a change of direction re-seeked the children)
+    /// the ones found by comparing keys.
+    fn step_ties(&mut self, cur: usize, forward: bool, compare: bool) -> Result<()> {
+        if compare {
+            self.ties.clear();
+            for i in 0..self.children.len() {
+                if i != cur && self.children[i].valid() && self.children[i].key() == self.children[cur].key() {
+                    self.ties.push(i);
                 }
+            }
+        }
+        for t in 0..self.ties.len() {
+            let i = self.ties[t];
+            let r = if forward { self.children[i].next() } else { self.children[i].prev() };
+            if let Err(e) = r {
+                return self.fail(e);
             }
         }
         Ok(())
@@ -101,7 +135,8 @@ impl MergingIterator {
     fn step(&mut self, forward: bool) -> Result<()> {
         let Some(cur) = self.current else { return Ok(()) };
         let want = if forward { Dir::Forward } else { Dir::Reverse };
-        if self.dir != want {
+        let turned = self.dir != want;
+        if turned {
             // Every other child sits on the far side of the current key: move each to its
             // first entry >= it (forward) or last <= it (back); ties are stepped below.
             self.scratch.clear();
@@ -121,7 +156,7 @@ impl MergingIterator {
             }
             self.dir = want;
         }
-        self.step_ties(cur, forward)?;
+        self.step_ties(cur, forward, turned)?;
         let r = if forward { self.children[cur].next() } else { self.children[cur].prev() };
         if let Err(e) = r {
             return self.fail(e);

@@ -59,45 +59,37 @@ const NONE: u32 = u32::MAX;
 /// A recovered hot record's place: (seq, vTable, slot, half, tombstone).
 type Found = (u64, u16, u32, u8, bool);
 
-/// Hot entries copied out under the HotStore lock, in key order: keys and values in one
-/// reused buffer (no allocation per entry once it has grown). A value is stored with the
-/// ColdStore's inline tag in front ([`layout::TAG_INLINE`]), so hot and cold entries decode
-/// alike.
+/// Hot keys copied out under the HotStore lock, in key order ([`Hot::read_keys`]): the
+/// keys in one reused buffer (no allocation per entry once it has grown) and each entry's
+/// tombstone flag, from the DRAM index. No value: a range read fetches the value of the hot
+/// entry it returns, and only that one, with [`Hot::read_value`].
 #[derive(Debug, Default)]
-pub struct HotBatch {
+pub struct HotKeys {
     buf: Vec<u8>,
-    /// Per entry: where its key is in `buf`, and its tagged value (`None`: tombstone).
-    ents: Vec<(Range<usize>, Option<Range<usize>>)>,
-    /// Scratch of [`Hot::read_batch`]: the index entries of the batch being read.
-    idxs: Vec<u32>,
+    /// Per entry: where its key is in `buf`, and whether it is a tombstone.
+    ents: Vec<(Range<usize>, bool)>,
+    /// Per entry: where its record was in PM when the batch was copied (address, bytes) —
+    /// a prefetch hint only, never read through.
+    recs: Vec<(u64, usize)>,
 }
 
-impl HotBatch {
+impl HotKeys {
     fn clear(&mut self) {
         self.buf.clear();
         self.ents.clear();
+        self.recs.clear();
     }
 
-    fn push(&mut self, k: &[u8], v: Option<&[u8]>) {
+    fn push(&mut self, k: &[u8], tomb: bool, rec: (u64, usize)) {
         let ko = self.buf.len();
         self.buf.extend_from_slice(k);
-        let kr = ko..self.buf.len();
-        let vr = v.map(|v| {
-            let vo = self.buf.len();
-            self.buf.push(layout::TAG_INLINE);
-            self.buf.extend_from_slice(v);
-            vo..self.buf.len()
-        });
-        self.ents.push((kr, vr));
+        self.ents.push((ko..self.buf.len(), tomb));
+        self.recs.push(rec);
     }
 
-    fn reverse(&mut self) {
-        self.ents.reverse();
-    }
-
-    /// Bytes of keys and values held.
-    fn bytes(&self) -> usize {
-        self.buf.len()
+    /// Where entry `i`'s record was when the batch was copied (a prefetch hint).
+    pub fn record_at(&self, i: usize) -> Option<(u64, usize)> {
+        self.recs.get(i).copied()
     }
 
     /// Entries held.
@@ -115,11 +107,21 @@ impl HotBatch {
         self.ents.get(i).and_then(|e| self.buf.get(e.0.clone())).unwrap_or(&[])
     }
 
-    /// Tagged value of entry `i` (`None`: tombstone, or past the end).
-    pub fn value(&self, i: usize) -> Option<&[u8]> {
-        let e = self.ents.get(i)?;
-        self.buf.get(e.1.clone()?)
+    /// True when entry `i` is a hot tombstone (or past the end).
+    pub fn tomb(&self, i: usize) -> bool {
+        self.ents.get(i).is_none_or(|e| e.1)
     }
+}
+
+/// A hot key's value as [`Hot::read_value`] found it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum HotValue {
+    /// The key is no longer hot.
+    Gone,
+    /// A hot tombstone.
+    Deleted,
+    /// Copied into the caller's buffer.
+    Copied,
 }
 
 /// One hot index entry.
@@ -744,23 +746,18 @@ impl Hot {
         self.order.halve();
     }
 
-    /// Hot keys after `from` in key order (`forward`), or before it in reverse order,
-    /// copied into `out` with their values (records verified): up to `max` entries, and no
-    /// more once `max_bytes` of keys and values are copied (at least one entry). Returns
-    /// true when entries were left out (more may follow).
-    ///
-    /// Two passes: a batch's index entries and PM records lie far apart in memory, and
-    /// reading them one by one pays a cache miss per entry, serially (most of a scan's
-    /// time, measured). The first pass collects the entries and prefetches their records;
-    /// the second verifies and copies them.
-    pub fn read_batch(
+    /// Hot keys after `from` (`forward`), or the ones just before it, copied into `out` in
+    /// key order with their tombstone flags: up to `max` entries, and no more once
+    /// `max_bytes` of keys are copied (at least one entry). Returns true when entries were
+    /// left out (more may follow). DRAM only: no PM record is read.
+    pub fn read_keys(
         &self,
         from: Bound<&[u8]>,
         forward: bool,
         max: usize,
         max_bytes: usize,
-        out: &mut HotBatch,
-    ) -> Result<bool> {
+        out: &mut HotKeys,
+    ) -> bool {
         out.clear();
         let max = max.max(1);
         let mut fwd;
@@ -772,39 +769,39 @@ impl Hot {
             back = self.keys.range::<[u8], _>((Bound::Unbounded, from)).rev();
             &mut back
         };
-        let mut idxs = std::mem::take(&mut out.idxs);
-        for (_, &idx) in (&mut *it).take(max) {
-            if let Some(e) = self.entries.get(idx as usize) {
-                if let Some(vt) = self.vtables.get(e.vt as usize).and_then(Option::as_ref) {
-                    if let Some(r) = self.region.slice(vt.half_addr(e.slot, e.half), (vt.class as usize).min(512)) {
-                        crate::pm::flush::prefetch(r);
-                    }
-                }
-            }
-            idxs.push(idx);
-        }
-        let mut more = it.next().is_some();
-        let mut r = Ok(());
-        for (i, &idx) in idxs.iter().enumerate() {
-            if i > 0 && out.bytes() >= max_bytes {
+        let mut more = false;
+        for (k, &idx) in &mut *it {
+            if out.len() >= max || (!out.is_empty() && out.buf.len() >= max_bytes) {
                 more = true;
                 break;
             }
-            match self.record(idx) {
-                Ok(rec) => out.push(rec.key, rec.value),
-                Err(e) => {
-                    r = Err(e);
-                    break;
-                }
-            }
+            let e = self.entries.get(idx as usize);
+            let rec = e
+                .and_then(|e| Some((e, self.vtables.get(e.vt as usize)?.as_ref()?)))
+                .map_or((0, 0), |(e, vt)| (vt.half_addr(e.slot, e.half), vt.class as usize));
+            out.push(k, e.is_none_or(|e| e.tomb), rec);
         }
-        idxs.clear();
-        out.idxs = idxs;
-        r?;
         if !forward {
-            out.reverse();
+            // The batch is in key order whichever way it was read.
+            out.ents.reverse();
+            out.recs.reverse();
         }
-        Ok(more)
+        more
+    }
+
+    /// Copy hot `key`'s value into `out` (replacing its contents), its record verified
+    /// (checksum): one hash probe and one record read, what a point read pays.
+    pub fn read_value(&self, key: &[u8], out: &mut Vec<u8>) -> Result<HotValue> {
+        let Some(idx) = self.find(key)? else { return Ok(HotValue::Gone) };
+        let r = self.record(idx)?;
+        Ok(match r.value {
+            Some(v) => {
+                out.clear();
+                out.extend_from_slice(v);
+                HotValue::Copied
+            }
+            None => HotValue::Deleted,
+        })
     }
 
     /// Dirty entries dropped from the index so far (see the field).

@@ -6,25 +6,26 @@ use std::ops::{Bound, Range};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
-use super::hot::HotBatch;
+use super::hot::{HotKeys, HotValue};
 use super::layout::{self, ColdRef};
 use super::Inner;
 use crate::error::{Error, Result};
 use crate::fs::FsFile;
 use crate::iter::{BoxedIter, InternalIterator, MergingIterator};
 
-/// Hot entries copied per HotStore lock by a seek.
+/// Hot keys copied per HotStore lock by a seek.
 const FIRST_BATCH: usize = 16;
-/// Batches double while a walk goes on, up to this many entries.
-const MAX_BATCH: usize = 256;
-/// A batch stops early once it holds this many bytes of keys and values (hot values may be
-/// large: the copy under the lock stays short).
-const MAX_BATCH_BYTES: usize = 256 << 10;
+/// Batches double while a walk goes on, up to this many keys.
+const MAX_BATCH: usize = 1024;
+/// A batch stops early once it holds this many bytes of keys.
+const MAX_BATCH_BYTES: usize = 64 << 10;
 
-/// A cursor over the hot keys (the HotStore's ordered key map), in key order. The hot
-/// values are overwritten in place, so a batch of entries is copied out under the HotStore
-/// lock (one lock per batch, none held between calls) and the cursor re-positions by key
-/// when it runs off the batch. Values carry the ColdStore's inline tag (see [`HotBatch`]).
+/// A cursor over the hot keys (the HotStore's ordered key map), in key order. Keys are
+/// copied out in batches under the HotStore lock (one lock per batch, none held between
+/// calls; DRAM only) and the cursor re-positions by key when it runs off the batch. Hot
+/// values are overwritten in place in PM, so they cannot be borrowed: [`HoaIter`] copies
+/// the value of the hot entry the merge returns, and only that one ([`HoaIter::decode`]);
+/// `value()` here is a placeholder (`Some(&[])`, or `None` for a hot tombstone).
 ///
 /// Every lock also reads the HotStore's dirty-removal count: when it moved since the
 /// iterator's ColdStore sources were made, a key may have left the HotStore for a ColdStore
@@ -33,7 +34,7 @@ struct HotCursor {
     inner: Arc<Inner>,
     epoch: u64,
     stale: Arc<AtomicBool>,
-    batch: HotBatch,
+    batch: HotKeys,
     /// `batch.len()` when invalid.
     pos: usize,
     /// Hot keys may follow the batch (it was cut at `want` entries or read backward).
@@ -51,7 +52,7 @@ impl HotCursor {
             inner,
             epoch,
             stale,
-            batch: HotBatch::default(),
+            batch: HotKeys::default(),
             pos: 0,
             more_fwd: false,
             more_back: false,
@@ -62,38 +63,48 @@ impl HotCursor {
 
     /// Copy the next batch from `from` on (or back); positions at its first entry (forward)
     /// or its last (backward). Returns whether more may follow in that direction.
-    fn refill(&mut self, from: Bound<&[u8]>, forward: bool) -> Result<bool> {
-        let r = {
+    fn refill(&mut self, from: Bound<&[u8]>, forward: bool) -> bool {
+        let more = {
             let hot = self.inner.hot.lock();
             if hot.dirty_removals() != self.epoch {
                 self.stale.store(true, Ordering::Relaxed);
             }
-            hot.read_batch(from, forward, self.want, MAX_BATCH_BYTES, &mut self.batch)
+            hot.read_keys(from, forward, self.want, MAX_BATCH_BYTES, &mut self.batch)
         };
         self.want = (self.want * 2).min(MAX_BATCH);
-        match r {
-            Ok(more) => {
-                // An empty batch leaves `pos` at 0 = `len`: invalid.
-                self.pos = if forward { 0 } else { self.batch.len().saturating_sub(1) };
-                Ok(more)
-            }
-            Err(e) => {
-                self.pos = self.batch.len();
-                Err(e)
+        // An empty batch leaves `pos` at 0 = `len`: invalid.
+        self.pos = if forward { 0 } else { self.batch.len().saturating_sub(1) };
+        self.prefetch();
+        more
+    }
+
+    /// Start loading the current entry's PM record into the CPU caches. The cursor reaches
+    /// a hot key well before the merge returns it (the cold keys between come first), so
+    /// by the time `HoaIter::decode` verifies and copies the record it is in cache. Only
+    /// the entry the cursor stands on is prefetched, not the batch: most of a batch is
+    /// never returned by a short scan. The address may be stale by then (a hint; the copy
+    /// looks the key up again under the lock).
+    fn prefetch(&self) {
+        if self.batch.tomb(self.pos) {
+            return;
+        }
+        if let Some((addr, len)) = self.batch.record_at(self.pos) {
+            if let Some(r) = self.inner.region.slice(addr, len.min(4096)) {
+                crate::pm::flush::prefetch(r);
             }
         }
     }
 
     fn seek_fwd(&mut self, from: Bound<&[u8]>) -> Result<()> {
         self.want = FIRST_BATCH;
-        self.more_fwd = self.refill(from, true)?;
+        self.more_fwd = self.refill(from, true);
         self.more_back = !matches!(from, Bound::Unbounded);
         Ok(())
     }
 
     fn seek_back(&mut self, from: Bound<&[u8]>) -> Result<()> {
         self.want = FIRST_BATCH;
-        self.more_back = self.refill(from, false)?;
+        self.more_back = self.refill(from, false);
         self.more_fwd = !matches!(from, Bound::Unbounded);
         Ok(())
     }
@@ -126,13 +137,13 @@ impl InternalIterator for HotCursor {
         }
         if self.pos + 1 < self.batch.len() {
             self.pos += 1;
+            self.prefetch();
         } else if self.more_fwd {
             let mut edge = std::mem::take(&mut self.edge);
             edge.clear();
             edge.extend_from_slice(self.batch.key(self.pos));
-            let r = self.refill(Bound::Excluded(&edge), true);
+            self.more_fwd = self.refill(Bound::Excluded(&edge), true);
             self.edge = edge;
-            self.more_fwd = r?;
             self.more_back = true;
         } else {
             self.pos = self.batch.len();
@@ -146,13 +157,13 @@ impl InternalIterator for HotCursor {
         }
         if self.pos > 0 {
             self.pos -= 1;
+            self.prefetch();
         } else if self.more_back {
             let mut edge = std::mem::take(&mut self.edge);
             edge.clear();
             edge.extend_from_slice(self.batch.key(self.pos));
-            let r = self.refill(Bound::Excluded(&edge), false);
+            self.more_back = self.refill(Bound::Excluded(&edge), false);
             self.edge = edge;
-            self.more_back = r?;
             self.more_fwd = true;
         } else {
             self.pos = self.batch.len();
@@ -165,7 +176,8 @@ impl InternalIterator for HotCursor {
     }
 
     fn value(&self) -> Option<&[u8]> {
-        self.batch.value(self.pos)
+        // The value itself is copied by `HoaIter::decode` when the merge returns this entry.
+        (!self.batch.tomb(self.pos)).then_some(&[][..])
     }
 }
 
@@ -243,15 +255,19 @@ impl std::fmt::Debug for HoaIter {
     }
 }
 
-/// The hot cursor and the LSM's sources, newest first. The HotStore's dirty-removal count
-/// is read before the LSM's sources are taken: a removal it does not count came after, and
-/// its ColdStore write (made before the removal) is either in the sources or detected.
+/// The hot cursor (child 0) and the LSM's sources, newest first. The HotStore's
+/// dirty-removal count is read before the LSM's sources are taken: a removal it does not
+/// count came after, and its ColdStore write (made before the removal) is either in the
+/// sources or detected.
 fn sources(inner: &Arc<Inner>, stale: &Arc<AtomicBool>) -> MergingIterator {
     let epoch = inner.hot.lock().dirty_removals();
     let mut children: Vec<BoxedIter> = vec![Box::new(HotCursor::new(inner.clone(), epoch, stale.clone()))];
     children.extend(inner.lsm.sources());
     MergingIterator::new(children)
 }
+
+/// The merge's child that is the [`HotCursor`].
+const HOT_CHILD: usize = 0;
 
 impl HoaIter {
     pub(super) fn new(inner: Arc<Inner>) -> HoaIter {
@@ -272,13 +288,17 @@ impl HoaIter {
     /// After a move: rebuild and replay it while a hot refill found the sources stale, then
     /// decode the value.
     fn settle(&mut self, r: Result<()>, redo: Move<'_>) -> Result<()> {
-        let r = r.and_then(|()| {
-            while self.stale.swap(false, Ordering::Relaxed) {
+        let r = r.and_then(|()| loop {
+            if self.stale.swap(false, Ordering::Relaxed) {
                 self.inner.c.iter_rebuilds.fetch_add(1, Ordering::Relaxed);
                 self.merge = sources(&self.inner, &self.stale);
                 apply(&mut self.merge, redo)?;
+                continue;
             }
-            self.decode()
+            self.decode()?;
+            if !self.stale.load(Ordering::Relaxed) {
+                return Ok(());
+            }
         });
         if r.is_err() {
             self.val = Val::Invalid;
@@ -296,6 +316,22 @@ impl HoaIter {
             return Ok(());
         };
         let key = self.merge.key();
+        if self.merge.current_child() == Some(HOT_CHILD) {
+            // A hot entry: copy its current value (verified) under the HotStore lock. A key
+            // that left the HotStore since the batch was copied may have moved to a
+            // ColdStore write these sources do not hold: rebuild them (`settle`).
+            let got = self.inner.hot.lock().read_value(key, &mut self.buf)?;
+            match got {
+                HotValue::Copied => {
+                    self.vrange = 0..self.buf.len();
+                    self.val = Val::Owned;
+                }
+                // Deleted since the batch was copied: a key written while the iterator lives.
+                HotValue::Deleted => self.val = Val::Tomb,
+                HotValue::Gone => self.stale.store(true, Ordering::Relaxed),
+            }
+            return Ok(());
+        }
         match layout::decode_cold_ref(raw) {
             Ok(ColdRef::Inline(_)) => self.val = Val::Inline,
             Ok(ColdRef::Pointer(p)) => {

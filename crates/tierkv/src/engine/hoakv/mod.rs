@@ -37,12 +37,24 @@
 //! first,
 //! - the **HotStore** (`HotCursor`): the hot keys in key order from the HotStore's ordered key
 //!   map (kept on every promotion, demotion, insert and removal; no scan of the cuckoo
-//!   table). Hot values are overwritten in place in PM (the other half of the slot, then
-//!   the selector flips), so a borrowed value could change under the reader: entries are
-//!   *copied* out under the HotStore lock in batches (16 on a seek, doubling up to 256 as a
-//!   walk goes on, cut at 256 KiB; keys and values into one reused buffer, records
-//!   verified), and the cursor re-positions by key past the batch's edge when it runs off
-//!   it. The lock is held for one batch copy, never between calls.
+//!   table). The cursor copies *keys only* (with each entry's tombstone flag, from the DRAM
+//!   index) in batches under the HotStore lock — 16 on a seek, doubling up to 1,024 as a
+//!   walk goes on, cut at 64 KiB — and re-positions by key past the batch's edge when it
+//!   runs off it; the lock is held for one batch copy, never between calls. Hot values are
+//!   overwritten in place in PM (the other half of the slot, then the selector flips), so a
+//!   borrowed value could change under the reader: when the merge *returns* a hot entry,
+//!   `HoaIter` copies its current value under the lock (one hash probe, the record
+//!   verified — what a point read pays). Only returned entries are read: copying and
+//!   verifying whole batches of values (the previous design) spent a quarter of a short
+//!   scan's time on hot values the scan never returned (measured, 200,000 × 1 KiB). The
+//!   cursor prefetches the record of the hot key it stands on, which it reaches well before
+//!   the merge returns it. A hot key that left the HotStore between its batch and its value
+//!   copy makes the iterator rebuild its sources (below). The trade-off: a walk that
+//!   returns every hot key (a full scan) now pays one lock and one hash probe per hot entry
+//!   instead of one lock per batch — `readseq` at 500,000 × 1 KiB measured 13–18% slower
+//!   than with value batches, while `seekrandom` (100 entries) got 15–25% faster. Copying
+//!   values in batches once a walk runs past its first key batch would give both (not
+//!   done yet).
 //! - the **ColdStore**'s sources ([`crate::lsm::Lsm::sources`]): MemTable and Immutable
 //!   MemTable (lock-free skiplists of versioned entries, borrowed from their nodes), each
 //!   level-0 table, one concatenating iterator per deeper level, entries borrowed from
@@ -77,17 +89,20 @@
 //! ColdStore's newest version already); the iterator reads the count before it takes the
 //! LSM's sources, and each hot batch reads it under the same lock: when it moved, the
 //! iterator rebuilds its sources (hot cursor and LSM) and replays the move as a seek from
-//! the last key it returned (`iter_rebuilds` in the design figures). A promotion (by a
-//! read: clean) and group maintenance's pointer rewrites leave the value unchanged.
+//! the last key it returned (`iter_rebuilds` in the design figures). The same rebuild
+//! runs when the value copy of a returned hot entry finds the key no longer hot (it left
+//! between its key batch and its value copy, clean or dirty): the rebuilt sources hold it
+//! wherever it went. A promotion (by a read: clean) and group maintenance's pointer
+//! rewrites leave the value unchanged.
 //!
-//! **Costs.** A seek: one HotStore lock (a `BTreeMap` range of 16 entries), a skiplist
+//! **Costs.** A seek: one HotStore lock (a `BTreeMap` range of 16 keys), a skiplist
 //! search per MemTable, a block per level-0 table and per deeper level (binary searches of
-//! table bounds, index and block). A step: O(1) amortised per source plus the merge's
-//! linear pass over the sources and a copy of the current key (the replay point); one
-//! HotStore lock per batch of hot keys; no lock for cold entries. Only hot entries are
-//! copied, and cold-vlog values are read (one positional read per value, into the reused
-//! buffer). A hot batch prefetches its PM records before it verifies and copies them (one
-//! cache miss per record, serially, was most of a scan's time). Every range read (`Db::scan`,
+//! table bounds, index and block; a block of a mapped table file is verified in place and
+//! borrowed, see [`crate::sstable::DecodedBlock`]). A step: O(1) amortised per source plus
+//! the merge's one comparison per source and a copy of the current key (the replay point);
+//! one HotStore lock per batch of hot keys and one per hot entry returned; no lock for
+//! cold entries. Only returned hot values are copied, and cold-vlog values are read (one
+//! positional read per value, into the reused buffer). Every range read (`Db::scan`,
 //! `Db::iter`, snapshots) goes through this iterator.
 //!
 //! # Durability and recovery

@@ -93,11 +93,14 @@
 //!   forward along the leaf chain, backward by descents below each leaf's lower bound),
 //!   records verified, copying keys and location objects — never a node address, so
 //!   splits and the frees of records and nodes by later writes cannot touch it. Values are
-//!   read from the SSTable block a location names, through the block cache, verified, and
-//!   the last decoded block is kept: the keys of one block follow each other in a walk (a
-//!   flushed or compacted file is written in key order), so a block is read once per visit,
-//!   not once per key (the paper's get reads a block per key). Keys a MemTable shadows are
-//!   still resolved by the tree cursor as it steps past them.
+//!   read from the SSTable block a location names: a block cache hit, or the block verified
+//!   in place in the mapped file ([`crate::sstable::DecodedBlock`]). The tree's files
+//!   overlap (every flush spans the key space), so a walk meets runs of keys from a few
+//!   files' blocks in turn; the cursor keeps the last eight decoded blocks (most recently
+//!   used first), so a block is read and verified once per walk, not once per run of its
+//!   keys (keeping only the last block re-verified a block at nearly every key: half of a
+//!   range read's time, measured; the paper's get reads a block per key). Keys a MemTable
+//!   shadows are still resolved by the tree cursor as it steps past them.
 //! - **Pinned.** (1) The MemTable `Arc`s taken at creation. A flush frees the Immutable
 //!   MemTable's PM arena after it left `mem`; an iterator registered before that
 //!   (`pm::pins::Pins`, as pmekv's value slots) may still read its nodes, so the free is
