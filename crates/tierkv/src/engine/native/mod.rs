@@ -433,7 +433,14 @@ impl Inner {
         let next: Vec<u64> = self.alloc.lock().lowest_free(self.shards.len());
         for s in next {
             if st.done.insert(s) {
-                if self.region.populate(self.geo.addr(s), self.geo.stride) {
+                // In 256 KiB steps: the call holds the process's memory-map lock (shared)
+                // while it runs, and a thread that maps memory meanwhile waits for it.
+                let (a, step) = (self.geo.addr(s), 256 << 10);
+                let mut ok = true;
+                for off in (0..self.geo.stride).step_by(step) {
+                    ok &= self.region.populate(a + off, (self.geo.stride - off).min(step as u64));
+                }
+                if ok {
                     self.counters.add(C_PREFAULTED, 1);
                 }
                 if st.done.len() > 4096 {
