@@ -836,6 +836,7 @@ impl crate::fs::FsFile for PmFile {
         Err(std::io::Error::new(std::io::ErrorKind::PermissionDenied, "PM extents are immutable"))
     }
     fn read_at(&self, off: u64, buf: &mut [u8]) -> std::io::Result<usize> {
+        self.region.read_delay();
         let data = self.mapped().unwrap_or(&[]);
         let start = usize::try_from(off).unwrap_or(usize::MAX).min(data.len());
         let n = buf.len().min(data.len() - start);
@@ -848,8 +849,17 @@ impl crate::fs::FsFile for PmFile {
     fn len(&self) -> std::io::Result<u64> {
         Ok(self.len)
     }
+    /// The extent as memory, without the emulated read latency: a reader that borrows a
+    /// block from it calls it once per access, and pays the latency once per block
+    /// through [`crate::fs::FsFile::note_read`].
     fn mapped(&self) -> Option<&[u8]> {
-        self.region.slice(self.addr, self.len as usize)
+        let p = self.region.resolve(self.addr, self.len)?;
+        // SAFETY: `resolve` checked the extent lies in a live mapping that outlives the
+        // region, which `self` keeps alive; extents are immutable once written.
+        Some(unsafe { std::slice::from_raw_parts(p, self.len as usize) })
+    }
+    fn note_read(&self, _n: u64) {
+        self.region.read_delay();
     }
 }
 

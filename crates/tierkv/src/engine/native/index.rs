@@ -331,6 +331,7 @@ impl Index {
     fn drain_locked(&self) -> usize {
         let bits = self.nonempty.swap(0, Ordering::AcqRel);
         if bits == 0 {
+            self.behind.store(false, Ordering::Relaxed);
             return 0;
         }
         let mut moved = 0;
@@ -409,7 +410,7 @@ impl Index {
     /// Queue a new slot for its tree insert. Caller holds the key's stripe.
     fn defer_insert(&self, key: &[u8], slot: Arc<Slot>, h: u64) {
         let i = (h >> 32) as usize % PENDING;
-        let (was_empty, len) = {
+        let was_empty = {
             let mut l = self.pending[i].0.lock();
             let was_empty = l.is_empty();
             l.push((key.into(), slot));
@@ -418,14 +419,14 @@ impl Index {
             if was_empty {
                 self.nonempty.fetch_or(1 << i, Ordering::AcqRel);
             }
-            (was_empty, l.len())
-        };
-        if was_empty {
-            if self.parked.load(Ordering::Relaxed) {
-                self.wake_inserter();
+            // Under the list lock too: a drain that empties this list afterwards clears it.
+            if l.len() >= PENDING_HELP && !self.behind.load(Ordering::Relaxed) {
+                self.behind.store(true, Ordering::Relaxed);
             }
-        } else if len >= PENDING_HELP && !self.behind.load(Ordering::Relaxed) {
-            self.behind.store(true, Ordering::Relaxed);
+            was_empty
+        };
+        if was_empty && self.parked.load(Ordering::Relaxed) {
+            self.wake_inserter();
         }
     }
 
@@ -503,10 +504,11 @@ impl Index {
         })
     }
 
-    /// The slot of `key`, created (in both maps) if it has none. A new slot goes into the
-    /// tree first and into the hash second: writers find slots through the hash, so no
-    /// version is linked into a slot an iterator could not find. Creation holds the key's
-    /// stripe, as removal does: a slot found under it is in both maps and not gone.
+    /// The slot of `key`, created if it has none. A new slot goes where walks find it (a
+    /// pending list, or the tree when the inserter is behind) first and into the hash
+    /// second: writers find slots through the hash, so no version is linked into a slot an
+    /// iterator could not find. Creation holds the key's stripe, as removal does: a slot
+    /// found under it is in the hash and not gone.
     fn slot(&self, key: &[u8]) -> Arc<Slot> {
         {
             let g = MapGuard::new();
@@ -533,8 +535,12 @@ impl Index {
             let _ = self.tree.insert_sync(key.into(), mine.clone());
             let _ = self.hash.insert_sync(key.into(), mine.clone());
         } else {
-            let _ = self.hash.insert_sync(key.into(), mine.clone());
+            // Pending first, hash second: other writers find the slot through the hash
+            // without the stripe and may link and publish a version at once, so the slot
+            // must already be where a walk's drain finds it (a drain that takes it now waits
+            // for this stripe before its tree insert).
             self.defer_insert(key, mine.clone(), h);
+            let _ = self.hash.insert_sync(key.into(), mine.clone());
         }
         mine
     }

@@ -274,10 +274,19 @@ impl Native {
             None
         };
         let me = inner.clone();
-        let inserter = std::thread::Builder::new().name("tierkv-native-ix".into()).spawn(move || {
+        let spawned = std::thread::Builder::new().name("tierkv-native-ix".into()).spawn(move || {
             let mut ahead = Prefault::default();
             me.index.run_inserter(&me.stop, || me.prefault_ahead(&mut ahead))
-        })?;
+        });
+        let inserter = match spawned {
+            Ok(h) => h,
+            Err(e) => {
+                // Stop the worker started above: it holds the store open. (The inserter
+                // runs whatever `background` says: it changes nothing a reader can see.)
+                Native { inner, worker: Mutex::new(worker), inserter: Mutex::new(None) }.stop_worker();
+                return Err(e.into());
+            }
+        };
         inner.index.set_inserter(inserter.thread().clone());
         Ok(Native { inner, worker: Mutex::new(worker), inserter: Mutex::new(Some(inserter)) })
     }
