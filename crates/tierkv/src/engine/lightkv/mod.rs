@@ -93,14 +93,11 @@
 //!   was freed in between (a counter in the state): an entry indexed at the probe lives in
 //!   a live segment, and while no segment is freed no extent is reused, so its offset
 //!   still holds the same immutable record. A probe that finds nothing, or fails, changes
-//!   nothing: the exclusive pass searches as before. The cost is a second descent (route,
-//!   hashes, bucket scan) and a shared-lock acquisition per write: a single writer does a
-//!   little more work than before, two writers hold the exclusive lock for less.
-//!
-//! Faulting in the record's pages the same way (a read of each page under the shared
-//! lock, before the exclusive write) was tried and dropped: on tmpfs it cost more than the
-//! write fault it replaced (single-writer `fillrandom` 260–290k against 315–370k ops/s
-//! without it, 200,000 × 1 KiB, alternating runs).
+//!   nothing: the exclusive pass searches as before.
+//! - **page faults**: the pages the record will occupy in its partition's active segment
+//!   are read once ([`crate::pm::Region::prefault`]), so a fresh segment's page allocation
+//!   is not paid inside the exclusive section. Bytes past a segment's write position are
+//!   written only under the exclusive lock, so the shared-lock read races with nothing.
 //!
 //! Nothing is written to PM outside the exclusive lock, so crash consistency and recovery
 //! are unchanged by concurrency. (Letting writers of different partitions append in

@@ -1380,11 +1380,12 @@ impl PwbStore {
 
     /// The part of a write that can run beside other writers, under the shared state lock:
     /// the top-leaf entry each op's key already has (found by a probe that reads and
-    /// verifies the entry's record in PM — the costly part of indexing an update). Returns
-    /// the entries found and `State::seg_frees` at the probe. A probe that fails (a damaged
-    /// entry) finds nothing here: the exclusive pass reads the entry again and reports it
-    /// as before.
-    fn probe<'k>(&self, ops: &[pwb::Op<'k>]) -> (Vec<(u64, &'k [u8])>, u64) {
+    /// verifies the entry's record in PM — the costly part of indexing an update), and the
+    /// pages the record will be written to in its partition's active segment, faulted in
+    /// ahead. Returns the entries found and `State::seg_frees` at the probe. A probe that
+    /// fails (a damaged entry) finds nothing here: the exclusive pass reads the entry again
+    /// and reports it as before.
+    fn probe<'k>(&self, ops: &[pwb::Op<'k>], size: u64) -> (Vec<(u64, &'k [u8])>, u64) {
         let st = self.state.read();
         let keys = self.keys();
         let mut known = Vec::new();
@@ -1393,6 +1394,14 @@ impl PwbStore {
                 if off & SST_FLAG == 0 {
                     known.push((off, op.1));
                 }
+            }
+        }
+        let active = ops.first().and_then(|o| st.tree.route(o.1)).and_then(|p| st.active.get(&p));
+        if let Some((&a, g)) = active.and_then(|&a| st.segs.get_key_value(&a)) {
+            if g.pos + size <= g.size {
+                // SAFETY: bytes past an active segment's write position are written only by
+                // a writer holding the state lock exclusively; this thread holds it shared.
+                unsafe { self.region.prefault(a + g.pos, size) };
             }
         }
         (known, st.seg_frees)
@@ -1405,7 +1414,8 @@ impl PwbStore {
         self.poisoned.check()?;
         let Some(first) = ops.first() else { return Ok(true) };
         self.wait_for_room()?;
-        let (known, frees) = self.probe(ops);
+        let size = pwb::record_size(ops.iter().map(|o| (o.1.len(), o.2.len()))) as u64;
+        let (known, frees) = self.probe(ops, size);
         let mut st = self.state.write();
         self.poisoned.check()?;
         // The probe's findings hold only if no segment was freed since (see `KnownKeys`).
@@ -1430,7 +1440,6 @@ impl PwbStore {
         if Self::shape_key(&st) != shape {
             st.epoch += 1;
         }
-        let size = pwb::record_size(ops.iter().map(|o| (o.1.len(), o.2.len()))) as u64;
         let seg = match st.active.get(&p).copied() {
             Some(a) if st.segs.get(&a).is_some_and(|g| g.pos + size <= g.size) => a,
             old => {
