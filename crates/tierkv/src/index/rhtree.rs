@@ -617,13 +617,6 @@ impl RhTree {
         Ok(None)
     }
 
-    /// The offset of `key` in its partition's top leaf (the entry [`RhTree::insert`] would
-    /// replace).
-    pub fn top_get(&self, key: &[u8], src: &dyn KeySource) -> Result<Option<u64>> {
-        let Some(p) = self.route(key) else { return Ok(None) };
-        self.parts[p as usize].top.get(key, src)
-    }
-
     /// Index `key` at `off` in its partition's top leaf (splitting leaves as needed).
     pub fn insert(&mut self, key: &[u8], off: u64, src: &dyn KeySource) -> Result<Insert> {
         loop {

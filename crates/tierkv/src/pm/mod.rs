@@ -592,32 +592,6 @@ impl Region {
         Ok(())
     }
 
-    /// Fault in the pages of `[addr, addr+len)` ahead of a write by reading one byte of
-    /// each: no store, so nothing changes in PM and nothing about persistence. A writer
-    /// calls it outside its lock so that the page faults of a fresh extent (the file's page
-    /// allocation on tmpfs or a DAX file system) are not paid inside its critical section:
-    /// a read fault on a shared file mapping whose file system tracks no dirty pages maps
-    /// the page writable, so the later store takes no fault. A range outside the region,
-    /// or the simulated device, does nothing.
-    ///
-    /// # Safety
-    /// No other thread may write `[addr, addr+len)` concurrently.
-    pub unsafe fn prefault(&self, addr: u64, len: u64) {
-        if len == 0 || matches!(self.backing, Backing::Sim(_)) {
-            return;
-        }
-        let Some(p) = self.resolve(addr, len) else { return };
-        const PAGE: u64 = 4096;
-        let mut at = addr;
-        let end = addr + len;
-        while at < end {
-            // SAFETY: `at` lies in `[addr, end)`, which `resolve` found inside a live
-            // mapping; no thread writes the range concurrently (caller's contract).
-            unsafe { std::ptr::read_volatile(p.add((at - addr) as usize)) };
-            at = (at & !(PAGE - 1)) + PAGE;
-        }
-    }
-
     /// Failure-atomic 8-byte store (not yet persistent). `addr` must be 8-byte aligned.
     pub fn store_u64_atomic(&self, addr: u64, v: u64) -> Result<()> {
         let p = self.atomic_ptr(addr)?;

@@ -79,32 +79,6 @@
 //! buffered keys plus about 56 bytes each (`sorted_view_bytes`, counted in the DRAM index
 //! figure).
 //!
-//! # Concurrent writers
-//! A write's append, persist and indexing run under the state lock held exclusively, one
-//! writer at a time, in sequence-number order: the PM write order, and so what a crash can
-//! leave, is exactly that of a single writer (records of a segment are contiguous, none
-//! after a torn one; a flush's `seq_hi` covers exactly the records indexed before its leaf
-//! was linked). What needs no exclusive access runs before it, beside other writers, under
-//! the lock held *shared* ([`store::PwbStore`]'s `probe`):
-//! - **the probe of the key's top-leaf entry**: finding an existing key means reading its
-//!   record in PM and verifying its checksum (for 1 KiB values, the largest part of
-//!   indexing an update). The entries found are handed to the exclusive pass, which takes
-//!   their keys as known instead of reading them again — only if no write-buffer segment
-//!   was freed in between (a counter in the state): an entry indexed at the probe lives in
-//!   a live segment, and while no segment is freed no extent is reused, so its offset
-//!   still holds the same immutable record. A probe that finds nothing, or fails, changes
-//!   nothing: the exclusive pass searches as before.
-//! - **page faults**: the pages the record will occupy in its partition's active segment
-//!   are read once ([`crate::pm::Region::prefault`]), so a fresh segment's page allocation
-//!   is not paid inside the exclusive section. Bytes past a segment's write position are
-//!   written only under the exclusive lock, so the shared-lock read races with nothing.
-//!
-//! Nothing is written to PM outside the exclusive lock, so crash consistency and recovery
-//! are unchanged by concurrency. (Letting writers of different partitions append in
-//! parallel would put records in PM out of sequence order: recovery treats a damaged record
-//! followed by a valid one as corruption, and flush coverage assumes indexing in sequence
-//! order — both would need a new argument; not done.)
-//!
 //! # Shutdown
 //! `close()` and drop set the store's [`crate::jobs::Cancel`] before joining the workers.
 //! A partition compaction checks it at its first merged entry and every 256 after, and

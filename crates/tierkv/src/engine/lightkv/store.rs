@@ -270,9 +270,6 @@ struct State {
     touched: Vec<PartitionId>,
     /// LightKV_PM: live entries of each top leaf when its image was last written.
     image_live: HashMap<PartitionId, usize>,
-    /// Write-buffer segments freed since open: a writer's probe made outside the exclusive
-    /// lock holds while this is unchanged (see [`KnownKeys`]).
-    seg_frees: u64,
 }
 
 /// Counters.
@@ -382,30 +379,6 @@ impl KeySource for Keys<'_> {
     }
     fn key_eq(&self, off: u64, key: &[u8]) -> Result<bool> {
         self.0.with_entry(off, |_, k, _| k == key)
-    }
-}
-
-/// [`Keys`] that already knows the keys of some write-buffer entries: what a writer's probe
-/// found under the shared lock, before it took the exclusive one ([`PwbStore::probe`]).
-/// A known `(offset, key)` answers `key_eq` without reading (and verifying) the entry
-/// again. It is only used while no segment was freed since the probe (`State::seg_frees`
-/// unchanged): the entry at a known offset was indexed at the probe, so its segment was
-/// live, and while none is freed no extent is reused, so the offset still holds the same
-/// immutable entry.
-struct KnownKeys<'a> {
-    keys: Keys<'a>,
-    known: &'a [(u64, &'a [u8])],
-}
-
-impl KeySource for KnownKeys<'_> {
-    fn key(&self, off: u64) -> Result<Vec<u8>> {
-        self.keys.key(off)
-    }
-    fn key_eq(&self, off: u64, key: &[u8]) -> Result<bool> {
-        if self.known.iter().any(|&(o, k)| o == off && k == key) {
-            return Ok(true);
-        }
-        self.keys.key_eq(off, key)
     }
 }
 
@@ -582,7 +555,6 @@ impl PwbStore {
             chain_images: HashMap::new(),
             touched: Vec::new(),
             image_live: HashMap::new(),
-            seg_frees: 0,
         };
         let cache = (cfg.block_cache > 0).then(|| BlockCache::new(cfg.block_cache));
         let s = PwbStore {
@@ -717,7 +689,7 @@ impl PwbStore {
                 skipped += 1;
                 continue;
             }
-            self.index(&mut st, &key, addr, seq, true, &self.keys())?;
+            self.index(&mut st, &key, addr, seq, true)?;
         }
         {
             let mut c = self.stats.lock();
@@ -809,12 +781,11 @@ impl PwbStore {
     /// Index the record at `addr` for `key` (sequence `seq`), keeping segment entry counts.
     /// A full leaf that cannot split is linked behind a fresh one and queued for flushing;
     /// `inline` flushes it right away (recovery, or no background threads).
-    /// `src` reads the keys of existing entries (a [`KnownKeys`] on the write path).
-    fn index(&self, st: &mut State, key: &[u8], addr: u64, seq: u64, inline: bool, src: &dyn KeySource) -> Result<()> {
+    fn index(&self, st: &mut State, key: &[u8], addr: u64, seq: u64, inline: bool) -> Result<()> {
         let shape = Self::shape_key(st);
         // True when the key's top-leaf entry was updated: the sorted view has the key.
         let known = loop {
-            match st.tree.insert(key, addr, src)? {
+            match st.tree.insert(key, addr, &self.keys())? {
                 Insert::Full(p) => {
                     Self::touch(st, p);
                     if self.cfg.placement == LightkvPlacement::Pm {
@@ -1301,7 +1272,6 @@ impl PwbStore {
             self.heap.lock().free(addr, g.size);
         }
         st.free_slots.push(g.slot);
-        st.seg_frees += 1;
         self.stats.lock().segments_freed += 1;
         Ok(())
     }
@@ -1378,35 +1348,6 @@ impl PwbStore {
         Ok(())
     }
 
-    /// The part of a write that can run beside other writers, under the shared state lock:
-    /// the top-leaf entry each op's key already has (found by a probe that reads and
-    /// verifies the entry's record in PM — the costly part of indexing an update), and the
-    /// pages the record will be written to in its partition's active segment, faulted in
-    /// ahead. Returns the entries found and `State::seg_frees` at the probe. A probe that
-    /// fails (a damaged entry) finds nothing here: the exclusive pass reads the entry again
-    /// and reports it as before.
-    fn probe<'k>(&self, ops: &[pwb::Op<'k>], size: u64) -> (Vec<(u64, &'k [u8])>, u64) {
-        let st = self.state.read();
-        let keys = self.keys();
-        let mut known = Vec::new();
-        for op in ops {
-            if let Ok(Some(off)) = st.tree.top_get(op.1, &keys) {
-                if off & SST_FLAG == 0 {
-                    known.push((off, op.1));
-                }
-            }
-        }
-        let active = ops.first().and_then(|o| st.tree.route(o.1)).and_then(|p| st.active.get(&p));
-        if let Some((&a, g)) = active.and_then(|&a| st.segs.get_key_value(&a)) {
-            if g.pos + size <= g.size {
-                // SAFETY: bytes past an active segment's write position are written only by
-                // a writer holding the state lock exclusively; this thread holds it shared.
-                unsafe { self.region.prefault(a + g.pos, size) };
-            }
-        }
-        (known, st.seg_frees)
-    }
-
     /// Append `ops` as one record (atomic: after a crash all or none of them are there), in
     /// the active segment of the first key's partition, and index each. Durable when it
     /// returns. With a condition (one op), returns false and writes nothing unless it holds.
@@ -1414,13 +1355,8 @@ impl PwbStore {
         self.poisoned.check()?;
         let Some(first) = ops.first() else { return Ok(true) };
         self.wait_for_room()?;
-        let size = pwb::record_size(ops.iter().map(|o| (o.1.len(), o.2.len()))) as u64;
-        let (known, frees) = self.probe(ops, size);
         let mut st = self.state.write();
         self.poisoned.check()?;
-        // The probe's findings hold only if no segment was freed since (see `KnownKeys`).
-        let known: &[(u64, &[u8])] = if st.seg_frees == frees { &known } else { &[] };
-        let src = KnownKeys { keys: self.keys(), known };
         if !self.cfg.background {
             // Leaves linked by earlier writes are flushed before this write's record is
             // appended: a failed flush (a full PM device) then fails this write with nothing
@@ -1440,6 +1376,7 @@ impl PwbStore {
         if Self::shape_key(&st) != shape {
             st.epoch += 1;
         }
+        let size = pwb::record_size(ops.iter().map(|o| (o.1.len(), o.2.len()))) as u64;
         let seg = match st.active.get(&p).copied() {
             Some(a) if st.segs.get(&a).is_some_and(|g| g.pos + size <= g.size) => a,
             old => {
@@ -1479,7 +1416,7 @@ impl PwbStore {
             }
             let shape = Self::shape_key(&st);
             for (op, off) in ops.iter().zip(offs) {
-                self.index(&mut st, op.1, addr + off as u64, seq, false, &src)?;
+                self.index(&mut st, op.1, addr + off as u64, seq, false)?;
             }
             let reshaped = Self::shape_key(&st) != shape;
             self.sync_images(&mut st, reshaped)?;
