@@ -35,6 +35,28 @@
 //! - **Range reads**: the two MemTables merged with the B+-tree; values read from the log
 //!   (below).
 //!
+//! # Concurrent writers
+//! A write has three steps: (1) its values into the value log, persisted; (2) its
+//! key-address pairs as one WAL record; (3) the MemTable. Step 1 of an unconditional write
+//! runs before the writer lock is taken, under the value log's own lock only, so one
+//! writer's value copy and flush overlap another's WAL `write` system call and MemTable
+//! insert (a two-stage pipeline; the value log and the WAL are each still one
+//! append-ordered log). A conditional write (`put_if_absent`…) runs all three under the
+//! writer lock, as before, so nothing is written when its condition fails.
+//!
+//! Crash consistency is unchanged. The value log is still appended in one order with no
+//! gap (each append writes, flushes and fences its records under the value-log lock
+//! before it advances the pool's write position, so recovery's scan finds every record
+//! before the position); the WAL record, written only after its values are durable, is
+//! still the commit point, and it names its values by address, so WAL order need not
+//! follow value-log order. What a crash can leave is what it could before: values no WAL
+//! record names (garbage: live counts come from the tree and the WAL replay). A value
+//! appended but not yet logged counts as a MemTable reference of its pool from the append
+//! on (`mem_refs`), whichever MemTable it then lands in, so its pool cannot be reused
+//! meanwhile. The writer re-checks the poison flag after taking the writer lock: a WAL
+//! write that failed meanwhile may have left a torn record, after which nothing may be
+//! appended.
+//!
 //! # Shutdown
 //! `close()` and drop set the store's [`crate::jobs::Cancel`] before joining the workers.
 //! A merge checks it before each input table, every 256 items read, filtered or added to
@@ -138,6 +160,9 @@ use crate::pm::Region;
 use crate::sstable::{Kind, Table};
 use crate::stats::Stats;
 use vlog::Vlog;
+
+/// A write's key-address pairs (`None`: a delete) and its encoded WAL record.
+type Logged<'a> = (Vec<(&'a [u8], Option<u64>)>, Vec<u8>);
 
 /// MemTable value of a deletion.
 pub(crate) const TOMB: u64 = u64::MAX;
@@ -462,34 +487,28 @@ impl Inner {
 
     fn write_impl(&self, ops: &[BatchOp], cond: Cond) -> Result<bool> {
         self.poisoned.check()?;
-        let mut w = self.writer.lock();
-        if let (Some(first), Cond::Absent | Cond::Present) = (ops.first(), cond) {
-            if self.exists(first.key())? != (cond == Cond::Present) {
-                return Ok(false);
-            }
-        }
         if ops.is_empty() {
             return Ok(true);
         }
-        let values: Vec<&[u8]> = ops
-            .iter()
-            .filter_map(|o| match o {
-                BatchOp::Put { value, .. } => Some(value.as_slice()),
-                BatchOp::Delete { .. } => None,
-            })
-            .collect();
-        // 1. Values into the value log, persisted.
-        let addrs = self.vlog.append(self, &values)?;
-        let mut it = addrs.into_iter();
-        let wops: Vec<(&[u8], Option<u64>)> = ops
-            .iter()
-            .map(|o| match o {
-                BatchOp::Put { key, .. } => (key.as_slice(), it.next()),
-                BatchOp::Delete { key } => (key.as_slice(), None),
-            })
-            .collect();
+        // 1. Values into the value log, persisted. An unconditional write appends them
+        // before it takes the writer lock (see "Concurrent writers" in the module docs); a
+        // conditional one decides and appends under it, so that nothing is written for a
+        // write whose condition fails.
+        let conditional = matches!(cond, Cond::Absent | Cond::Present);
+        let early = if conditional { None } else { Some(self.log_values(ops)?) };
+        let mut w = self.writer.lock();
+        // A WAL write that failed meanwhile may have left a torn record: append nothing.
+        self.poisoned.check()?;
+        let (wops, rec) = match early {
+            Some(x) => x,
+            None => {
+                if self.exists(ops[0].key())? != (cond == Cond::Present) {
+                    return Ok(false);
+                }
+                self.log_values(ops)?
+            }
+        };
         // 2. Key-address pairs into the WAL (one record: the batch replays whole or not).
-        let rec = layout::encode_wal(&wops);
         if let Err(e) = w.wal.append(&rec).and_then(|_| if self.opts.sync_wal { w.wal.sync() } else { Ok(()) }) {
             // The record may be partly in the file: later records would follow garbage.
             self.poisoned.set(format!("WAL write failed: {e}"));
@@ -514,6 +533,29 @@ impl Inner {
             self.rotate(&mut w)?;
         }
         Ok(true)
+    }
+
+    /// Step 1 of a write: its values into the value log, persisted (one fence), and its WAL
+    /// record encoded. Returns the key-address pairs (`None`: a delete) and the record.
+    fn log_values<'a>(&self, ops: &'a [BatchOp]) -> Result<Logged<'a>> {
+        let values: Vec<&[u8]> = ops
+            .iter()
+            .filter_map(|o| match o {
+                BatchOp::Put { value, .. } => Some(value.as_slice()),
+                BatchOp::Delete { .. } => None,
+            })
+            .collect();
+        let addrs = self.vlog.append(self, &values)?;
+        let mut it = addrs.into_iter();
+        let wops: Vec<(&[u8], Option<u64>)> = ops
+            .iter()
+            .map(|o| match o {
+                BatchOp::Put { key, .. } => (key.as_slice(), it.next()),
+                BatchOp::Delete { key } => (key.as_slice(), None),
+            })
+            .collect();
+        let rec = layout::encode_wal(&wops);
+        Ok((wops, rec))
     }
 
     /// Make the active MemTable immutable (waiting for the previous one's flush) and start a

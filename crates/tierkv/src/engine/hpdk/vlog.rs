@@ -175,8 +175,9 @@ impl Vlog {
         }
     }
 
-    /// Append `values` (persisted with one fence) and return their addresses. Caller holds
-    /// the writer lock.
+    /// Append `values` (persisted with one fence) and return their addresses. Writers call
+    /// it with or without the writer lock (see "Concurrent writers" in the preset's docs);
+    /// the value log's own lock orders the appends.
     pub(crate) fn append(&self, inner: &Inner, values: &[&[u8]]) -> Result<Vec<u64>> {
         if values.is_empty() {
             return Ok(Vec::new());
