@@ -10,20 +10,7 @@ use tierkv::pm::{Backing, Region, RegionConfig};
 fn bench(c: &mut Criterion) {
     let base = if std::path::Path::new("/dev/shm").is_dir() { "/dev/shm" } else { "/tmp" };
     let dir = tempfile::Builder::new().prefix("tierkv-persist-bench").tempdir_in(base).unwrap();
-    let region = Region::open(RegionConfig {
-        backing: Backing::Dir(dir.path().to_path_buf()),
-        pool_size: 64 << 20,
-        db_id: 1,
-        sync: false,
-        write_latency_ns: 0,
-        write_bandwidth_mbps: 0,
-        read_latency_ns: 0,
-        capacity: 0,
-        preallocate: false,
-        create: true,
-        health: Default::default(),
-    })
-    .unwrap();
+    let region = Region::open(RegionConfig::new(Backing::Dir(dir.path().to_path_buf()), 64 << 20, 1)).unwrap();
     let instr = FlushInstr::detect();
     let area: u64 = 32 << 20;
     let start: u64 = 4096;

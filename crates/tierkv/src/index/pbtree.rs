@@ -897,20 +897,7 @@ mod tests {
     const HEAP: u64 = 128;
 
     fn region(dev: &SimDevice, create: bool) -> Region {
-        Region::open(RegionConfig {
-            backing: Backing::Sim(dev.clone()),
-            pool_size: 1 << 20,
-            db_id: 7,
-            sync: false,
-            write_latency_ns: 0,
-            write_bandwidth_mbps: 0,
-            read_latency_ns: 0,
-            capacity: 0,
-            preallocate: false,
-            create,
-            health: Default::default(),
-        })
-        .unwrap()
+        Region::open(RegionConfig { create, ..RegionConfig::new(Backing::Sim(dev.clone()), 1 << 20, 7) }).unwrap()
     }
 
     fn heap_for(r: &Region, mut used: Vec<(u64, u64)>) -> Mutex<Heap> {

@@ -91,6 +91,27 @@ pub struct RegionConfig {
     pub health: Arc<PmHealth>,
 }
 
+impl RegionConfig {
+    /// A region of `pool_size` pools on `backing` for store `db_id`, created when missing:
+    /// no msync, no emulated latency or bandwidth limit, no capacity bound, nothing
+    /// preallocated (change fields with struct update syntax).
+    pub fn new(backing: Backing, pool_size: u64, db_id: u64) -> RegionConfig {
+        RegionConfig {
+            backing,
+            pool_size,
+            db_id,
+            sync: false,
+            write_latency_ns: 0,
+            write_bandwidth_mbps: 0,
+            read_latency_ns: 0,
+            capacity: 0,
+            preallocate: false,
+            create: true,
+            health: Default::default(),
+        }
+    }
+}
+
 /// Health of PM write-back to its medium, shared by a [`Region`] and the store that owns it.
 ///
 /// With `sync` every fence msyncs what it flushed; a failed msync cannot be returned from the
@@ -869,20 +890,7 @@ mod populate_tests {
     use super::*;
 
     fn region(backing: Backing) -> Region {
-        Region::open(RegionConfig {
-            backing,
-            pool_size: 4 << 20,
-            db_id: 7,
-            sync: false,
-            write_latency_ns: 0,
-            write_bandwidth_mbps: 0,
-            read_latency_ns: 0,
-            capacity: 0,
-            preallocate: false,
-            create: true,
-            health: Default::default(),
-        })
-        .unwrap()
+        Region::open(RegionConfig::new(backing, 4 << 20, 7)).unwrap()
     }
 
     #[test]

@@ -633,22 +633,7 @@ mod tests {
     }
 
     fn region(dev: &SimDevice) -> Arc<Region> {
-        Arc::new(
-            Region::open(RegionConfig {
-                backing: Backing::Sim(dev.clone()),
-                pool_size: 1 << 20,
-                db_id: 5,
-                sync: false,
-                write_latency_ns: 0,
-                write_bandwidth_mbps: 0,
-                read_latency_ns: 0,
-                capacity: 0,
-                preallocate: false,
-                create: true,
-                health: Default::default(),
-            })
-            .unwrap(),
-        )
+        Arc::new(Region::open(RegionConfig::new(Backing::Sim(dev.clone()), 1 << 20, 5)).unwrap())
     }
 
     fn figure(s: &PwbStore, name: &str) -> u64 {

@@ -52,7 +52,7 @@
 //!   [`PENDING_HELP`] entries (the inserter is behind: more writers than cores), writers
 //!   insert new slots into the tree themselves, as before, until the next drain, which
 //!   bounds the lists without making any one writer drain thousands of them. On a
-//!   many-core machine the inserter is one core's worth of tree inserts (~2 M/s here); past
+//!   many-core machine the inserter is one core's worth of tree inserts (its rate was not measured on its own); past
 //!   that rate writers take over the work.
 //! - **Range positioning** ([`Index::ascending`], [`Index::descending`]): scc 3.8.8 positions
 //!   a range at a start key by descending to a leaf and walking the leaf list back (forward,
@@ -372,10 +372,7 @@ impl Index {
     pub fn run_inserter(&self, stop: &AtomicBool, mut tick: impl FnMut()) {
         let mut idle = 0u32;
         while !stop.load(Ordering::Acquire) {
-            let n = {
-                let _d = self.drain.lock();
-                self.drain_locked()
-            };
+            let n = self.drain();
             tick();
             if n > 0 {
                 self.moved_by_inserter.fetch_add(n as u64, Ordering::Relaxed);
