@@ -43,8 +43,9 @@ pub trait BenchEngine: Send + Sync {
     fn scan(&self, start: &[u8], n: usize) -> Result<usize>;
     /// Resource usage since open.
     fn usage(&self) -> Usage;
-    /// Clean close, then open again; the store must still hold its data.
-    fn reopen(&mut self) -> Result<()>;
+    /// Clean close, then open again; the store must still hold its data. Returns the
+    /// seconds the open took (the close not included).
+    fn reopen(&mut self) -> Result<f64>;
     /// False for engines without recovery (`limit`): the run skips their recovery figures.
     /// For every other engine a failed reopen fails the run.
     fn recovers(&self) -> bool {

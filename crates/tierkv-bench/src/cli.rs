@@ -340,8 +340,9 @@ fn run_in_process(a: &BenchArgs, spec: &EngineSpec, params: &Params, first: bool
         return Ok(());
     }
     let t = Instant::now();
-    e.reopen().map_err(|err| format!("{name}: reopen after the workloads failed: {err}"))?;
-    let seconds = t.elapsed().as_secs_f64();
+    let open = reopen_to_first_read(e.as_mut(), a.key_size)
+        .map_err(|err| format!("{name}: reopen after the workloads failed: {err}"))?;
+    let seconds = (t.elapsed().as_secs_f64(), open);
     let crashed = match &a.crash_exe {
         Some(exe) => {
             drop(e);
@@ -383,16 +384,26 @@ fn wipe(spec: &EngineSpec) -> Result<(), String> {
     Ok(())
 }
 
+/// Clean close and open of `e`, then one read (the first key of db_bench's key space):
+/// the seconds from the open's start to that read's answer (the close not included).
+pub fn reopen_to_first_read(e: &mut dyn crate::api::BenchEngine, key_size: usize) -> Result<f64, String> {
+    let open = e.reopen()?;
+    let t = Instant::now();
+    e.get_value(&vec![b'0'; key_size.max(1)])?;
+    Ok(open + t.elapsed().as_secs_f64())
+}
+
 fn recovery_row(
     spec: &EngineSpec,
     params: &Params,
-    seconds: f64,
+    (seconds, open_seconds): (f64, f64),
     crash: Option<crate::child::CrashRecovery>,
 ) -> Recovery {
     Recovery {
         engine: spec.name.clone(),
         value_size: params.value_size,
         seconds,
+        open_seconds: Some(open_seconds),
         after_crash_seconds: crash.map(|c| c.seconds),
         verified_keys: crash.map(|c| c.verified),
         acknowledged_keys: crash.map(|c| c.acknowledged),
@@ -466,7 +477,7 @@ fn run_confined(
                 disk_bytes_read += o.disk_bytes_read;
                 acc.outcomes.push(*o);
             }
-            Event::Reopen(s) => reopen = Some(s),
+            Event::Reopen(s, open) => reopen = Some((s, open)),
             _ => {}
         }
     }

@@ -281,12 +281,13 @@ impl BenchEngine for Tierkv {
             pm_space: s.pm.capacity,
         }
     }
-    fn reopen(&mut self) -> Result<()> {
+    fn reopen(&mut self) -> Result<f64> {
         if let Some(db) = self.db.take() {
             db.close().map_err(|e| e.to_string())?;
         }
+        let t = std::time::Instant::now();
         self.db = Some(Db::open(&self.dir, self.opts.clone()).map_err(|e| e.to_string())?);
-        Ok(())
+        Ok(t.elapsed().as_secs_f64())
     }
     fn crash_reopen(&mut self) -> Result<()> {
         if let Some(db) = self.db.take() {
@@ -487,7 +488,7 @@ impl BenchEngine for Limit {
             pm_space: s.capacity,
         }
     }
-    fn reopen(&mut self) -> Result<()> {
+    fn reopen(&mut self) -> Result<f64> {
         Err("limit keeps its index in DRAM only; it has no recovery".into())
     }
     fn recovers(&self) -> bool {

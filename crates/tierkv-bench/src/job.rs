@@ -65,8 +65,9 @@ pub enum Event {
     Outcome(Box<Outcome>),
     /// A workload was not applicable to the engine (`limit` and scans).
     Skipped(Workload),
-    /// Seconds of a clean close + reopen after the workloads.
-    Reopen(f64),
+    /// Seconds of a clean close + reopen after the workloads, and of the open alone (to its
+    /// first served read).
+    Reopen(f64, f64),
     /// Recovery after a crash was measured.
     Crash(crate::child::CrashRecovery),
     /// Recovery after a crash could not be measured (the reason).
@@ -127,8 +128,9 @@ fn run_job(job: &Job) -> Result<(), String> {
             }
             if reopen && e.recovers() {
                 let t = Instant::now();
-                e.reopen().map_err(|err| format!("{name}: reopen after the workloads failed: {err}"))?;
-                emit(&Event::Reopen(t.elapsed().as_secs_f64()))?;
+                let open = crate::cli::reopen_to_first_read(e.as_mut(), job.params.key_size)
+                    .map_err(|err| format!("{name}: reopen after the workloads failed: {err}"))?;
+                emit(&Event::Reopen(t.elapsed().as_secs_f64(), open))?;
             }
             Ok(())
         }

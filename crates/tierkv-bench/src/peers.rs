@@ -222,13 +222,15 @@ impl BenchEngine for LevelDb {
             pm_space: 0,
         }
     }
-    fn reopen(&mut self) -> Result<()> {
+    fn reopen(&mut self) -> Result<f64> {
         self.close_db();
+        let t = std::time::Instant::now();
         let name = CString::new(self.path.to_string_lossy().as_bytes()).map_err(|e| e.to_string())?;
         let mut err: *mut c_char = ptr::null_mut();
         // SAFETY: the options outlive the DB (destroyed in Drop after close).
         self.db = unsafe { ldb::leveldb_open(self.options, name.as_ptr(), &mut err) };
-        take_err(err)
+        take_err(err)?;
+        Ok(t.elapsed().as_secs_f64())
     }
     fn space(&self) -> u64 {
         dir_size(&self.path)
@@ -320,10 +322,11 @@ impl BenchEngine for RocksDb {
             pm_space: 0,
         }
     }
-    fn reopen(&mut self) -> Result<()> {
+    fn reopen(&mut self) -> Result<f64> {
         self.db = None;
+        let t = std::time::Instant::now();
         self.db = Some(rocksdb::DB::open(&self.opts, &self.path).map_err(|e| format!("rocksdb: {e}"))?);
-        Ok(())
+        Ok(t.elapsed().as_secs_f64())
     }
     fn space(&self) -> u64 {
         dir_size(&self.path)

@@ -118,6 +118,9 @@ pub struct Recovery {
     pub value_size: usize,
     /// Seconds for a clean close + open after the workloads.
     pub seconds: f64,
+    /// Of `seconds`, those from the start of the open to its first served read (a get).
+    #[serde(default)]
+    pub open_seconds: Option<f64>,
     /// Seconds from `open` to the first served read after a crash: a child process wrote
     /// fresh keys to the store and was killed with SIGKILL at a random moment (without the `tierkv` executable, e.g. in tests: a simulated crash, for
     /// the engines that can simulate one in-process).
@@ -231,8 +234,8 @@ pub fn table(r: &Report) -> String {
     if !r.recovery.is_empty() {
         let _ = writeln!(
             out,
-            "\nrecovery: clean close + reopen | after SIGKILL of a writer process: open to first served read, \
-             keys recovered / acknowledged"
+            "\nrecovery: clean close + reopen (of which open to first served read) | after SIGKILL of a writer \
+             process: open to first served read, keys recovered / acknowledged"
         );
         for rec in &r.recovery {
             let crash = match (rec.after_crash_seconds, rec.verified_keys, rec.acknowledged_keys) {
@@ -240,7 +243,9 @@ pub fn table(r: &Report) -> String {
                 (Some(s), _, _) => format!("{s:.3} s"),
                 _ => "not measured".to_string(),
             };
-            let _ = writeln!(out, "  {:<10} value {:>6}: {:.3} s | {crash}", rec.engine, rec.value_size, rec.seconds);
+            let open = rec.open_seconds.map_or(String::new(), |s| format!(" (open {s:.3} s)"));
+            let _ =
+                writeln!(out, "  {:<10} value {:>6}: {:.3} s{open} | {crash}", rec.engine, rec.value_size, rec.seconds);
         }
     }
     out.push_str(&memory(r));

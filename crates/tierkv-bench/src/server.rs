@@ -510,7 +510,7 @@ impl BenchEngine for RespEngine {
     fn usage(&self) -> Usage {
         Usage::default()
     }
-    fn reopen(&mut self) -> Result<()> {
+    fn reopen(&mut self) -> Result<f64> {
         Err("a server is not reopened by the client".into())
     }
 }

@@ -123,7 +123,7 @@ impl Cancel {
 /// points passed and jobs cancelled, and, once armed with [`JobProbe::pause_at`], parks the
 /// job that reaches the chosen safe point until the store is closed, so a test can close
 /// the store in the middle of a job deterministically (no sleeps, no timing).
-#[derive(Debug, Default)]
+#[derive(Debug)]
 pub struct JobProbe {
     /// Park at this safe point (counted over the probe's life from 1); 0 = never.
     pause_at: AtomicU64,
@@ -131,6 +131,11 @@ pub struct JobProbe {
     cv: Condvar,
     points: AtomicU64,
     cancelled: AtomicU64,
+    /// Batches a background index load may still take (`u64::MAX`: no limit; see
+    /// [`JobProbe::limit_loads`]).
+    loads_allowed: AtomicU64,
+    loads: Mutex<()>,
+    loads_cv: Condvar,
 }
 
 #[derive(Debug, Default)]
@@ -139,10 +144,56 @@ struct ProbeState {
     woken: bool,
 }
 
+impl Default for JobProbe {
+    fn default() -> Self {
+        JobProbe {
+            pause_at: AtomicU64::new(0),
+            state: Mutex::default(),
+            cv: Condvar::new(),
+            points: AtomicU64::new(0),
+            cancelled: AtomicU64::new(0),
+            loads_allowed: AtomicU64::new(u64::MAX),
+            loads: Mutex::new(()),
+            loads_cv: Condvar::new(),
+        }
+    }
+}
+
 impl JobProbe {
     /// A probe that counts (and parks nothing until armed).
     pub fn new() -> Arc<JobProbe> {
         Arc::new(JobProbe::default())
+    }
+
+    /// Let a background index load (`native` after a checkpoint open) take `n` more
+    /// batches and then wait until this is called again (`u64::MAX`: no limit) or the
+    /// store closes, so a test can read and write while the index is half loaded.
+    pub fn limit_loads(&self, n: u64) {
+        let _g = self.loads.lock();
+        self.loads_allowed.store(n, Ordering::Relaxed);
+        self.loads_cv.notify_all();
+    }
+
+    /// Called by a background index load before each batch: waits while the batches
+    /// allowed are used up, unless `stop()` says the store is closing. Returns `false`
+    /// when stopped.
+    pub fn load_batch(&self, stop: &dyn Fn() -> bool) -> bool {
+        let mut g = self.loads.lock();
+        loop {
+            if stop() {
+                return false;
+            }
+            let n = self.loads_allowed.load(Ordering::Relaxed);
+            if n == u64::MAX {
+                return true;
+            }
+            if n > 0 {
+                self.loads_allowed.store(n - 1, Ordering::Relaxed);
+                return true;
+            }
+            // A timeout: `stop` is a flag, not a notification of this condvar.
+            self.loads_cv.wait_for(&mut g, std::time::Duration::from_millis(5));
+        }
     }
 
     /// Arm the probe: the job reaching the `n`-th safe point from now (`n` ≥ 1, counted

@@ -278,6 +278,8 @@ impl Inner {
     /// call waits for a running one (`compact`), else it returns at once. Returns the
     /// keys moved.
     pub(super) fn move_cold(&self, log: &mut ShardLog, all: bool, wait: bool) -> Result<u64> {
+        // Coldness and removal are judged by the index: not before it holds every key.
+        self.index.wait_loaded()?;
         let _one = if wait {
             self.cold.moving.lock()
         } else {
@@ -314,7 +316,7 @@ impl Inner {
         // retired segment of the store).
         let (picks, wrapped, entries) = {
             let guard = epoch::pin();
-            let (picks, wrapped) = self.pick_cold(keep, &guard);
+            let (picks, wrapped) = self.pick_cold(keep, &guard)?;
             let mut entries = Vec::with_capacity(picks.len());
             for p in &picks {
                 if p.tomb {
@@ -379,7 +381,7 @@ impl Inner {
     /// Walk the hand over the ordered index: up to one batch of cold keys whose newest
     /// version is at or below `keep` (and not moved already), in key order; and whether
     /// the hand passed the end (the next pass starts at the beginning).
-    fn pick_cold(&self, keep: u64, eg: &epoch::Guard) -> (Vec<Pick>, bool) {
+    fn pick_cold(&self, keep: u64, eg: &epoch::Guard) -> Result<(Vec<Pick>, bool)> {
         let mut hand = self.cold.hand.lock();
         let mut picks = Vec::new();
         let mut bytes = 0u64;
@@ -393,7 +395,7 @@ impl Inner {
                 None => Bound::Unbounded,
             };
             let mut reached_end = true;
-            for (k, slot) in self.index.ascending(lower, &mg) {
+            for (k, slot) in self.index.ascending(lower, &mg)? {
                 visited += 1;
                 if visited > VISIT_PER_BATCH || picks.len() >= BATCH_KEYS || bytes >= BATCH_BYTES {
                     reached_end = false;
@@ -416,7 +418,7 @@ impl Inner {
         }
         // The next pass starts after the last key visited, or at the start after the end.
         *hand = if wrapped { None } else { last };
-        (picks, wrapped)
+        Ok((picks, wrapped))
     }
 
     /// Take out of the index the slots of moved batches that no live snapshot can need.

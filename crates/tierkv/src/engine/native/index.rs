@@ -54,6 +54,28 @@
 //!   bounds the lists without making any one writer drain thousands of them. On a
 //!   many-core machine the inserter is one core's worth of tree inserts (its rate was not measured on its own); past
 //!   that rate writers take over the work.
+//! - **Background load** (after an open from an index checkpoint): inserting a million
+//!   keys into both maps takes about a second here, far more than the rest of an open. So
+//!   the open puts only the log tail's winners into the maps ([`Index::bulk_load`]) and
+//!   hands the checkpoint's entries over as a sorted array, the *base* ([`Index::set_base`];
+//!   the file's bytes plus one fixed-size record per entry, about 40 bytes, freed when the
+//!   load ends). The inserter thread then moves the base into the maps in key order
+//!   ([`Index::load_base`]), a key at a time under its stripe, skipping keys that have a
+//!   slot. Until it is done:
+//!   - a point lookup ([`Index::lookup`]) that misses the hash binary-searches the base.
+//!     It reads the base pointer before the hash, so a miss means the key had no slot at
+//!     that moment, and its base entry was then its newest version; if the load had ended
+//!     before, the slot would have been in the hash. A base entry is verified (checksum)
+//!     at every read, until its slot exists;
+//!   - a writer creating a slot for a key with a base entry starts the chain with that
+//!     entry, under the key's stripe (so snapshots taken before the write read it, and the
+//!     write counts it as displaced); the load then skips the key;
+//!   - everything that needs every key in the maps waits for the load: ordered walks
+//!     (iterators, checkpoints, the capacity tier's hand, `check`), the log cleaner
+//!     (liveness is judged by the index) and moves to disk. A close stops the load at a
+//!     batch boundary and writes no checkpoint: the one the open loaded stays valid
+//!     (every record written since lies after its resume points; nothing was cleaned or
+//!     moved), so the next open loads it and replays this session's records.
 //! - **Range positioning** ([`Index::ascending`], [`Index::descending`]): scc 3.8.8 positions
 //!   a range at a start key by descending to a leaf and walking the leaf list back (forward,
 //!   for a reverse range) until it finds a key at or below the start. When the start lies
@@ -163,6 +185,23 @@ impl Slot {
         }
     }
 
+    /// A slot holding one version, as open loads it (not hot: the hand may move it at once).
+    fn loaded(seq: u64, loc: u64, size: u32, tomb: bool, unverified: bool) -> Slot {
+        let s = Slot::new();
+        s.hot.store(false, Ordering::Relaxed);
+        let v = Version {
+            seq,
+            loc: AtomicU64::new(loc),
+            size,
+            tomb,
+            unverified: AtomicBool::new(unverified),
+            gate: None,
+            next: Atomic::null(),
+        };
+        s.head.store(Owned::new(v), Ordering::Release);
+        s
+    }
+
     /// Mark the key as used (a plain load first: no cache-line write when already set).
     #[inline]
     pub fn touch(&self) {
@@ -249,6 +288,100 @@ pub(crate) enum Linked {
 /// A key's version as open loads it: `(key, seq, loc, size, tomb, unverified)`.
 pub(crate) type LoadEntry<'a> = (&'a [u8], u64, u64, u32, bool, bool);
 
+/// A checkpoint's entries that the open left for the background load (see "Background
+/// load" in the module docs): the checkpoint file's bytes (mapped where the file system
+/// maps files) and the offset of every entry in them, in key order (8 bytes per key; the
+/// entries themselves are read from the file).
+pub(crate) struct Base {
+    buf: super::checkpoint::FileBytes,
+    offs: Vec<u64>,
+    /// Indexes (into `offs`, ascending) of the entries the log tail replayed after the
+    /// checkpoint decided: the key's version in the maps (or, for a key moved to disk or
+    /// deleted, its absence) wins.
+    superseded: Vec<usize>,
+    /// Deletes get a slot (the capacity tier has tables they must hide).
+    keep_tombs: bool,
+    /// Entries that get a slot.
+    wanted: usize,
+}
+
+/// A key's version in a [`Base`]: its newest when the checkpoint was written.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct BaseEntry {
+    pub seq: u64,
+    pub loc: u64,
+    /// Bytes of its log entry.
+    pub size: u32,
+    pub tomb: bool,
+}
+
+impl Base {
+    /// `offs`: where each entry starts in `buf` (entries verified by
+    /// [`super::checkpoint::for_each_entry`], so every offset parses); `superseded`
+    /// ascending; `wanted`: the entries that get a slot.
+    pub fn new(
+        buf: super::checkpoint::FileBytes,
+        offs: Vec<u64>,
+        superseded: Vec<usize>,
+        keep_tombs: bool,
+        wanted: usize,
+    ) -> Base {
+        Base { buf, offs, superseded, keep_tombs, wanted }
+    }
+
+    /// Entry `i`: its key and version (`None` if it does not parse, which verification
+    /// rules out).
+    #[inline]
+    fn entry(&self, i: usize) -> Option<(&[u8], BaseEntry)> {
+        let at = usize::try_from(*self.offs.get(i)?).ok()?;
+        let (key, seq, loc, size, tomb) = super::checkpoint::entry_at(self.buf.bytes(), at).ok()?;
+        Some((key, BaseEntry { seq, loc, size, tomb }))
+    }
+
+    /// The entry of `key` that gets a slot, if any (binary search).
+    pub fn find(&self, key: &[u8]) -> Option<BaseEntry> {
+        let (mut lo, mut hi) = (0usize, self.offs.len());
+        while lo < hi {
+            let mid = lo + (hi - lo) / 2;
+            let (k, e) = self.entry(mid)?;
+            match k.cmp(key) {
+                std::cmp::Ordering::Less => lo = mid + 1,
+                std::cmp::Ordering::Greater => hi = mid,
+                std::cmp::Ordering::Equal => {
+                    let wanted = self.superseded.binary_search(&mid).is_err() && (!e.tomb || self.keep_tombs);
+                    return wanted.then_some(e);
+                }
+            }
+        }
+        None
+    }
+
+    /// Entries that get a slot.
+    pub fn wanted_count(&self) -> usize {
+        self.wanted
+    }
+}
+
+/// What a point lookup found (see [`Index::lookup`]).
+pub(crate) enum Found<'g> {
+    /// The key's slot.
+    Slot(&'g Slot),
+    /// The key's checkpoint entry, not loaded yet: its newest version (unverified).
+    Base(BaseEntry),
+}
+
+/// Where the background load is.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum LoadState {
+    Loading,
+    Done,
+    /// Stopped by a close before it finished.
+    Abandoned,
+}
+
+/// Entries the background load moves per batch (between checks of the stop flag).
+const LOAD_BATCH: usize = 1024;
+
 /// Stripes of the slot-creation lock.
 const STRIPES: usize = 256;
 
@@ -294,6 +427,15 @@ pub(crate) struct Index {
     /// Slots moved into the tree by the inserter / by walks and writers draining.
     pub moved_by_inserter: AtomicU64,
     pub moved_by_drains: AtomicU64,
+    /// A checkpoint's entries not yet in the maps (null: none; see "Background load").
+    base: Atomic<Base>,
+    /// Set while `base` may be non-null (cleared after the load swapped it out).
+    loading: AtomicBool,
+    load_state: Mutex<LoadState>,
+    load_cv: parking_lot::Condvar,
+    /// Slots the background load created / reads served from the base.
+    pub loaded_by_load: AtomicU64,
+    pub base_reads: AtomicU64,
 }
 
 /// An ordered walk of the tree: whole-tree or positioned (see "Range positioning").
@@ -317,7 +459,138 @@ impl Index {
             inserter: std::sync::OnceLock::new(),
             moved_by_inserter: AtomicU64::new(0),
             moved_by_drains: AtomicU64::new(0),
+            base: Atomic::null(),
+            loading: AtomicBool::new(false),
+            load_state: Mutex::new(LoadState::Done),
+            load_cv: parking_lot::Condvar::new(),
+            loaded_by_load: AtomicU64::new(0),
+            base_reads: AtomicU64::new(0),
         }
+    }
+
+    /// Hand the index a checkpoint's entries to load in the background ([`Index::load_base`]);
+    /// until then lookups and new slots consult them. Open calls this before the store
+    /// serves anything.
+    pub fn set_base(&self, base: Base) {
+        *self.load_state.lock() = LoadState::Loading;
+        self.base.store(Owned::new(base), Ordering::Release);
+        self.loading.store(true, Ordering::Release);
+    }
+
+    /// Whether every entry of the base is in the maps (or there was none).
+    pub fn loaded(&self) -> bool {
+        !self.loading.load(Ordering::Acquire) || *self.load_state.lock() == LoadState::Done
+    }
+
+    /// Wait until the base is loaded. `Error::Closed` if the load was stopped by a close
+    /// (the maps then lack keys: nothing may walk them or judge a key by its absence).
+    pub fn wait_loaded(&self) -> crate::error::Result<()> {
+        if !self.loading.load(Ordering::Acquire) {
+            return Ok(());
+        }
+        let mut st = self.load_state.lock();
+        while *st == LoadState::Loading {
+            self.load_cv.wait(&mut st);
+        }
+        match *st {
+            LoadState::Done => Ok(()),
+            _ => Err(crate::error::Error::Closed),
+        }
+    }
+
+    /// The background load: move every wanted base entry into both maps, in key order,
+    /// a key at a time under its stripe, skipping keys that have a slot already (a writer
+    /// made one, starting its chain with the base entry). Stops at a batch boundary when
+    /// `stop` is set (the close then writes no checkpoint: the one loaded stays valid).
+    /// Returns the slots it created.
+    pub fn load_base(&self, stop: &AtomicBool, probe: Option<&crate::jobs::JobProbe>) -> u64 {
+        // SAFETY: only this function unlinks and frees the base (and `Drop`, which cannot
+        // run while `&self` is borrowed), so it outlives this call without a pin (a pin
+        // held for the whole load would hold back the reclamation of trimmed versions).
+        let Some(base) = (unsafe { self.base.load(Ordering::Acquire, epoch::unprotected()).as_ref() }) else {
+            return 0;
+        };
+        let _room = self.hash.reserve(base.wanted_count());
+        let mut made = 0u64;
+        let mut skip = base.superseded.iter().peekable();
+        let mut i = 0;
+        while i < base.offs.len() {
+            let go = probe.is_none_or(|p| p.load_batch(&|| stop.load(Ordering::Acquire)));
+            if !go || stop.load(Ordering::Acquire) {
+                *self.load_state.lock() = LoadState::Abandoned;
+                self.load_cv.notify_all();
+                return made;
+            }
+            let end = (i + LOAD_BATCH).min(base.offs.len());
+            for j in i..end {
+                if skip.next_if_eq(&&j).is_some() {
+                    continue;
+                }
+                let Some((key, e)) = base.entry(j) else { continue };
+                if e.tomb && !base.keep_tombs {
+                    continue;
+                }
+                let _stripe = self.stripe(key).lock();
+                {
+                    let g = MapGuard::new();
+                    if self.hash.peek(key, &g).is_some() {
+                        continue;
+                    }
+                }
+                let slot = Arc::new(Slot::loaded(e.seq, e.loc, e.size, e.tomb, true));
+                let _ = self.tree.insert_sync(key.into(), slot.clone());
+                let _ = self.hash.insert_sync(key.into(), slot);
+                made += 1;
+            }
+            self.loaded_by_load.store(made, Ordering::Relaxed);
+            i = end;
+        }
+        // Every wanted entry is in the maps: lookups stop consulting the base.
+        let g = epoch::pin();
+        let old = self.base.swap(Shared::null(), Ordering::AcqRel, &g);
+        self.loading.store(false, Ordering::Release);
+        // SAFETY: `old` is unlinked; readers that loaded it hold a pin, so it is freed
+        // after they leave.
+        unsafe { g.defer_destroy(old) };
+        *self.load_state.lock() = LoadState::Done;
+        self.load_cv.notify_all();
+        made
+    }
+
+    /// The unloaded base entry of `key` that gets a slot, if the load is not done.
+    fn base_entry(&self, key: &[u8]) -> Option<BaseEntry> {
+        if !self.loading.load(Ordering::Acquire) {
+            return None;
+        }
+        let g = epoch::pin();
+        let b = self.base.load(Ordering::Acquire, &g);
+        // SAFETY: a base is freed only through `defer_destroy` after it was unlinked, so
+        // it outlives the pin.
+        unsafe { b.as_ref() }.and_then(|b| b.find(key))
+    }
+
+    /// Where `key`'s newest versions are: its slot, or (while the background load runs)
+    /// its checkpoint entry (see "Background load" in the module docs for why the base
+    /// pointer is read before the hash).
+    #[inline]
+    pub fn lookup<'g>(&'g self, key: &[u8], mg: &'g MapGuard) -> Option<Found<'g>> {
+        if !self.loading.load(Ordering::Acquire) {
+            return self.hash.peek(key, mg).map(|s| Found::Slot(s));
+        }
+        self.lookup_loading(key, mg)
+    }
+
+    #[cold]
+    fn lookup_loading<'g>(&'g self, key: &[u8], mg: &'g MapGuard) -> Option<Found<'g>> {
+        let eg = epoch::pin();
+        let b = self.base.load(Ordering::Acquire, &eg);
+        if let Some(s) = self.hash.peek(key, mg) {
+            return Some(Found::Slot(s));
+        }
+        // SAFETY: as in `base_entry`.
+        let e = unsafe { b.as_ref() }.and_then(|b| b.find(key))?;
+        self.base_reads.fetch_add(1, Ordering::Relaxed);
+        Some(Found::Base(e))
     }
 
     /// Move every slot pending when this is called into the tree (and wait for the ones
@@ -447,8 +720,8 @@ impl Index {
         self.hash.len()
     }
 
-    /// The slot of `key`, if any.
-    #[inline]
+    /// The slot of `key`, if any (tests; readers use [`Index::lookup`]).
+    #[cfg(test)]
     pub fn get<'g>(&'g self, key: &[u8], guard: &'g MapGuard) -> Option<&'g Slot> {
         self.hash.peek(key, guard).map(|s| &**s)
     }
@@ -458,7 +731,8 @@ impl Index {
         &'g self,
         from: Bound<&'g [u8]>,
         guard: &'g MapGuard,
-    ) -> impl Iterator<Item = (&'g [u8], &'g Arc<Slot>)> + 'g {
+    ) -> crate::error::Result<impl Iterator<Item = (&'g [u8], &'g Arc<Slot>)> + 'g> {
+        self.wait_loaded()?;
         self.drain_for_walk();
         let from_edge = match from {
             Bound::Included(k) | Bound::Excluded(k) => self.tree.iter(guard).next().is_none_or(|(min, _)| k <= &**min),
@@ -469,11 +743,11 @@ impl Index {
         } else {
             Box::new(self.tree.range::<[u8], _>((from, Bound::Unbounded), guard))
         };
-        walk.map(|(k, s)| (&**k, s)).skip_while(move |(k, _)| match from {
+        Ok(walk.map(|(k, s)| (&**k, s)).skip_while(move |(k, _)| match from {
             Bound::Included(f) => *k < f,
             Bound::Excluded(f) => *k <= f,
             Bound::Unbounded => false,
-        })
+        }))
     }
 
     /// Keys in descending order from `to` down (see "Range positioning" in the module docs).
@@ -481,7 +755,8 @@ impl Index {
         &'g self,
         to: Bound<&'g [u8]>,
         guard: &'g MapGuard,
-    ) -> impl Iterator<Item = (&'g [u8], &'g Arc<Slot>)> + 'g {
+    ) -> crate::error::Result<impl Iterator<Item = (&'g [u8], &'g Arc<Slot>)> + 'g> {
+        self.wait_loaded()?;
         self.drain_for_walk();
         let from_edge = match to {
             Bound::Included(k) | Bound::Excluded(k) => {
@@ -494,11 +769,11 @@ impl Index {
         } else {
             Box::new(self.tree.range::<[u8], _>((Bound::Unbounded, to), guard).rev())
         };
-        walk.map(|(k, s)| (&**k, s)).skip_while(move |(k, _)| match to {
+        Ok(walk.map(|(k, s)| (&**k, s)).skip_while(move |(k, _)| match to {
             Bound::Included(t) => *k > t,
             Bound::Excluded(t) => *k >= t,
             Bound::Unbounded => false,
-        })
+        }))
     }
 
     /// The slot of `key`, created if it has none. A new slot goes where walks find it (a
@@ -523,7 +798,17 @@ impl Index {
                 return s.clone();
             }
         }
-        let mine = Arc::new(Slot::new());
+        // A key whose checkpoint entry is not loaded yet starts its chain with it (older
+        // snapshots read it; linking reports it displaced). The load, under this stripe
+        // too, then finds the slot and skips the entry.
+        let mine = match self.base_entry(key) {
+            Some(e) => {
+                let s = Slot::loaded(e.seq, e.loc, e.size, e.tomb, true);
+                s.hot.store(true, Ordering::Relaxed);
+                Arc::new(s)
+            }
+            None => Arc::new(Slot::new()),
+        };
         // Under the stripe no other live slot of `key` is in the hash, the tree or a
         // pending list (removal takes a slot out of both maps and marks it gone before it
         // lets the stripe go), so the insert succeeds and the deferred one will.
@@ -587,21 +872,7 @@ impl Index {
     pub fn bulk_load(&self, entries: &[LoadEntry<'_>]) {
         let slots: Vec<Arc<Slot>> = entries
             .iter()
-            .map(|&(_, seq, loc, size, tomb, unverified)| {
-                let s = Slot::new();
-                s.hot.store(false, Ordering::Relaxed);
-                let v = Version {
-                    seq,
-                    loc: AtomicU64::new(loc),
-                    size,
-                    tomb,
-                    unverified: AtomicBool::new(unverified),
-                    gate: None,
-                    next: Atomic::null(),
-                };
-                s.head.store(Owned::new(v), Ordering::Release);
-                Arc::new(s)
-            })
+            .map(|&(_, seq, loc, size, tomb, unverified)| Arc::new(Slot::loaded(seq, loc, size, tomb, unverified)))
             .collect();
         // Grown once, up front (held until the end: the reservation lapses when dropped).
         let _room = self.hash.reserve(entries.len());
@@ -724,6 +995,19 @@ impl Index {
     }
 }
 
+impl Drop for Index {
+    fn drop(&mut self) {
+        // SAFETY: `&mut self`: no reader holds the index, so an unloaded base (a load
+        // stopped by a close) is freed here and nowhere else.
+        unsafe {
+            let b = self.base.swap(Shared::null(), Ordering::AcqRel, epoch::unprotected());
+            if !b.is_null() {
+                drop(b.into_owned());
+            }
+        }
+    }
+}
+
 /// Cut the chain starting at `head` below its newest version `<= keep`; the cut versions
 /// are freed once no pinned reader can hold them. Caller holds the slot lock.
 fn trim(head: Shared<'_, Version>, keep: u64, guard: &Guard) {
@@ -834,11 +1118,11 @@ mod tests {
                 let sk = s.to_be_bytes();
                 let b = bound(*kind, &sk);
                 let want: Vec<&Vec<u8>> = model.range::<[u8], _>((b, Bound::Unbounded)).collect();
-                let got: Vec<&[u8]> = ix.ascending(b, &mg).map(|(k, _)| k).collect();
+                let got: Vec<&[u8]> = ix.ascending(b, &mg).unwrap().map(|(k, _)| k).collect();
                 proptest::prop_assert_eq!(got.len(), want.len());
                 proptest::prop_assert!(got.iter().zip(&want).all(|(g, w)| *g == &w[..]));
                 let want: Vec<&Vec<u8>> = model.range::<[u8], _>((Bound::Unbounded, b)).rev().collect();
-                let got: Vec<&[u8]> = ix.descending(b, &mg).map(|(k, _)| k).collect();
+                let got: Vec<&[u8]> = ix.descending(b, &mg).unwrap().map(|(k, _)| k).collect();
                 proptest::prop_assert_eq!(got.len(), want.len());
                 proptest::prop_assert!(got.iter().zip(&want).all(|(g, w)| *g == &w[..]));
             }
@@ -866,9 +1150,9 @@ mod tests {
         keys.sort();
         let mg = MapGuard::new();
         for _ in 0..20 {
-            let first = ix.ascending(Bound::Included(b"\xff"), &mg).next().map(|(k, _)| k.to_vec());
+            let first = ix.ascending(Bound::Included(b"\xff"), &mg).unwrap().next().map(|(k, _)| k.to_vec());
             assert_eq!(first.as_ref(), keys.first());
-            let last = ix.descending(Bound::Included(b"\xff\xff"), &mg).next().map(|(k, _)| k.to_vec());
+            let last = ix.descending(Bound::Included(b"\xff\xff"), &mg).unwrap().next().map(|(k, _)| k.to_vec());
             assert_eq!(last.as_ref(), keys.last());
         }
     }
@@ -888,8 +1172,8 @@ mod tests {
             let (Some(min), Some(max)) = (model.first().cloned(), model.last().cloned()) else { return };
             let all: Vec<Vec<u8>> = model.iter().cloned().collect();
             let rev: Vec<Vec<u8>> = model.iter().rev().cloned().collect();
-            let up = |b| ix.ascending(b, &mg).map(|(k, _)| k.to_vec()).collect::<Vec<_>>();
-            let down = |b| ix.descending(b, &mg).map(|(k, _)| k.to_vec()).collect::<Vec<_>>();
+            let up = |b| ix.ascending(b, &mg).unwrap().map(|(k, _)| k.to_vec()).collect::<Vec<_>>();
+            let down = |b| ix.descending(b, &mg).unwrap().map(|(k, _)| k.to_vec()).collect::<Vec<_>>();
             assert_eq!(up(Bound::Unbounded), all);
             assert_eq!(up(Bound::Included(&min[..])), all);
             assert_eq!(up(Bound::Excluded(&min[..])), all[1..].to_vec());
@@ -922,13 +1206,13 @@ mod tests {
         assert_eq!(ix.slots(), 1000);
         assert_eq!(ix.tree.len(), 0);
         let mg = MapGuard::new();
-        let walked: Vec<Vec<u8>> = ix.ascending(Bound::Unbounded, &mg).map(|(k, _)| k.to_vec()).collect();
+        let walked: Vec<Vec<u8>> = ix.ascending(Bound::Unbounded, &mg).unwrap().map(|(k, _)| k.to_vec()).collect();
         let want: Vec<Vec<u8>> = (0..1000u32).map(|k| k.to_be_bytes().to_vec()).collect();
         assert_eq!(walked, want);
         assert_eq!(ix.moved_by_drains.load(Ordering::Relaxed), 1000);
         // A key written after that walk is found by the next one, in either direction.
         ix.link(&5000u32.to_be_bytes(), v(2000), 0);
-        let top = ix.descending(Bound::Unbounded, &mg).next().map(|(k, _)| k.to_vec());
+        let top = ix.descending(Bound::Unbounded, &mg).unwrap().next().map(|(k, _)| k.to_vec());
         assert_eq!(top, Some(5000u32.to_be_bytes().to_vec()));
         assert_eq!(ix.moved_by_drains.load(Ordering::Relaxed), 1001);
     }
@@ -940,12 +1224,13 @@ mod tests {
         ix.link(b"other", v(2), 0);
         assert_eq!(ix.remove(b"k", 1), Some((100, 10, false)));
         let mg = MapGuard::new();
-        let keys = |ix: &Index| ix.ascending(Bound::Unbounded, &mg).map(|(k, _)| k.to_vec()).collect::<Vec<_>>();
+        let keys =
+            |ix: &Index| ix.ascending(Bound::Unbounded, &mg).unwrap().map(|(k, _)| k.to_vec()).collect::<Vec<_>>();
         assert_eq!(keys(&ix), vec![b"other".to_vec()]);
         // Written again: a new slot, pending, then in the tree with only its new version.
         ix.link(b"k", v(3), 0);
         assert_eq!(keys(&ix), vec![b"k".to_vec(), b"other".to_vec()]);
-        let (_, slot) = ix.ascending(Bound::Unbounded, &mg).next().unwrap();
+        let (_, slot) = ix.ascending(Bound::Unbounded, &mg).unwrap().next().unwrap();
         let g = epoch::pin();
         assert_eq!(slot.head(&g).map(|h| h.seq), Some(3));
         assert_eq!(chain(&ix, b"k"), vec![3]);
@@ -987,7 +1272,7 @@ mod tests {
                 let seen: Vec<u64> = acked.iter().map(|a| a.load(Ordering::Acquire)).collect();
                 let mg = MapGuard::new();
                 let found: std::collections::HashSet<Vec<u8>> =
-                    ix.ascending(Bound::Unbounded, &mg).map(|(k, _)| k.to_vec()).collect();
+                    ix.ascending(Bound::Unbounded, &mg).unwrap().map(|(k, _)| k.to_vec()).collect();
                 for w in 0..WRITERS {
                     for i in 0..seen[w as usize] {
                         assert!(found.contains(&key(w, i)[..]), "walk {walks}: writer {w}'s key {i} missing");
@@ -997,7 +1282,7 @@ mod tests {
             }
         });
         let mg = MapGuard::new();
-        assert_eq!(ix.ascending(Bound::Unbounded, &mg).count() as u64, WRITERS * PER);
+        assert_eq!(ix.ascending(Bound::Unbounded, &mg).unwrap().count() as u64, WRITERS * PER);
         let (by_inserter, by_drains) =
             (ix.moved_by_inserter.load(Ordering::Relaxed), ix.moved_by_drains.load(Ordering::Relaxed));
         assert!(by_inserter + by_drains <= WRITERS * PER, "a slot was moved twice");

@@ -109,13 +109,13 @@ impl NativeIter {
                 ents.len() >= n
             };
             if forward {
-                for (k, s) in inner.index.ascending(bound, &mg) {
+                for (k, s) in inner.index.ascending(bound, &mg)? {
                     if take(k, s) {
                         break;
                     }
                 }
             } else {
-                for (k, s) in inner.index.descending(bound, &mg) {
+                for (k, s) in inner.index.descending(bound, &mg)? {
                     if take(k, s) {
                         break;
                     }

@@ -227,6 +227,11 @@ pub(crate) struct Inner {
     stop: AtomicBool,
     /// Index checkpoints ([`checkpoint`]).
     ckpt: checkpoint::Checkpoints,
+    /// Microseconds the background load of a checkpoint's entries took (0: none ran or
+    /// it has not finished).
+    load_us: AtomicU64,
+    /// Test instrumentation ([`crate::Options::job_probe`]).
+    probe: Option<Arc<crate::jobs::JobProbe>>,
 }
 
 /// What `Inner::prefault_ahead` did so far (inserter thread only).
@@ -275,6 +280,7 @@ impl Native {
         };
         let me = inner.clone();
         let spawned = std::thread::Builder::new().name("tierkv-native-ix".into()).spawn(move || {
+            me.load_index();
             let mut ahead = Prefault::default();
             me.index.run_inserter(&me.stop, || me.prefault_ahead(&mut ahead))
         });
@@ -312,6 +318,19 @@ impl Drop for Native {
 }
 
 impl Inner {
+    /// Move the entries of the checkpoint the open loaded into the index (see "Background
+    /// load" in [`index`]); runs first on the inserter thread.
+    fn load_index(&self) {
+        if self.index.loaded() {
+            return;
+        }
+        let t = std::time::Instant::now();
+        self.index.load_base(&self.stop, self.probe.as_deref());
+        if self.index.loaded() {
+            self.load_us.store(t.elapsed().as_micros().max(1) as u64, Ordering::Relaxed);
+        }
+    }
+
     /// Take a shard: the thread's own if free, else the next free one, else wait for the
     /// thread's own.
     fn acquire_shard(&self) -> (usize, MutexGuard<'_, ShardLog>) {
@@ -756,6 +775,8 @@ impl Inner {
     /// made while one runs (including from the cleaner's own appends) does nothing.
     /// Returns the segments cleaned. See `docs/design/native.md` ("Log cleaning").
     fn clean(&self, log: &mut ShardLog, max: usize) -> Result<usize> {
+        // Liveness is judged by the index: not before it holds every key.
+        self.index.wait_loaded()?;
         if self.cleaning.swap(true, Ordering::AcqRel) {
             return Ok(0);
         }
@@ -891,7 +912,11 @@ impl Inner {
         let Some(op) = ops.first() else { return Ok(true) };
         let guard = epoch::pin();
         let mg = index::MapGuard::new();
-        let in_index = self.index.get(op.key(), &mg).and_then(|s| s.find(base - 1, &guard).map(|v| !v.tomb));
+        let in_index = match self.index.lookup(op.key(), &mg) {
+            Some(index::Found::Slot(s)) => s.find(base - 1, &guard).map(|v| !v.tomb),
+            Some(index::Found::Base(e)) => (e.seq < base).then_some(!e.tomb),
+            None => None,
+        };
         // Not in the index: the disk tier decides (it holds only versions below `keep`,
         // below `base`).
         let present = match in_index {
@@ -919,7 +944,10 @@ impl Inner {
             a.reclaim(self.oldest_snap.0.load(Ordering::SeqCst));
             a.free_slots() < self.shards.len() && !self.region.can_grow()
         };
-        if may_clean && !self.background && self.over_budget(0.0) {
+        // Before the background load is done, a writer waits for it only when PM is short
+        // (the cleaning below then has to run); the optional work is skipped.
+        let loaded = self.index.loaded();
+        if may_clean && loaded && !self.background && self.over_budget(0.0) {
             // No background thread: the writer that starts a segment moves one batch of
             // cold keys to disk. A failure (a damaged entry, a full disk) is counted and
             // skipped: the write goes on, the keys stay in PM.
@@ -927,7 +955,7 @@ impl Inner {
                 self.cold.failed(&e);
             }
         }
-        if may_clean && (low || (!self.background && self.mostly_dead())) {
+        if may_clean && (low || (loaded && !self.background && self.mostly_dead())) {
             // PM is short, or half the log is dead: the writer that starts a segment then
             // cleans a few first (like a write stall); what it frees becomes reusable once
             // no reader can hold it. A damaged segment is left for `check` and `compact`.
@@ -1004,6 +1032,9 @@ impl Inner {
                 ("index_slots", slots),
                 ("tree_inserts_by_inserter", self.index.moved_by_inserter.load(Ordering::Relaxed)),
                 ("tree_inserts_by_drains", self.index.moved_by_drains.load(Ordering::Relaxed)),
+                ("index_load_us", self.load_us.load(Ordering::Relaxed)),
+                ("index_load_slots", self.index.loaded_by_load.load(Ordering::Relaxed)),
+                ("index_base_reads", self.index.base_reads.load(Ordering::Relaxed)),
                 ("free_segment_slots", free_slots),
                 ("segments", live_segments),
                 ("published_seq", self.published.0.load(Ordering::Relaxed)),
@@ -1059,7 +1090,7 @@ impl Inner {
         let guard = epoch::pin();
         let mg = index::MapGuard::new();
         let mut in_tree = 0usize;
-        for (key, slot) in self.index.ascending(std::ops::Bound::Unbounded, &mg) {
+        for (key, slot) in self.index.ascending(std::ops::Bound::Unbounded, &mg)? {
             in_tree += 1;
             let Some(v) = slot.find(u64::MAX, &guard) else { continue };
             if !v.tomb {
@@ -1116,13 +1147,18 @@ impl Inner {
         // The index checkpoint the next open loads instead of replaying the logs (resuming
         // at every log's end). If it cannot be written, the close goes on: the logs hold
         // everything (counted in `checkpoint_failures`).
-        let resume = logs.iter().map(|l| checkpoint::resume_point(l)).collect();
-        let header = checkpoint::Header { db_id: self.db_id, horizon: self.next_seq.0.load(Ordering::SeqCst), resume };
-        let _ = {
+        // A close before the background load finished writes none: the index lacks keys,
+        // and the checkpoint the open loaded stays valid (every record written since lies
+        // after its resume points, and nothing was cleaned or moved meanwhile: both wait
+        // for the load), so the next open loads it and replays this session's records.
+        if self.index.loaded() {
+            let resume = logs.iter().map(|l| checkpoint::resume_point(l)).collect();
+            let header =
+                checkpoint::Header { db_id: self.db_id, horizon: self.next_seq.0.load(Ordering::SeqCst), resume };
             // Not while a `compact` checkpoint still writes the temp file.
             let _one = self.ckpt.writing.lock();
-            self.write_checkpoint(header, false)
-        };
+            let _ = self.write_checkpoint(header, false);
+        }
         let tails = logs
             .iter()
             .map(|l| match l.open {
@@ -1230,21 +1266,32 @@ fn get_at<T>(
 ) -> Result<Option<T>> {
     {
         let mg = index::MapGuard::new();
-        if let Some(slot) = inner.index.get(key, &mg) {
-            slot.touch();
-            let guard = epoch::pin();
-            if let Some(v) = slot.find(at, &guard) {
-                if v.tomb {
+        match inner.index.lookup(key, &mg) {
+            Some(index::Found::Slot(slot)) => {
+                slot.touch();
+                let guard = epoch::pin();
+                if let Some(v) = slot.find(at, &guard) {
+                    if v.tomb {
+                        return Ok(None);
+                    }
+                    let unverified = v.unverified();
+                    let value = inner.entry_value(key, v.seq, v.loc(), unverified)?;
+                    if unverified {
+                        v.mark_verified();
+                        inner.gc_counters.add(G_CKPT_VERIFIED, 1);
+                    }
+                    return Ok(Some(f(value)));
+                }
+            }
+            // Not loaded yet (the background load after a checkpoint open): the entry is
+            // read and verified each time until its slot exists.
+            Some(index::Found::Base(e)) if e.seq <= at => {
+                if e.tomb {
                     return Ok(None);
                 }
-                let unverified = v.unverified();
-                let value = inner.entry_value(key, v.seq, v.loc(), unverified)?;
-                if unverified {
-                    v.mark_verified();
-                    inner.gc_counters.add(G_CKPT_VERIFIED, 1);
-                }
-                return Ok(Some(f(value)));
+                return Ok(Some(f(inner.entry_value(key, e.seq, e.loc, true)?)));
             }
+            Some(index::Found::Base(_)) | None => {}
         }
     }
     Ok(inner.cold.get(key, view)?.flatten().map(|v| f(&v)))

@@ -39,7 +39,7 @@ use crate::format::log::{DropReason, Dropped};
 use crate::pm::Region;
 
 use super::checkpoint::{self, Checkpoints};
-use super::index::{Index, LoadEntry};
+use super::index::{Base, Index, LoadEntry};
 use super::layout::{self, Clean, Kind, SegHeader, Superblock, SEG_HEADER_LEN};
 use super::log::{Geometry, OpenSeg, ShardLog, SlotAlloc};
 use super::scan::{scan, End};
@@ -188,71 +188,109 @@ pub(super) fn open(ctx: &EngineCtx) -> Result<Inner> {
     }
     let poison = Arc::new(crate::poison::Poison::default());
     let cancel = Arc::new(crate::jobs::Cancel::new(ctx.opts.job_probe.clone()));
-    let cold = super::cold::Cold::open(ctx, create_cold, Arc::new(crate::poison::Poison::default()), cancel)?;
     let nshards = sb.shards as usize;
-    let clean_raw = region.slice_checked(layout::CLEAN_ADDR, Clean::encoded_len(nshards), "clean-close record")?;
-    let clean = Clean::decode(clean_raw, nshards);
-    // The index checkpoint, if there is a usable one (one that fails its checks is
-    // ignored: the logs alone recover the store).
     let mut ckpt_state = Checkpoints::new(ctx.fs.clone(), &ctx.dir, ctx.opts.native.checkpoint_bytes);
     let mut rejected = None;
-    let ckpt_buf = if ctx.fresh {
-        Checkpoints::remove_stale(&ctx.fs, &ctx.dir)?;
-        None
-    } else {
-        // An unreadable checkpoint is rejected like a damaged one.
-        Checkpoints::read(&ctx.fs, &ctx.dir).unwrap_or_else(|e| {
-            rejected = Some(format!("unreadable: {e}"));
-            None
-        })
-    };
-    let loaded = match ckpt_buf.as_deref() {
-        Some(b) => with_checkpoint(b, &region, &geo, sb.db_id, &by_shard, clean.as_ref())?
-            .map_err(|why| rejected = Some(why))
-            .ok(),
-        None => None,
-    };
-    let (rep, merged) = match loaded {
-        Some((rep, merged, entries, stale)) => {
-            ckpt_state.loaded_entries = entries;
-            ckpt_state.stale_dropped = stale;
-            (rep, merged)
-        }
-        None => {
-            if rejected.is_some() {
-                // Removed before the store takes a write: generations may be handed out
-                // again from here on (a cleaned newest segment's), which an old resume
-                // point would misread.
+    let mut ckpt_buf = None;
+    let clean_raw = region.slice_checked(layout::CLEAN_ADDR, Clean::encoded_len(nshards), "clean-close record")?;
+    let clean = Clean::decode(clean_raw, nshards);
+    // The capacity tier's LSM opens (disk reads, file creation, fsyncs) on a thread of its
+    // own while this one reads the checkpoint and the logs: the two share nothing.
+    let open_cold = || super::cold::Cold::open(ctx, create_cold, Arc::new(crate::poison::Poison::default()), cancel);
+    let (cold, recovered) = std::thread::scope(|s| {
+        let spawned = std::thread::Builder::new().name("tierkv-native-open".into()).spawn_scoped(s, open_cold);
+        let recovered = (|| -> Result<_> {
+            // The index checkpoint, if there is a usable one (one that fails its checks is
+            // ignored: the logs alone recover the store).
+            ckpt_buf = if ctx.fresh {
                 Checkpoints::remove_stale(&ctx.fs, &ctx.dir)?;
+                None
+            } else {
+                // An unreadable checkpoint is rejected like a damaged one.
+                Checkpoints::read(&ctx.fs, &ctx.dir).unwrap_or_else(|e| {
+                    rejected = Some(format!("unreadable: {e}"));
+                    None
+                })
+            };
+            let loaded = match ckpt_buf.as_ref().map(|b| b.bytes()) {
+                Some(b) => with_checkpoint(b, &region, &geo, sb.db_id, &by_shard, clean.as_ref())?
+                    .map_err(|why| rejected = Some(why))
+                    .ok(),
+                None => None,
+            };
+            let (rep, merged, base) = match loaded {
+                Some(fc) => {
+                    ckpt_state.loaded_entries = fc.offs.len() as u64;
+                    ckpt_state.stale_dropped = fc.stale;
+                    let FromCheckpoint { rep, tail, offs, superseded, live, puts, deletes, .. } = fc;
+                    (rep, tail, Some((offs, superseded, live, puts, deletes)))
+                }
+                None => {
+                    if rejected.is_some() {
+                        // Removed before the store takes a write: generations may be handed out
+                        // again from here on (a cleaned newest segment's), which an old resume
+                        // point would misread.
+                        Checkpoints::remove_stale(&ctx.fs, &ctx.dir)?;
+                    }
+                    let mut rep = replay_all(&region, &geo, &by_shard, clean.as_ref(), None)?;
+                    let tail = std::mem::take(&mut rep.tail);
+                    (rep, tail, None)
+                }
+            };
+            Ok((rep, merged, base))
+        })();
+        let cold = match spawned {
+            Ok(h) => {
+                h.join().unwrap_or_else(|_| Err(Error::InvalidArgument("opening the capacity tier panicked".into())))
             }
-            let mut rep = replay_all(&region, &geo, &by_shard, clean.as_ref(), None)?;
-            let tail = std::mem::take(&mut rep.tail);
-            (rep, tail)
-        }
-    };
+            Err(_) => super::cold::Cold::open(
+                ctx,
+                create_cold,
+                Arc::new(crate::poison::Poison::default()),
+                Arc::new(crate::jobs::Cancel::new(ctx.opts.job_probe.clone())),
+            ),
+        };
+        (cold, recovered)
+    });
+    let cold = cold?;
+    let (rep, merged, base) = recovered?;
     ckpt_state.rejected = rejected;
     let AllReplayed { logs, seq_end, bytes, segs: seg_list, dropped, t_replay, .. } = rep;
     ctx.recovery.lock().extend(dropped);
     let t_replay = t_replay.duration_since(t0);
     // Live bytes per slot (of the newest entries; deletes kept count as live: the log
-    // cleaner keeps them too), for the dead-byte counters of the cleaner.
-    let mut live_bytes: HashMap<u64, u64, foldhash::fast::RandomState> = HashMap::default();
+    // cleaner keeps them too), for the dead-byte counters of the cleaner. The checkpoint's
+    // entries were counted in its pass.
+    let (base, mut live_bytes, ckpt_puts, ckpt_deletes) = match base {
+        Some((offs, sup, live, puts, deletes)) => (Some((offs, sup)), live, puts, deletes),
+        None => (None, vec![0u64; region.pool_count() * geo.slots_per_pool as usize], 0, 0),
+    };
     for (_, v, _) in &merged {
-        *live_bytes.entry(geo.slot_holding(v.1)).or_insert(0) += u64::from(v.3);
+        if let Some(b) = live_bytes.get_mut(geo.slot_holding(v.1) as usize) {
+            *b += u64::from(v.3);
+        }
     }
     let keep_tombs = cold.nonempty();
+    let mut keys = ckpt_puts;
     let live: Vec<LoadEntry<'_>> = merged
         .into_iter()
         .filter(|(_, v, _)| v.2 == Kind::Put || (v.2 == Kind::Delete && keep_tombs))
         .map(|(k, (seq, loc, kind, size), unverified)| (k, seq, loc, size, kind == Kind::Delete, unverified))
         .collect();
-    let keys = live.iter().filter(|e| !e.4).count() as u64;
+    keys += live.iter().filter(|e| !e.4).count() as u64;
     let t_sort = t0.elapsed();
     let index = Index::new();
     index.bulk_load(&live);
-    let phases_us = [t_replay, t_sort - t_replay, t0.elapsed() - t_sort].map(|d| d.as_micros() as u64);
     drop(live);
-    drop(ckpt_buf);
+    // The checkpoint's entries go into the maps in the background (see "Background
+    // load" in `index`); until then lookups and new slots consult them.
+    if let (Some((offs, sup)), Some(buf)) = (base, ckpt_buf) {
+        let wanted = ckpt_puts + if keep_tombs { ckpt_deletes } else { 0 };
+        if wanted > 0 {
+            index.set_base(Base::new(buf, offs, sup, keep_tombs, wanted as usize));
+        }
+    }
+    let phases_us = [t_replay, t_sort - t_replay, t0.elapsed() - t_sort].map(|d| d.as_micros() as u64);
     if clean.is_some() {
         region.store_u64_atomic(layout::CLEAN_ADDR, 0)?;
         region.persist(layout::CLEAN_ADDR, 8);
@@ -265,8 +303,9 @@ pub(super) fn open(ctx: &EngineCtx) -> Result<Inner> {
     for (addr, tag, span, used, sealed) in seg_list {
         // Everything of a segment that is not a newest entry is dead: the segment's first
         // slot carries the count (the cleaner sums a segment's slots).
-        let live: u64 =
-            (0..span).map(|i| live_bytes.get(&geo.slot_holding(addr + i * geo.stride)).copied().unwrap_or(0)).sum();
+        let live: u64 = (0..span)
+            .map(|i| live_bytes.get(geo.slot_holding(addr + i * geo.stride) as usize).copied().unwrap_or(0))
+            .sum();
         let slot = geo.slot_holding(addr);
         let pool = (slot / geo.slots_per_pool) as usize;
         if let Some(arr) = dead.get(pool) {
@@ -308,6 +347,8 @@ pub(super) fn open(ctx: &EngineCtx) -> Result<Inner> {
         wake_cv: parking_lot::Condvar::new(),
         stop: AtomicBool::new(false),
         ckpt: ckpt_state,
+        load_us: AtomicU64::new(0),
+        probe: ctx.opts.job_probe.clone(),
     })
 }
 
@@ -394,84 +435,82 @@ fn replay_shard<'a>(
     Ok(out)
 }
 
-/// Merge the checkpoint's entries (sorted) with the newest entries of the replayed log
-/// tails (sorted) into the newest entry of every key (sorted), as argued in
-/// [`super::checkpoint`]: the larger sequence number wins; on a tie the tail's (a copy at a
-/// new place, or the moved entry); a tail put or delete numbered below `horizon` of a key
-/// the checkpoint does not have is a copy of a version that was not the key's newest, and
-/// is dropped. Entries taken from the checkpoint are marked unverified (their records
-/// were not replayed).
+/// Decide the keys the replayed log tails (sorted, newest entry per key) share with the
+/// checkpoint, as argued in [`super::checkpoint`]: the larger sequence number wins; on a
+/// tie the tail's (a copy at a new place, or the moved entry); a tail put or delete
+/// numbered below `horizon` of a key the checkpoint does not have is a copy of a version
+/// that was not the key's newest, and is dropped. A checkpoint entry (`offs`: where each
+/// starts in the checkpoint's bytes `buf`) that a tail entry beats is *superseded*; one
+/// that beats the tail entry stays (loaded later, unverified: its record was not
+/// replayed).
 ///
-/// Returns the merged entries and how many tail entries the horizon rule dropped.
-fn merge_checkpoint<'a>(
-    ckpt: &[checkpoint::Entry<'a>],
-    tail: Vec<(&'a [u8], Newest, bool)>,
-    horizon: u64,
-) -> (Merged<'a>, u64) {
-    let from_ckpt = |e: &checkpoint::Entry<'a>| -> (&'a [u8], Newest, bool) {
-        (e.0, (e.1, e.2, if e.4 { Kind::Delete } else { Kind::Put }, e.3), true)
+/// Returns the tail entries that win (sorted), the superseded entries' indexes
+/// (ascending), and how many tail entries the horizon rule dropped. One binary search per
+/// tail entry: the checkpoint's entries are not copied.
+fn overlay_tail<'a>(buf: &[u8], offs: &[u64], tail: Merged<'a>, horizon: u64) -> (Merged<'a>, Vec<usize>, u64) {
+    let key_at = |o: u64| {
+        usize::try_from(o).ok().and_then(|at| checkpoint::entry_at(buf, at).ok()).map_or((&[][..], 0), |e| (e.0, e.1))
     };
-    let stale = |t: &Newest| t.0 < horizon && t.2 != Kind::Moved;
-    let mut out = Vec::with_capacity(ckpt.len() + tail.len());
+    let mut out = Vec::with_capacity(tail.len());
+    let mut superseded = Vec::new();
     let mut dropped = 0u64;
-    let mut c = ckpt.iter().peekable();
-    let mut t = tail.into_iter().peekable();
-    loop {
-        match (c.peek(), t.peek()) {
-            (Some(ce), Some(te)) if ce.0 < te.0 => {
-                out.push(from_ckpt(ce));
-                c.next();
-            }
-            (Some(ce), Some(te)) if ce.0 == te.0 => {
-                let ce = from_ckpt(ce);
-                let te = *te;
-                out.push(if ce.1 .0 > te.1 .0 { ce } else { te });
-                c.next();
-                t.next();
-            }
-            (_, Some(te)) => {
-                if stale(&te.1) {
-                    dropped += 1;
-                } else {
-                    out.push(*te);
+    for te in tail {
+        match offs.binary_search_by(|&o| key_at(o).0.cmp(te.0)) {
+            Ok(i) => {
+                if key_at(offs[i]).1 > te.1 .0 {
+                    continue;
                 }
-                t.next();
+                superseded.push(i);
+                out.push(te);
             }
-            (Some(ce), None) => {
-                out.push(from_ckpt(ce));
-                c.next();
-            }
-            (None, None) => break,
+            Err(_) if te.1 .0 < horizon && te.1 .2 != Kind::Moved => dropped += 1,
+            Err(_) => out.push(te),
         }
     }
-    (out, dropped)
+    (out, superseded, dropped)
 }
 
-/// A replay, the merged newest entries (sorted; `true`: from the checkpoint, unverified),
-/// the checkpoint's entry count and the tail entries the horizon rule dropped.
-type Recovered<'a> = (AllReplayed<'a>, Merged<'a>, u64, u64);
+/// What an open from a checkpoint found.
+struct FromCheckpoint<'a> {
+    /// The replay of the log tails after the resume points.
+    rep: AllReplayed<'a>,
+    /// The tail entries that win over the checkpoint (sorted by key; verified).
+    tail: Merged<'a>,
+    /// Where each checkpoint entry starts in the file's bytes (key order).
+    offs: Vec<u64>,
+    /// Indexes of the checkpoint entries the tail decided (ascending).
+    superseded: Vec<usize>,
+    /// Live bytes per segment slot of the checkpoint entries not superseded.
+    live: Vec<u64>,
+    /// Of those entries: puts, deletes.
+    puts: u64,
+    deletes: u64,
+    /// Tail entries the horizon rule dropped.
+    stale: u64,
+}
 
-/// Recover from the checkpoint file `buf`: replay the tails after its resume points and
-/// merge them with its entries. `Ok(Err(why))` when the checkpoint does not fit the logs
-/// (its checks, damage met only because of where it resumed, an entry outside every
-/// segment): the caller then replays the logs whole. Returns the replay, the merged newest
-/// entries and the checkpoint's entry count.
+/// Recover from the checkpoint file `buf`: verify it, replay the tails after its resume
+/// points, then in one pass over its entries note where each starts, check it lies within
+/// a segment's records and count its live bytes; then decide the keys the tails share with
+/// it ([`overlay_tail`]). `Ok(Err(why))` when the checkpoint does not fit the logs (its
+/// checks, damage met only because of where it resumed, an entry outside every segment):
+/// the caller then replays the logs whole.
 fn with_checkpoint<'a>(
-    buf: &'a [u8],
+    buf: &[u8],
     region: &'a Region,
     geo: &Geometry,
     db_id: u64,
     by_shard: &[Vec<Seg>],
     clean: Option<&Clean>,
-) -> Result<std::result::Result<Recovered<'a>, String>> {
-    let c = match checkpoint::decode(buf, by_shard.len(), db_id) {
-        Ok(c) => c,
+) -> Result<std::result::Result<FromCheckpoint<'a>, String>> {
+    let v = match checkpoint::verify(buf, by_shard.len(), db_id) {
+        Ok(v) => v,
         Err(why) => return Ok(Err(why)),
     };
-    if let Err(why) = fits(&c.header, by_shard, clean) {
+    if let Err(why) = fits(&v.header, by_shard, clean) {
         return Ok(Err(why));
     }
-    let mut rep = match replay_all(region, geo, by_shard, clean, Some(&c.header.resume)) {
+    let mut rep = match replay_all(region, geo, by_shard, clean, Some(&v.header.resume)) {
         Ok(r) => r,
         // Damage met only because of where the checkpoint resumed (an offset that is not
         // a record boundary): the checkpoint is of another state of the logs (damage in
@@ -479,12 +518,57 @@ fn with_checkpoint<'a>(
         Err(e) if e.is_corruption() => return Ok(Err(format!("its resume points do not fit the logs: {e}"))),
         Err(e) => return Err(e),
     };
-    let (merged, stale) = merge_checkpoint(&c.entries, std::mem::take(&mut rep.tail), c.header.horizon);
-    if let Err(why) = entries_fit(&merged, &rep.segs, geo, region.pool_count()) {
+    let ranges = record_ranges(&rep.segs, geo, region.pool_count());
+    let cap = usize::try_from(v.count).unwrap_or(0).min(buf.len() / checkpoint::ENTRY_FIXED);
+    let mut offs: Vec<u64> = Vec::with_capacity(cap);
+    let mut live = vec![0u64; ranges.len()];
+    let (mut puts, mut deletes) = (0u64, 0u64);
+    // Entries outside every segment's records: the checkpoint does not fit, unless the
+    // tail supersedes them (a location in a segment cleaned and reused since).
+    let mut misfits = Vec::new();
+    let pass = checkpoint::for_each_entry(buf, &v, |at, (_, _, loc, size, tomb)| {
+        let slot = geo.slot_holding(loc) as usize;
+        let (lo, hi) = ranges.get(slot).copied().unwrap_or((0, 0));
+        if loc < lo || loc.saturating_add(u64::from(size)) > hi {
+            misfits.push(offs.len());
+        } else if let Some(l) = live.get_mut(slot) {
+            *l += u64::from(size);
+        }
+        if tomb {
+            deletes += 1;
+        } else {
+            puts += 1;
+        }
+        offs.push(at as u64);
+    });
+    if let Err(why) = pass {
         return Ok(Err(why));
     }
-    rep.seq_end = rep.seq_end.max(c.header.horizon);
-    Ok(Ok((rep, merged, c.entries.len() as u64, stale)))
+    let (tail, superseded, stale) = overlay_tail(buf, &offs, std::mem::take(&mut rep.tail), v.header.horizon);
+    if let Some(&i) = misfits.iter().find(|i| superseded.binary_search(i).is_err()) {
+        let e = offs.get(i).and_then(|&o| checkpoint::entry_at(buf, o as usize).ok());
+        let (key, loc) = e.map_or((&[][..], 0), |e| (e.0, e.2));
+        return Ok(Err(format!(
+            "key {}: its entry at {loc:#x} lies outside every segment's records",
+            crate::escape(key)
+        )));
+    }
+    // The superseded entries are neither live nor counted.
+    for &i in &superseded {
+        let Some(e) = offs.get(i).and_then(|&o| checkpoint::entry_at(buf, o as usize).ok()) else { continue };
+        if misfits.binary_search(&i).is_err() {
+            if let Some(l) = live.get_mut(geo.slot_holding(e.2) as usize) {
+                *l = l.saturating_sub(u64::from(e.3));
+            }
+        }
+        if e.4 {
+            deletes -= 1;
+        } else {
+            puts -= 1;
+        }
+    }
+    rep.seq_end = rep.seq_end.max(v.header.horizon);
+    Ok(Ok(FromCheckpoint { rep, tail, offs, superseded, live, puts, deletes, stale }))
 }
 
 /// Whether a checkpoint's header fits the logs found: its horizon is not beyond the
@@ -591,15 +675,8 @@ fn replay_all<'a>(
     Ok(out)
 }
 
-/// Whether every entry taken from the checkpoint (marked unverified) lies within the
-/// records of a segment the open found (a checkpoint of a later state of the logs than the
-/// pools hold points past them).
-fn entries_fit(
-    entries: &[(&[u8], Newest, bool)],
-    segs: &[(u64, layout::SegTag, u64, u64, bool)],
-    geo: &Geometry,
-    pools: usize,
-) -> std::result::Result<(), String> {
+/// Per segment slot, the byte range of its segment's records (`(0, 0)`: no segment).
+fn record_ranges(segs: &[(u64, layout::SegTag, u64, u64, bool)], geo: &Geometry, pools: usize) -> Vec<(u64, u64)> {
     let mut ranges = vec![(0u64, 0u64); pools * geo.slots_per_pool as usize];
     for &(addr, _, span, used, _) in segs {
         let base = addr + SEG_HEADER_LEN;
@@ -609,17 +686,5 @@ fn entries_fit(
             }
         }
     }
-    for &(key, (_, loc, _, size), from_ckpt) in entries {
-        if !from_ckpt {
-            continue;
-        }
-        let (lo, hi) = ranges.get(geo.slot_holding(loc) as usize).copied().unwrap_or((0, 0));
-        if loc < lo || loc.saturating_add(u64::from(size)) > hi {
-            return Err(format!(
-                "key {}: its entry at {loc:#x} lies outside every segment's records",
-                crate::escape(key)
-            ));
-        }
-    }
-    Ok(())
+    ranges
 }

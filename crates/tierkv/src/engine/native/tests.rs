@@ -1013,6 +1013,7 @@ fn unverified_versions(e: &Native) -> usize {
     e.inner
         .index
         .ascending(std::ops::Bound::Unbounded, &mg)
+        .unwrap()
         .filter(|(_, s)| s.head(&g).is_some_and(|v| v.unverified()))
         .count()
 }
@@ -1096,5 +1097,197 @@ fn a_checkpoint_waiting_for_a_busy_shard_stalls_no_writer() {
     assert_eq!(design(&e, "checkpoints_written"), 1);
     for i in 0..200u32 {
         assert_eq!(e.get(format!("k{i:03}").as_bytes()).unwrap().as_deref(), Some(b"v".as_slice()));
+    }
+}
+
+fn bk(i: u32) -> Vec<u8> {
+    format!("k{i:04}").into_bytes()
+}
+
+/// The test options, with the capacity tier (`cold`: most keys move to disk) or without
+/// (no DRAM bound: every key stays in PM and the index).
+fn tier_opts(dev: &SimDevice, fs: &FaultFs, cold: bool) -> Options {
+    let mut o = opts(dev, fs);
+    if !cold {
+        o.native.dram_budget = 0;
+    }
+    o
+}
+
+/// A store of keys k0000..k2999 (every third overwritten, every seventh deleted), closed
+/// cleanly: its next open loads the checkpoint. Returns the model.
+fn checkpointed_store(dev: &SimDevice, fs: &FaultFs, cold: bool) -> BTreeMap<Vec<u8>, Vec<u8>> {
+    let e = open(&tier_opts(dev, fs, cold), fs, true).unwrap();
+    let mut m = BTreeMap::new();
+    for i in 0..3000u32 {
+        let v = format!("a{i}-").repeat(8).into_bytes();
+        e.write(&[put(&bk(i), &v)], Cond::None).unwrap();
+        m.insert(bk(i), v);
+    }
+    for i in (0..3000u32).step_by(3) {
+        let v = format!("b{i}-").repeat(5).into_bytes();
+        e.write(&[put(&bk(i), &v)], Cond::None).unwrap();
+        m.insert(bk(i), v);
+    }
+    for i in (0..3000u32).step_by(7) {
+        e.write(&[BatchOp::Delete { key: bk(i) }], Cond::None).unwrap();
+        m.remove(&bk(i));
+    }
+    e.close().unwrap();
+    assert_eq!(design(&e, "checkpoints_written"), 1);
+    m
+}
+
+/// Every key's value by iterator (ascending).
+fn walk_all(it: &mut crate::iter::BoxedIter) -> Vec<(Vec<u8>, Vec<u8>)> {
+    use crate::iter::InternalIterator;
+    let mut out = Vec::new();
+    it.seek_to_first().unwrap();
+    while it.valid() {
+        if let Some(v) = it.value() {
+            out.push((it.key().to_vec(), v.to_vec()));
+        }
+        it.next().unwrap();
+    }
+    out
+}
+
+fn loading_opts(dev: &SimDevice, fs: &FaultFs, batches: u64, cold: bool) -> (Options, Arc<crate::jobs::JobProbe>) {
+    let probe = crate::jobs::JobProbe::new();
+    probe.limit_loads(batches);
+    let mut o = tier_opts(dev, fs, cold);
+    o.job_probe = Some(probe.clone());
+    (o, probe)
+}
+
+/// After a checkpoint open the index fills in the background; meanwhile (the load held
+/// after its first batch of 1,024 entries) reads come from the loaded slots or the
+/// checkpoint's entries, writes to keys not loaded yet start their chains with the
+/// checkpoint entry (a snapshot taken before them still reads it), conditional writes see
+/// keys not loaded, and an iterator waits for the load and then sees every key.
+#[test]
+fn a_checkpoint_open_serves_reads_and_writes_while_the_index_loads() {
+    let dev = SimDevice::new();
+    let fs = FaultFs::new();
+    let mut m = checkpointed_store(&dev, &fs, false);
+    let (o, probe) = loading_opts(&dev, &fs, 1, false);
+    let e = Arc::new(open(&o, &fs, false).unwrap());
+    assert!(
+        !e.inner.index.loaded(),
+        "the load ran past the batches it was allowed: {:?}",
+        e.stats().design.iter().filter(|(k, _)| k.contains("recovery") || k.contains("load")).collect::<Vec<_>>()
+    );
+    for i in 0..3000u32 {
+        assert_eq!(e.get(&bk(i)).unwrap(), m.get(&bk(i)).cloned(), "key {i} while loading");
+    }
+    assert!(
+        design(&e, "index_base_reads") >= 1000,
+        "reads did not come from the checkpoint entries: {:?}",
+        e.stats()
+            .design
+            .iter()
+            .filter(|(k, _)| k.contains("recovery") || k.contains("load") || k.contains("base"))
+            .collect::<Vec<_>>()
+    );
+    let snap = e.snapshot().unwrap();
+    let before = m.clone();
+    for i in (0..3000u32).step_by(5) {
+        let v = format!("c{i}").into_bytes();
+        e.write(&[put(&bk(i), &v)], Cond::None).unwrap();
+        m.insert(bk(i), v);
+    }
+    for i in (1..3000u32).step_by(11) {
+        e.write(&[BatchOp::Delete { key: bk(i) }], Cond::None).unwrap();
+        m.remove(&bk(i));
+    }
+    for i in 3000..3100u32 {
+        e.write(&[put(&bk(i), b"new")], Cond::None).unwrap();
+        m.insert(bk(i), b"new".to_vec());
+    }
+    // k2998 is present (not loaded yet), k2996 was deleted before the close.
+    assert!(m.contains_key(&bk(2998)) && !m.contains_key(&bk(2996)));
+    assert!(!e.write(&[put(&bk(2998), b"x")], Cond::Absent).unwrap(), "an unloaded key looked absent");
+    assert!(e.write(&[put(&bk(2996), b"y")], Cond::Absent).unwrap(), "a deleted key looked present");
+    m.insert(bk(2996), b"y".to_vec());
+    assert!(!e.inner.index.loaded());
+    // A key not loaded and overwritten: its chain holds the new version over the
+    // checkpoint's.
+    assert_eq!(chain(&e, &bk(2995)).len(), 2, "the overwrite of an unloaded key lost its older version");
+    for i in 0..3100u32 {
+        assert_eq!(e.get(&bk(i)).unwrap(), m.get(&bk(i)).cloned(), "key {i} after writes while loading");
+        assert_eq!(snap.get(&bk(i)).unwrap(), before.get(&bk(i)).cloned(), "key {i} in the snapshot");
+    }
+    // An iterator started now waits for the load (released below) and sees every key.
+    let walker = {
+        let e = e.clone();
+        std::thread::spawn(move || walk_all(&mut e.iter().unwrap()))
+    };
+    probe.limit_loads(u64::MAX);
+    let walked = walker.join().unwrap();
+    assert_eq!(walked, m.iter().map(|(k, v)| (k.clone(), v.clone())).collect::<Vec<_>>());
+    assert!(e.inner.index.loaded());
+    assert!(design(&e, "index_load_us") > 0);
+    // The load skipped the keys writers had made slots for.
+    let loaded = design(&e, "index_load_slots");
+    assert!(loaded > 1000 && loaded < 2571, "the load made {loaded} slots");
+    assert_eq!(
+        walk_all(&mut snap.iter().unwrap()),
+        before.iter().map(|(k, v)| (k.clone(), v.clone())).collect::<Vec<_>>()
+    );
+    assert!(e.check().unwrap().is_empty());
+    drop(snap);
+    e.close().unwrap();
+    drop(e);
+    let e2 = open(&tier_opts(&dev, &fs, false), &fs, false).unwrap();
+    e2.inner.index.wait_loaded().unwrap();
+    for i in 0..3100u32 {
+        assert_eq!(e2.get(&bk(i)).unwrap(), m.get(&bk(i)).cloned(), "key {i} after a clean reopen");
+    }
+    assert!(e2.check().unwrap().is_empty());
+}
+
+/// A close (or a crash) before the background load finished: the close writes no
+/// checkpoint (the one loaded stays, byte for byte) and the next open replays the
+/// records written since; nothing is lost. With and without keys on disk (the capacity
+/// tier: deletes in the checkpoint then hide disk entries).
+#[test]
+fn a_close_or_crash_during_the_background_load_loses_nothing() {
+    for (crash, cold) in [(false, false), (true, false), (false, true), (true, true)] {
+        let dev = SimDevice::new();
+        let fs = FaultFs::new();
+        let mut m = checkpointed_store(&dev, &fs, cold);
+        let ckpt_file = super::checkpoint::Checkpoints::path(std::path::Path::new("/db"));
+        let ckpt_before = crate::fs::Fs::read_all(&fs, &ckpt_file).unwrap();
+        let (o, probe) = loading_opts(&dev, &fs, 0, cold);
+        let e = open(&o, &fs, false).unwrap();
+        for i in (0..3000u32).step_by(4) {
+            let v = format!("d{i}").into_bytes();
+            e.write(&[put(&bk(i), &v)], Cond::None).unwrap();
+            m.insert(bk(i), v);
+        }
+        for i in (2..3000u32).step_by(13) {
+            e.write(&[BatchOp::Delete { key: bk(i) }], Cond::None).unwrap();
+            m.remove(&bk(i));
+        }
+        assert!(!e.inner.index.loaded());
+        let dev = if crash {
+            drop(e);
+            dev.simulate_crash_with(5, CrashModel::strict(0.5))
+        } else {
+            e.close().unwrap();
+            assert_eq!(probe.jobs_cancelled(), 0);
+            assert!(!e.inner.index.loaded(), "the load finished although the close stopped it");
+            assert_eq!(design(&e, "checkpoints_written"), 0);
+            dev
+        };
+        let ckpt_after = crate::fs::Fs::read_all(&fs, &ckpt_file).unwrap();
+        assert!(ckpt_before == ckpt_after, "the checkpoint changed (crash: {crash}, cold: {cold})");
+        let e2 = open(&tier_opts(&dev, &fs, cold), &fs, false).unwrap();
+        assert!(design(&e2, "replayed_bytes") > 0, "the records written during the load were not replayed");
+        for i in 0..3000u32 {
+            assert_eq!(e2.get(&bk(i)).unwrap(), m.get(&bk(i)).cloned(), "key {i} (crash: {crash}, cold: {cold})");
+        }
+        e2.inner.index.wait_loaded().unwrap();
+        assert!(e2.check().unwrap().is_empty());
     }
 }
