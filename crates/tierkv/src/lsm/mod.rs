@@ -628,11 +628,11 @@ impl Lsm {
     /// lock once for the queued records (up to [`MAX_GROUP_BYTES`]), appends them with one
     /// `write` (and one `fsync` if any asks for it), and — still under the writer lock —
     /// hands every member of the group the active MemTable, counted as a pending writer on
-    /// it ([`Mem::add_writers`]). Then the queue moves on, and each writer inserts its *own*
+    /// it (`mem::Mem::add_writers`). Then the queue moves on, and each writer inserts its *own*
     /// operations into that MemTable (a lock-free skiplist) in parallel with the others and
     /// with the next group's WAL append. A MemTable switch happens under the writer lock,
     /// so a batch always lands in the MemTable of the WAL it was appended to; the flush
-    /// waits until that MemTable's pending writers are done ([`Mem::wait_writers`]) before
+    /// waits until that MemTable's pending writers are done (`mem::Mem::wait_writers`) before
     /// it reads it, so no batch whose WAL a flush removes is missing from its table.
     /// Writes of *one* key must be ordered by the caller (their WAL order is then their
     /// MemTable order: a writer returns only after its insert).
