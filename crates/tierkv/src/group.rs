@@ -79,6 +79,18 @@ impl<T> Queue<T> {
         joins: impl Fn(&[Arc<Entry<T>>], &T) -> bool,
         commit: impl FnOnce(&[Arc<Entry<T>>]) -> Vec<Result<bool>>,
     ) -> Result<bool> {
+        self.submit_keep(item, joins, commit).0
+    }
+
+    /// [`Queue::submit`], also handing back the writer's own entry: what the leader left in
+    /// its item (through interior mutability) is work for the writer to finish after its
+    /// turn, outside the queue (the LSM's MemTable inserts).
+    pub fn submit_keep(
+        &self,
+        item: T,
+        joins: impl Fn(&[Arc<Entry<T>>], &T) -> bool,
+        commit: impl FnOnce(&[Arc<Entry<T>>]) -> Vec<Result<bool>>,
+    ) -> (Result<bool>, Arc<Entry<T>>) {
         let me = Arc::new(Entry { item, result: Mutex::new(None), turn: AtomicU8::new(WAITING) });
         {
             let mut q = self.q.lock();
@@ -89,7 +101,7 @@ impl<T> Queue<T> {
         }
         self.await_turn(&me);
         if me.turn.load(Ordering::Acquire) == DONE {
-            return Self::take(&me);
+            return (Self::take(&me), me);
         }
         let group: Vec<Arc<Entry<T>>> = {
             let q = self.q.lock();
@@ -108,7 +120,7 @@ impl<T> Queue<T> {
             *e.result.lock() = Some(r);
         }
         drop(guard);
-        Self::take(&me)
+        (Self::take(&me), me)
     }
 
     fn take(e: &Entry<T>) -> Result<bool> {

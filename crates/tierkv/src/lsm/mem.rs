@@ -18,11 +18,13 @@
 //! - Versions grow with every insert into one `Mem` (one atomic counter). Inserts of
 //!   different keys may run concurrently; inserts of one key are ordered by the LSM's
 //!   caller (so a key's newer write gets the higher version).
+//! - A MemTable is flushed only once every writer the group commit counted on it
+//!   ([`Mem::add_writers`]) has inserted its batch and released its [`WriterClaim`].
 
 use std::borrow::Borrow;
 use std::cmp::Ordering as CmpOrdering;
 use std::ops::Bound;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
 
 use crossbeam_skiplist::map::Entry as SkipEntry;
@@ -110,6 +112,19 @@ pub(super) struct Mem {
     next_ver: AtomicU64,
     pub(super) bytes: AtomicU64,
     pub(super) gen: u64,
+    /// Writers whose batches are in this MemTable's WAL but who may not have inserted
+    /// them yet (see [`Mem::add_writers`]).
+    writers: AtomicUsize,
+}
+
+/// One writer's claim on a [`Mem`] it is still to insert into: released (the count taken
+/// back) when dropped, after the inserts, or on a panic.
+pub(super) struct WriterClaim(pub(super) Arc<Mem>);
+
+impl Drop for WriterClaim {
+    fn drop(&mut self) {
+        self.0.writers.fetch_sub(1, Ordering::Release);
+    }
 }
 
 impl std::fmt::Debug for Mem {
@@ -120,7 +135,35 @@ impl std::fmt::Debug for Mem {
 
 impl Mem {
     pub(super) fn new(gen: u64) -> Mem {
-        Mem { map: SkipMap::new(), next_ver: AtomicU64::new(0), bytes: AtomicU64::new(0), gen }
+        Mem {
+            map: SkipMap::new(),
+            next_ver: AtomicU64::new(0),
+            bytes: AtomicU64::new(0),
+            gen,
+            writers: AtomicUsize::new(0),
+        }
+    }
+
+    /// Count `n` writers that will insert into this MemTable (the group commit's leader,
+    /// under the LSM's writer lock, for its group once their WAL records are appended).
+    /// Each hands its count back by dropping a [`WriterClaim`].
+    pub(super) fn add_writers(&self, n: usize) {
+        self.writers.fetch_add(n, Ordering::Relaxed);
+    }
+
+    /// Wait until every writer counted by [`Mem::add_writers`] has inserted its batch (the
+    /// flush, before it reads an Immutable MemTable). Writers insert without any lock, so
+    /// this only waits for them to be scheduled: spin briefly, then yield.
+    pub(super) fn wait_writers(&self) {
+        let mut spins = 0u32;
+        while self.writers.load(Ordering::Acquire) != 0 {
+            if spins < 100 {
+                spins += 1;
+                std::hint::spin_loop();
+            } else {
+                std::thread::yield_now();
+            }
+        }
     }
 
     /// Add `k`'s newest version. Callers order inserts of one key (see the module docs).

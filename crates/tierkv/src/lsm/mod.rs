@@ -4,7 +4,9 @@
 //! # What runs here
 //! - **Write path**: a batch is one WAL record ([`wal`]; fsynced only with `sync_wal`, as
 //!   LevelDB's default) and then goes into the DRAM MemTable ([`mem`]: a lock-free skiplist
-//!   of versioned entries, key → value or tombstone; readers never wait for the writer). A
+//!   of versioned entries, key → value or tombstone; readers never wait for the writer).
+//!   Concurrent writers share one WAL append (group commit) and then insert their own
+//!   batches into the MemTable in parallel ([`Lsm::write`]). A
 //!   MemTable past `memtable_size` becomes the Immutable MemTable and a new MemTable and WAL
 //!   generation start; a background thread flushes it (each key's newest version).
 //! - **Flush**: the Immutable MemTable becomes one level-0 SSTable (tombstones kept). The
@@ -237,6 +239,10 @@ struct Record {
     bytes: Vec<u8>,
     /// Fsync the WAL after it.
     sync: bool,
+    /// Set by the leader once the record is in the WAL: the MemTable of that WAL, with
+    /// this writer counted on it ([`Mem::add_writers`]); the writer inserts its own
+    /// operations into it after its turn.
+    mem: std::sync::OnceLock<Arc<Mem>>,
 }
 
 /// The leveled LSM tree. See the module docs.
@@ -617,32 +623,59 @@ impl Lsm {
     /// `sync`), then apply it to the MemTable.
     ///
     /// Writers of different keys may call this concurrently: it is LevelDB's group commit
-    /// ([`crate::group`]). Each writer encodes its record before queueing; the leader takes
-    /// the writer lock once for the queued records (up to [`MAX_GROUP_BYTES`]), appends them
-    /// with one `write` (and one `fsync` if any asks for it), then inserts them into the
-    /// MemTable holding the MemTable lock shared from before it lets the writer lock go: a
-    /// MemTable switch takes that lock exclusively under the writer lock, so a batch always
-    /// lands in the MemTable of the WAL it was appended to, never in one being flushed.
+    /// ([`crate::group`]) for the WAL, and RocksDB's concurrent MemTable writes for the
+    /// rest. Each writer encodes its record before queueing; the leader takes the writer
+    /// lock once for the queued records (up to [`MAX_GROUP_BYTES`]), appends them with one
+    /// `write` (and one `fsync` if any asks for it), and — still under the writer lock —
+    /// hands every member of the group the active MemTable, counted as a pending writer on
+    /// it (`mem::Mem::add_writers`). Then the queue moves on, and each writer inserts its *own*
+    /// operations into that MemTable (a lock-free skiplist) in parallel with the others and
+    /// with the next group's WAL append. A MemTable switch happens under the writer lock,
+    /// so a batch always lands in the MemTable of the WAL it was appended to; the flush
+    /// waits until that MemTable's pending writers are done (`mem::Mem::wait_writers`) before
+    /// it reads it, so no batch whose WAL a flush removes is missing from its table.
     /// Writes of *one* key must be ordered by the caller (their WAL order is then their
-    /// MemTable order).
+    /// MemTable order: a writer returns only after its insert).
+    ///
+    /// Visibility: the LSM's reads have no sequence-number snapshot — a read returns the
+    /// newest version of a key that is in a MemTable — so what must hold is that a write is
+    /// readable once `write` returns, and that a read never sees a write that is not in the
+    /// WAL (a crash could lose it). Both hold: a writer inserts only after the leader's
+    /// append (and fsync, when asked) and returns after its insert. The writes of one group
+    /// are concurrent (none was acknowledged before another was submitted), so no order
+    /// among them is owed to a reader; a batch's own operations become visible one by one,
+    /// as they did when the leader inserted them (the callers that need a batch atomic
+    /// to readers — HoaKV — serialise the keys' writers and readers themselves).
     pub fn write(&self, seq: u64, ops: &[(&[u8], Option<&[u8]>)], sync: bool) -> Result<()> {
         self.poison.check()?;
-        let rec = Record { bytes: wal::encode_framed(seq, ops), sync: sync || self.opts.sync_wal };
+        let rec = Record {
+            bytes: wal::encode_framed(seq, ops),
+            sync: sync || self.opts.sync_wal,
+            mem: std::sync::OnceLock::new(),
+        };
         let joins = |g: &[Arc<crate::group::Entry<Record>>], next: &Record| {
             g.iter().map(|e| e.item.bytes.len()).sum::<usize>() + next.bytes.len() <= MAX_GROUP_BYTES
         };
-        // The leader is the group's first entry: its own operations are at hand.
-        self.commits
-            .submit(rec, joins, |g| match self.write_group(ops, g) {
-                Ok(()) => g.iter().map(|_| Ok(true)).collect(),
-                Err(e) => g.iter().map(|_| Err(e.duplicate())).collect(),
-            })
-            .map(|_| ())
+        let (r, me) = self.commits.submit_keep(rec, joins, |g| match self.write_group(g) {
+            Ok(()) => g.iter().map(|_| Ok(true)).collect(),
+            Err(e) => g.iter().map(|_| Err(e.duplicate())).collect(),
+        });
+        if let Some(mem) = me.item.mem.get() {
+            // The claim is released after the inserts (or if one panics), never before.
+            let claim = mem::WriterClaim(mem.clone());
+            if r.is_ok() {
+                for (k, v) in ops {
+                    claim.0.insert(k, *v);
+                }
+            }
+            drop(claim);
+        }
+        r.map(|_| ())
     }
 
-    /// The leader's part of [`Lsm::write`] for `group`, whose first entry is the leader's
-    /// own record, of `own` operations.
-    fn write_group(&self, own: &[(&[u8], Option<&[u8]>)], group: &[Arc<crate::group::Entry<Record>>]) -> Result<()> {
+    /// The leader's part of [`Lsm::write`] for `group`: the WAL append, and each member
+    /// handed the MemTable to insert into.
+    fn write_group(&self, group: &[Arc<crate::group::Entry<Record>>]) -> Result<()> {
         let mut w = self.writer.lock();
         self.make_room(&mut w)?;
         let sync = group.iter().any(|e| e.item.sync);
@@ -661,26 +694,18 @@ impl Lsm {
             self.poison.set(format!("WAL write failed: {e}"));
             return Err(e.into());
         }
-        let mem = self.mem.read();
-        drop(w);
-        for (k, v) in own {
-            mem.active.insert(k, *v);
-        }
-        for e in group.iter().skip(1) {
-            // The followers' records are read back from their bytes (after the 8-byte frame
-            // header), borrowing keys and values.
-            let (_, ops) = match wal::decode_borrowed(e.item.bytes.get(8..).unwrap_or_default()) {
-                Ok(b) => b,
-                Err(d) => {
-                    let why = format!("a WAL record this process encoded does not decode: {d}");
-                    self.poison.set(why.clone());
-                    return Err(Error::Poisoned(why));
-                }
-            };
-            for (k, v) in ops {
-                mem.active.insert(k, v);
+        // Counted before the writer lock is released: a switch (under that lock) that
+        // makes this MemTable immutable happens after the count, so its flush waits.
+        let mem = self.mem.read().active.clone();
+        mem.add_writers(group.len());
+        for e in group {
+            if e.item.mem.set(mem.clone()).is_err() {
+                // A record is in one group only; never reached. Uncount it so no flush
+                // waits for an insert that will not come.
+                drop(mem::WriterClaim(mem.clone()));
             }
         }
+        drop(w);
         Ok(())
     }
 
@@ -949,6 +974,8 @@ impl Lsm {
     fn flush_imm(&self) -> Result<()> {
         let _job = self.job.lock();
         let Some(imm) = self.mem.read().imm.clone() else { return Ok(()) };
+        // Writers whose batches are in this MemTable's WAL insert them after the switch.
+        imm.wait_writers();
         self.prepare_durable()?;
         let mut added = Vec::new();
         if !imm.is_empty() {
@@ -1485,6 +1512,96 @@ mod tests {
             |r| format!("k{:05}", r.random_range(0..1001)).into_bytes(),
             |_| true,
         );
+    }
+
+    /// Concurrent writers insert their own batches after the group's WAL append, through
+    /// MemTable switches every few writes (inline flushes, then a background thread): each
+    /// write is readable as soon as `write` returns, a concurrent reader never sees a key's
+    /// value go back to an older one, no flush loses a batch still being inserted, and after
+    /// a crash recovery returns every acknowledged write.
+    #[test]
+    fn parallel_memtable_inserts_lose_no_acknowledged_write() {
+        use std::sync::atomic::AtomicBool;
+        for background in [false, true] {
+            let fs = FaultFs::new();
+            let cfs = CountingFs::new(Arc::new(fs.clone()));
+            let d = Path::new("/lsm");
+            cfs.create_dir_all(d).unwrap();
+            let opts = LsmOptions { background, memtable_size: 2 << 10, ..small() };
+            let poison = Arc::new(Poison::default());
+            let (l, _) = Lsm::open(cfs, d, opts.clone(), true, poison, Arc::default(), &|| true).unwrap();
+            let l = Arc::new(l);
+            l.finish_recovery(Vec::new()).unwrap();
+            let seq = Arc::new(AtomicU64::new(1));
+            let stop = Arc::new(AtomicBool::new(false));
+            const THREADS: u32 = 4;
+            const WRITES: u32 = 800;
+            const KEYS: u32 = 20;
+            let key = |t: u32, k: u32| format!("t{t}-k{k:03}").into_bytes();
+            let value = |i: u32| {
+                let mut v = i.to_be_bytes().to_vec();
+                v.resize(40, b'v');
+                v
+            };
+            let reader = {
+                let (l, stop) = (l.clone(), stop.clone());
+                std::thread::spawn(move || {
+                    let mut last = std::collections::HashMap::new();
+                    let mut reads = 0u64;
+                    while !stop.load(Ordering::Relaxed) {
+                        for t in 0..THREADS {
+                            let k = key(t, (reads % u64::from(KEYS)) as u32);
+                            if let Some(Some(v)) = l.get(&k).unwrap() {
+                                let i = u32::from_be_bytes(v[..4].try_into().unwrap());
+                                let prev = last.insert(k.clone(), i).unwrap_or(0);
+                                assert!(i >= prev, "{} went back from {prev} to {i}", String::from_utf8_lossy(&k));
+                            }
+                        }
+                        reads += 1;
+                    }
+                    reads
+                })
+            };
+            let writers: Vec<_> = (0..THREADS)
+                .map(|t| {
+                    let (l, seq) = (l.clone(), seq.clone());
+                    std::thread::spawn(move || {
+                        for i in 1..=WRITES {
+                            let (k, v) = (key(t, i % KEYS), value(i));
+                            l.write(seq.fetch_add(1, Ordering::Relaxed), &[(&k, Some(&v))], false).unwrap();
+                            assert_eq!(l.get(&k).unwrap(), Some(Some(v)), "own write not readable");
+                        }
+                    })
+                })
+                .collect();
+            for w in writers {
+                w.join().unwrap();
+            }
+            stop.store(true, Ordering::Relaxed);
+            assert!(reader.join().unwrap() > 0);
+            assert!(l.counters.flushes.load(Ordering::Relaxed) > 20, "the MemTable switched often");
+            // Each thread's last write of key k.
+            let want = |_t: u32, k: u32| value((1..=WRITES).filter(|i| i % KEYS == k).max().unwrap());
+            for t in 0..THREADS {
+                for k in 0..KEYS {
+                    assert_eq!(l.get(&key(t, k)).unwrap(), Some(Some(want(t, k))), "background {background}");
+                }
+            }
+            // A crash now (synced WAL): the flushed tables and the WAL replay hold every write.
+            let crashed = fs.crash();
+            l.stop();
+            drop(l);
+            let cfs = CountingFs::new(Arc::new(crashed));
+            let (l, batches) = Lsm::open(cfs, d, opts, false, Arc::default(), Arc::default(), &|| true).unwrap();
+            let l = Arc::new(l);
+            let ops: Vec<wal::Op> = batches.into_iter().flat_map(|b| b.ops).collect();
+            l.finish_recovery(ops).unwrap();
+            for t in 0..THREADS {
+                for k in 0..KEYS {
+                    assert_eq!(l.get(&key(t, k)).unwrap(), Some(Some(want(t, k))), "after the crash");
+                }
+            }
+        }
     }
 
     /// Unflushed batches come back from the WAL after a crash (synced WAL), in order; the

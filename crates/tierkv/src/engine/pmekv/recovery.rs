@@ -294,6 +294,7 @@ fn recover(region: Region, sb: Superblock, capacity: usize, background: bool) ->
         region,
         sb,
         heap: Mutex::new(heap),
+        arenas: (0..super::ARENAS).map(|_| Mutex::new(super::Arena::default())).collect(),
         state: RwLock::new(st),
         user_bytes: Default::default(),
         checkpoints: AtomicU64::new(0),
@@ -305,6 +306,8 @@ fn recover(region: Region, sb: Superblock, capacity: usize, background: bool) ->
         commits: crate::group::Queue::default(),
         group_commits: AtomicU64::new(0),
         grouped_batches: AtomicU64::new(0),
+        #[cfg(test)]
+        fail_next_log: Default::default(),
     };
     if saw_live {
         let mut st = inner.state.write();
