@@ -462,6 +462,17 @@ pub enum Insert {
     Full(PartitionId),
 }
 
+/// Where a key stands in its partition's top leaf ([`RhTree::top_probe`]), for a later
+/// [`RhTree::insert_probed`] that then compares no key. Valid while nobody else changes
+/// that top leaf (the engine's per-partition writer lock).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Probe {
+    /// The key's entry sits at (bucket, slot) of partition `0`'s top leaf.
+    Present(PartitionId, usize, usize),
+    /// The key has no entry in partition `0`'s top leaf.
+    Absent(PartitionId),
+}
+
 /// What splits happened (for tests and stats).
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct SplitCounts {
@@ -637,6 +648,64 @@ impl RhTree {
                 return Ok(Insert::Full(p));
             }
             self.split(p, src)?;
+        }
+    }
+
+    /// Where `key` stands in its partition's top leaf (key comparisons against the source,
+    /// nothing changed); `None` when no partition takes the key yet.
+    pub fn top_probe(&self, key: &[u8], src: &dyn KeySource) -> Result<Option<Probe>> {
+        let Some(p) = self.route(key) else { return Ok(None) };
+        let top = &self.parts[p as usize].top;
+        let h = hashes(key, top.normal);
+        Ok(Some(match top.find(key, &h, src)? {
+            Some((b, s)) => Probe::Present(p, b, s),
+            None => Probe::Absent(p),
+        }))
+    }
+
+    /// [`RhTree::insert`] with the outcome of [`RhTree::top_probe`] taken on the same top
+    /// leaf: no key is compared (a split may still read keys to refresh cache slots). A
+    /// probe that no longer fits the leaf (its partition or slot changed) is ignored and
+    /// the key searched for as by `insert`.
+    pub fn insert_probed(&mut self, key: &[u8], off: u64, probe: Probe, src: &dyn KeySource) -> Result<Insert> {
+        match probe {
+            Probe::Present(p, b, s) => {
+                let h = hashes(key, self.parts.get(p as usize).map_or(1, |x| x.top.normal));
+                let fits = self.route(key) == Some(p)
+                    && self.parts[p as usize]
+                        .top
+                        .buckets
+                        .get(b)
+                        .is_some_and(|bk| s < SLOTS && live(bk.sig[s]) && bk.sig[s] >> 3 == h.sig29);
+                if !fits {
+                    return self.insert(key, off, src);
+                }
+                let top = &mut self.parts[p as usize].top;
+                let old = std::mem::replace(&mut top.buckets[b].off[s], off);
+                top.mark(b);
+                Ok(Insert::Updated(p, old))
+            }
+            Probe::Absent(p) => {
+                if self.route(key) != Some(p) {
+                    return self.insert(key, off, src);
+                }
+                // Absent from the top leaf stays true through splits (they only move its
+                // entries) and links (the new top leaf is empty).
+                loop {
+                    let p = self.route_mut(key);
+                    let part = &mut self.parts[p as usize];
+                    let h = hashes(key, part.top.normal);
+                    if let Some(pos) = part.top.free_slot(&h) {
+                        let (cache, clen) = cache_of(key, part.top.depth);
+                        part.top.place(pos, h.sig29 << 3 | clen, cache, off);
+                        return Ok(Insert::Inserted(p));
+                    }
+                    if part.end || part.linked || self.parts.len() >= self.opts.max_leaf_nodes {
+                        return Ok(Insert::Full(p));
+                    }
+                    self.split(p, src)?;
+                }
+            }
         }
     }
 
