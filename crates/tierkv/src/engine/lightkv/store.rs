@@ -24,9 +24,13 @@
 //! ([`PwbStore::write_in_lane`]): shared while it probes the top leaf for its key (the key
 //! comparisons, which read and verify PM records), picks its write position and takes a
 //! sequence number; none while it encodes, writes and persists its record (page faults and
-//! the fence); exclusive while it indexes the entry at the probed slot (no key compared)
-//! and keeps the counts. So writers of different partitions probe and persist in parallel
-//! and serialise only on that last short step. A batch, and a key that needs a new end
+//! the fence); shared again while it indexes the entry at the probed slot (no key
+//! compared): the partition's top leaf has its own lock ([`rhtree::TopLeaf`]) and the
+//! segments' write positions and entry counts are atomics ([`PwbStore::index_shared`]).
+//! Only an entry that needs a split or a link, a segment to free, dropping an idle sorted
+//! view, or the LightKV_PM images takes the exclusive lock for that last step (the sorted
+//! view has its own lock). So writers of
+//! different partitions probe, persist and index in parallel. A batch, and a key that needs a new end
 //! partition, holds every lane ([`PwbStore::write_exclusive`]), as do the clean-shutdown
 //! image and `check` (no record is then between its append and its index update). Lock
 //! order: lanes (ascending), then the state lock, then the small mutexes.
@@ -240,8 +244,11 @@ struct Seg {
     slot: u64,
     id: u64,
     size: u64,
-    pos: u64,
-    live: u64,
+    /// Write position (advanced by the holder of the owning partition's lane).
+    pos: AtomicU64,
+    /// Index entries pointing into the segment (changed under the state lock, shared by
+    /// lane writers' in-place updates).
+    live: AtomicU64,
     active: bool,
 }
 
@@ -293,8 +300,9 @@ struct State {
     epoch: u64,
     /// Bumped whenever a chain record is committed (the iterators' table list changes).
     chain_ver: u64,
-    /// Every key the DRAM leaves index, sorted, with its newest record (range reads).
-    view: SortedView,
+    /// Every key the DRAM leaves index, sorted, with its newest record (range reads). Its
+    /// own lock: lane writers update it under the shared state lock.
+    view: Mutex<SortedView>,
     /// Recovery is re-indexing the write buffer: no segment may be freed yet (one whose
     /// count drops to zero may still hold records not replayed).
     replaying: bool,
@@ -506,7 +514,10 @@ impl PwbStore {
                 Err(d) => return Err(region.corruption(addr, d)),
             };
             used.push((addr, size));
-            segs.insert(addr, Seg { slot: i, id, size, pos: 0, live: 0, active: false });
+            segs.insert(
+                addr,
+                Seg { slot: i, id, size, pos: AtomicU64::new(0), live: AtomicU64::new(0), active: false },
+            );
         }
         // Chained partitions: descriptor and PM leaves.
         let mut t = RhTree::new(cfg.tree);
@@ -600,7 +611,7 @@ impl PwbStore {
             flush_queue: VecDeque::new(),
             epoch: 0,
             chain_ver: 0,
-            view: SortedView::default(),
+            view: Mutex::new(SortedView::default()),
             replaying: false,
             images: HashMap::new(),
             chain_images: HashMap::new(),
@@ -679,11 +690,11 @@ impl PwbStore {
             }
             for off in leaf.offsets() {
                 match Self::seg_of(&st, off).and_then(|a| st.segs.get_mut(&a)) {
-                    Some(g) if off & SST_FLAG == 0 => g.live += 1,
+                    Some(g) if off & SST_FLAG == 0 => *g.live.get_mut() += 1,
                     _ => return Err(bad(format!("index image entry {off:#x} points outside the write buffer"))),
                 }
             }
-            st.tree.partition_mut(p).top = leaf;
+            *st.tree.partition_mut(p).top.get_mut() = leaf;
             if active != 0 {
                 let g = st.segs.get_mut(&active).ok_or_else(|| bad("index image names a missing segment".into()))?;
                 g.active = true;
@@ -695,10 +706,10 @@ impl PwbStore {
             if pos < pwb::HEADER_LEN as u64 || pos > g.size {
                 return Err(bad(format!("index image write position {pos} outside its segment")));
             }
-            g.pos = pos;
+            *g.pos.get_mut() = pos;
         }
         *st.next_seq.get_mut() = img.next_seq;
-        st.emptied = st.segs.iter().filter(|(_, g)| g.live == 0).map(|(&a, _)| a).collect();
+        st.emptied = st.segs.iter().filter(|(_, g)| g.live.load(Ordering::Relaxed) == 0).map(|(&a, _)| a).collect();
         // Retire the image before the store takes a write.
         self.region.store_u64_atomic(IMAGE_PTR_ADDR, 0)?;
         self.region.persist(IMAGE_PTR_ADDR, 8);
@@ -719,7 +730,7 @@ impl PwbStore {
             let bytes = self.region.slice_checked(addr, size as usize, "PWB segment")?;
             let (rs, end) = pwb::scan(bytes, id).map_err(|(off, d)| self.region.corruption(addr + off as u64, d))?;
             if let Some(g) = st.segs.get_mut(&addr) {
-                g.pos = end as u64;
+                *g.pos.get_mut() = end as u64;
             }
             for r in rs {
                 for (i, e) in r.entries.iter().enumerate() {
@@ -751,7 +762,7 @@ impl PwbStore {
         }
         // Every segment is inactive after recovery: those no entry points into go.
         st.replaying = false;
-        st.emptied = st.segs.iter().filter(|(_, g)| g.live == 0).map(|(&a, _)| a).collect();
+        st.emptied = st.segs.iter().filter(|(_, g)| g.live.load(Ordering::Relaxed) == 0).map(|(&a, _)| a).collect();
         self.free_emptied(&mut st)
     }
 
@@ -817,8 +828,9 @@ impl PwbStore {
     fn release(st: &mut State, addr: u64) {
         if let Some(a) = Self::seg_of(st, addr) {
             if let Some(g) = st.segs.get_mut(&a) {
-                g.live = g.live.saturating_sub(1);
-                if g.live == 0 {
+                let live = g.live.get_mut();
+                *live = live.saturating_sub(1);
+                if *live == 0 {
                     st.emptied.push(a);
                 }
             }
@@ -831,7 +843,7 @@ impl PwbStore {
             return Ok(());
         }
         for a in std::mem::take(&mut st.emptied) {
-            if st.segs.get(&a).is_some_and(|g| g.live == 0 && !g.active) {
+            if st.segs.get(&a).is_some_and(|g| g.live.load(Ordering::Relaxed) == 0 && !g.active) {
                 self.free_segment(st, a)?;
             }
         }
@@ -893,9 +905,9 @@ impl PwbStore {
             st.epoch += 1;
         }
         if let Some(g) = Self::seg_of(st, addr).and_then(|a| st.segs.get_mut(&a)) {
-            g.live += 1;
+            *g.live.get_mut() += 1;
         }
-        st.view.put(key, addr, known);
+        st.view.get_mut().put(key, addr, known);
         Ok(())
     }
 
@@ -937,8 +949,9 @@ impl PwbStore {
             t
         };
         for p in parts {
-            let dirty = st.tree.partition_mut(p).top.take_dirty();
-            let top = &st.tree.partition(p).top;
+            let dirty = st.tree.partition_mut(p).top.get_mut().take_dirty();
+            let top_guard = st.tree.partition(p).top.read();
+            let top = &*top_guard;
             let want = (LEAF_HEADER + top.buckets().len() * 64) as u64;
             let live = top.live();
             // After a change of shape a partition may hold another leaf than its image shows
@@ -1113,10 +1126,10 @@ impl PwbStore {
         Self::touch(st, p);
         // The records are in the table: their sorted-view entries retire (iterators that
         // listed the tables before this commit still read them from the write buffer).
-        let stamp = st.view.stamp();
+        let stamp = st.view.get_mut().stamp();
         let oldest = self.pins.oldest();
         for (k, off) in &b.flushed {
-            st.view.retire(stamp, k, *off, oldest);
+            st.view.get_mut().retire(stamp, k, *off, oldest);
         }
         for off in job.leaf.offsets() {
             Self::release(st, off);
@@ -1339,8 +1352,8 @@ impl PwbStore {
         self.region.persist(slot + 8, 8);
         // Iterators open since before this free may still borrow its records: the extent
         // goes back to the heap once they are gone (see `super::view`).
-        let stamp = st.view.stamp();
-        if st.view.free_extent(stamp, addr, g.size, self.pins.oldest()) {
+        let stamp = st.view.get_mut().stamp();
+        if st.view.get_mut().free_extent(stamp, addr, g.size, self.pins.oldest()) {
             self.heap.lock().free(addr, g.size);
         }
         st.free_slots.push(g.slot);
@@ -1350,10 +1363,10 @@ impl PwbStore {
 
     /// Run the deferred work of [`super::view`] that no open iterator needs any more.
     fn reclaim(&self, st: &mut State) {
-        if !st.view.has_deferred() {
+        if !st.view.get_mut().has_deferred() {
             return;
         }
-        let extents = st.view.reclaim(self.pins.oldest());
+        let extents = st.view.get_mut().reclaim(self.pins.oldest());
         if !extents.is_empty() {
             let mut h = self.heap.lock();
             for (a, l) in extents {
@@ -1398,7 +1411,10 @@ impl PwbStore {
         self.region.persist(sa, 8);
         self.region.store_u64_atomic(sa + 8, id)?;
         self.region.persist(sa + 8, 8);
-        st.segs.insert(addr, Seg { slot, id, size, pos: pwb::HEADER_LEN as u64, live: 0, active: true });
+        st.segs.insert(
+            addr,
+            Seg { slot, id, size, pos: AtomicU64::new(pwb::HEADER_LEN as u64), live: AtomicU64::new(0), active: true },
+        );
         Ok(addr)
     }
 
@@ -1482,8 +1498,9 @@ impl PwbStore {
     ///    (a new segment under the exclusive lock, rarely) and take a sequence number;
     /// 2. no state lock: encode the record, write it at the position (page faults land
     ///    here), persist it (flush + fence);
-    /// 3. the state lock *exclusive*: advance the write position, index the entry with the
-    ///    probe's outcome (no key compared), the bookkeeping.
+    /// 3. the state lock shared ([`PwbStore::index_shared`]) — or exclusive when the entry
+    ///    needs a split, a link, an idle sorted view dropped or LightKV_PM's images: advance the write
+    ///    position, index the entry with the probe's outcome (no key compared), the counts.
     ///
     /// Only `p`'s lane holder appends to `p`'s active segment, changes which one it is, or
     /// changes `p`'s top leaf (splits included), so the probe and the position stay valid
@@ -1517,7 +1534,9 @@ impl PwbStore {
             let room = st
                 .active
                 .get(&p)
-                .and_then(|&a| st.segs.get(&a).filter(|g| g.pos + size <= g.size).map(|g| (a, g.id, g.pos)));
+                .and_then(|&a| st.segs.get(&a).map(|g| (a, g.id, g.pos.load(Ordering::Relaxed), g.size)))
+                .filter(|r| r.2 + size <= r.3)
+                .map(|r| (r.0, r.1, r.2));
             let (seg, id, pos) = match room {
                 Some(r) => r,
                 None => {
@@ -1533,7 +1552,7 @@ impl PwbStore {
                     let r = w
                         .segs
                         .get(&a)
-                        .map(|g| (a, g.id, g.pos))
+                        .map(|g| (a, g.id, g.pos.load(Ordering::Relaxed)))
                         .ok_or_else(|| Error::Poisoned("lightkv: a new segment vanished".into()))?;
                     st = RwLockWriteGuard::downgrade(w);
                     r
@@ -1549,12 +1568,81 @@ impl PwbStore {
             // entries to persisted records, and `check` holds every lane.
             unsafe { self.region.write(addr, &rec)? };
             self.region.persist(addr, rec.len() as u64);
-            let mut st = self.state.write();
-            self.after_append(&mut st, std::slice::from_ref(op), seg, addr, rec.len() as u64, &offs, seq, Some(probe))?;
-            drop(st);
+            let len = rec.len() as u64;
+            let entry = addr + offs.first().copied().unwrap_or(0) as u64;
+            let shared = {
+                let st = self.state.read();
+                self.index_shared(&st, key, seg, entry, len, probe)
+            };
+            match shared {
+                Some(emptied) => {
+                    if let Some(a) = emptied {
+                        let mut st = self.state.write();
+                        st.emptied.push(a);
+                        if let Err(e) = self.free_emptied(&mut st) {
+                            self.poisoned.set(format!("lightkv write failed after its record was persisted: {e}"));
+                            return Err(e);
+                        }
+                        self.reclaim(&mut st);
+                    }
+                    self.user_bytes.add(0, (op.1.len() + op.2.len()) as u64);
+                }
+                None => {
+                    let mut st = self.state.write();
+                    self.after_append(&mut st, std::slice::from_ref(op), seg, addr, len, &offs, seq, Some(probe))?;
+                }
+            }
             drop(lane);
             return Ok(Some(true));
         }
+    }
+
+    /// Step 3 of [`PwbStore::write_in_lane`] without the exclusive state lock, when the entry
+    /// only takes or updates one slot of its partition's top leaf (no split, no link) and no
+    /// PM leaf image is kept (LightKV_PM): the top leaf changes under its own lock
+    /// ([`RhTree::insert_shared`]; the lane makes this writer its only writer), the
+    /// segment's write position and entry counts are atomics, the sorted view has its own
+    /// lock. `None`, with
+    /// nothing changed, when the exclusive path is needed; else the segment an update left
+    /// with no entry (to be freed under the exclusive lock), if any.
+    fn index_shared(
+        &self,
+        st: &State,
+        key: &[u8],
+        seg: u64,
+        entry: u64,
+        len: u64,
+        probe: Probe,
+    ) -> Option<Option<u64>> {
+        if self.cfg.placement == LightkvPlacement::Pm || st.replaying {
+            return None;
+        }
+        {
+            // A view that writes should stop keeping is dropped on the exclusive path.
+            let v = st.view.lock();
+            if v.idle(self.view_used.load(Ordering::Relaxed)) && self.pins.count() == 0 {
+                return None;
+            }
+        }
+        let g = st.segs.get(&seg)?;
+        let outcome = st.tree.insert_shared(key, entry, probe)?;
+        g.pos.fetch_add(len, Ordering::Relaxed);
+        g.live.fetch_add(1, Ordering::Relaxed);
+        st.view.lock().put(key, entry, matches!(outcome, Insert::Updated(..)));
+        let mut emptied = None;
+        if let Insert::Updated(_, old) = outcome {
+            if old & SST_FLAG == 0 {
+                if let Some((&a, og)) = st.segs.range(..=old).next_back() {
+                    let before =
+                        og.live.fetch_update(Ordering::Relaxed, Ordering::Relaxed, |n| Some(n.saturating_sub(1)));
+                    if before == Ok(1) {
+                        emptied = Some(a);
+                    }
+                }
+            }
+        }
+        self.queued.store(st.flush_queue.len(), Ordering::Relaxed);
+        Some(emptied)
     }
 
     /// Partition `p`'s active segment has no room for `size` bytes (or there is none): it
@@ -1563,7 +1651,7 @@ impl PwbStore {
         if let Some(a) = st.active.remove(&p) {
             if let Some(g) = st.segs.get_mut(&a) {
                 g.active = false;
-                if g.live == 0 {
+                if *g.live.get_mut() == 0 {
                     self.free_segment(st, a)?;
                 }
             }
@@ -1597,13 +1685,13 @@ impl PwbStore {
         }
         let size = pwb::record_size(ops.iter().map(|o| (o.1.len(), o.2.len()))) as u64;
         let seg = match st.active.get(&p).copied() {
-            Some(a) if st.segs.get(&a).is_some_and(|g| g.pos + size <= g.size) => a,
+            Some(a) if st.segs.get(&a).is_some_and(|g| g.pos.load(Ordering::Relaxed) + size <= g.size) => a,
             _ => self.switch_segment(&mut st, p, size, None)?,
         };
         let (id, pos) = st
             .segs
             .get(&seg)
-            .map(|g| (g.id, g.pos))
+            .map(|g| (g.id, g.pos.load(Ordering::Relaxed)))
             .ok_or_else(|| Error::Poisoned("active segment vanished".into()))?;
         let seq = st.next_seq.fetch_add(1, Ordering::Relaxed);
         let (rec, offs) = pwb::encode_record(id, seq, ops);
@@ -1635,7 +1723,7 @@ impl PwbStore {
     ) -> Result<()> {
         let r = (|| {
             if let Some(g) = st.segs.get_mut(&seg) {
-                g.pos += len;
+                *g.pos.get_mut() += len;
             }
             let shape = Self::shape_key(st);
             for (op, off) in ops.iter().zip(offs) {
@@ -1648,9 +1736,9 @@ impl PwbStore {
             self.free_emptied(st)?;
             self.reclaim(st);
             // No range read for long, none open: writes stop keeping the sorted view.
-            if st.view.idle(self.view_used.load(Ordering::Relaxed)) && self.pins.count() == 0 {
+            if st.view.get_mut().idle(self.view_used.load(Ordering::Relaxed)) && self.pins.count() == 0 {
                 self.reclaim(st);
-                st.view.deactivate();
+                st.view.get_mut().deactivate();
             }
             Ok(())
         })();
@@ -1719,7 +1807,7 @@ impl PwbStore {
         let part = st.tree.partition(p);
         let missing = || Error::Poisoned("lightkv: a leaf has no PM image".into());
         let top = st.images.get(&p).copied().ok_or_else(missing)?;
-        if let Some(off) = self.image_get(top, &part.top, key, src)? {
+        if let Some(off) = self.image_get(top, &part.top.read(), key, src)? {
             return Ok(Some(off));
         }
         let imgs = st.chain_images.get(&p).map(|v| v.as_slice()).unwrap_or(&[]);
@@ -1764,7 +1852,8 @@ impl PwbStore {
         let mut keys = std::collections::BTreeSet::new();
         for p in st.tree.partitions_in_order() {
             let part = st.tree.partition(p);
-            for leaf in std::iter::once(&part.top).chain(part.chain.iter()) {
+            let top = part.top.read();
+            for leaf in std::iter::once(&*top).chain(part.chain.iter()) {
                 for off in leaf.offsets() {
                     keys.insert(self.keys().key(off)?);
                 }
@@ -1810,12 +1899,13 @@ impl PwbStore {
     pub(crate) fn pin_and_runs(&self) -> Result<(u64, Arc<TableRuns>)> {
         {
             let st = self.state.read();
-            if st.view.active() {
+            let active = st.view.lock().active();
+            if active {
                 return self.pin_locked(&st);
             }
         }
         let mut st = self.state.write();
-        if !st.view.active() {
+        if !st.view.get_mut().active() {
             self.build_view(&mut st)?;
         }
         self.pin_locked(&st)
@@ -1823,9 +1913,10 @@ impl PwbStore {
 
     fn pin_locked(&self, st: &State) -> Result<(u64, Arc<TableRuns>)> {
         let runs = self.table_runs(st)?;
-        let gen = st.view.gen();
+        let view = st.view.lock();
+        let gen = view.gen();
         self.pins.pin(gen);
-        self.view_used.store(st.view.writes(), Ordering::Relaxed);
+        self.view_used.store(view.writes(), Ordering::Relaxed);
         Ok((gen, runs))
     }
 
@@ -1837,7 +1928,8 @@ impl PwbStore {
         let mut ents: Vec<(Vec<u8>, usize, u64)> = Vec::new();
         for p in st.tree.partitions_in_order() {
             let part = st.tree.partition(p);
-            for (rank, leaf) in std::iter::once(&part.top).chain(part.chain.iter()).enumerate() {
+            let top = part.top.read();
+            for (rank, leaf) in std::iter::once(&*top).chain(part.chain.iter()).enumerate() {
                 for off in leaf.offsets() {
                     if off & SST_FLAG != 0 {
                         return Err(Error::Poisoned(format!("lightkv: a DRAM leaf names table entry {off:#x}")));
@@ -1849,7 +1941,7 @@ impl PwbStore {
         ents.sort_unstable_by(|a, b| a.0.cmp(&b.0).then(a.1.cmp(&b.1)));
         // `dedup_by` keeps the first of equal keys: the newest leaf's.
         ents.dedup_by(|later, first| later.0 == first.0);
-        st.view.build(ents.into_iter().map(|(k, _, off)| (k, off)).collect());
+        st.view.get_mut().build(ents.into_iter().map(|(k, _, off)| (k, off)).collect());
         Ok(())
     }
 
@@ -1887,7 +1979,7 @@ impl PwbStore {
     /// Copy up to `want` record addresses of the sorted view from `from` on for an iterator
     /// pinned at `pin` (a short read lock; see [`super::view::SortedView::fill`]).
     pub(crate) fn view_fill(&self, from: Bound<&[u8]>, forward: bool, pin: u64, want: usize, out: &mut Vec<u64>) {
-        self.state.read().view.fill(from, forward, pin, want, out);
+        self.state.read().view.lock().fill(from, forward, pin, want, out);
     }
 
     /// Counters.
@@ -1908,7 +2000,8 @@ impl PwbStore {
         let chains: Vec<usize> = st.chains.values().map(|c| c.leaves.len()).collect();
         let splits = st.tree.splits();
         let pm_leaf_bytes: u64 = st.chains.values().flat_map(|c| c.leaves.iter()).map(|l| l.len).sum();
-        let top_live: u64 = st.tree.partitions_in_order().iter().map(|&p| st.tree.partition(p).top.live() as u64).sum();
+        let top_live: u64 =
+            st.tree.partitions_in_order().iter().map(|&p| st.tree.partition(p).top.read().live() as u64).sum();
         let dram_leaves = st.tree.partition_count()
             + st.tree.partitions_in_order().iter().map(|&p| st.tree.partition(p).chain.len()).sum::<usize>();
         let dram_leaf_bytes =
@@ -1924,6 +2017,7 @@ impl PwbStore {
                 .map(|t| t.size())
                 .sum()
         };
+        let view = st.view.lock();
         vec![
             ("partitions", st.tree.partition_count() as u64),
             ("chained_partitions", st.chains.len() as u64),
@@ -1942,13 +2036,13 @@ impl PwbStore {
             ("pwb_segments", st.segs.len() as u64),
             ("pm_heap_bytes", heap_total),
             ("pm_heap_free_bytes", heap_free),
-            ("sorted_view_active", u64::from(st.view.active())),
-            ("sorted_view_builds", st.view.builds()),
-            ("sorted_view_keys", st.view.len() as u64),
-            ("sorted_view_bytes", st.view.approx_bytes()),
+            ("sorted_view_active", u64::from(view.active())),
+            ("sorted_view_builds", view.builds()),
+            ("sorted_view_keys", view.len() as u64),
+            ("sorted_view_bytes", view.approx_bytes()),
             ("iterators_open", self.pins.count() as u64),
-            ("deferred_view_entries", st.view.deferred().0 as u64),
-            ("deferred_segment_frees", st.view.deferred().1 as u64),
+            ("deferred_view_entries", view.deferred().0 as u64),
+            ("deferred_segment_frees", view.deferred().1 as u64),
         ]
     }
 
@@ -2014,7 +2108,8 @@ impl PwbStore {
                 let part = st.tree.partition(p);
                 let imgs = std::iter::once(st.images.get(&p).copied())
                     .chain(st.chain_images.get(&p).into_iter().flatten().map(|x| Some(*x)));
-                for (img, leaf) in imgs.zip(std::iter::once(&part.top).chain(part.chain.iter())) {
+                let top = part.top.read();
+                for (img, leaf) in imgs.zip(std::iter::once(&*top).chain(part.chain.iter())) {
                     let Some((a, len)) = img else {
                         problems.push(format!("partition {p}: a leaf has no PM image"));
                         continue;
@@ -2036,7 +2131,7 @@ impl PwbStore {
         for p in st.tree.partitions_in_order() {
             let part = st.tree.partition(p);
             let mut offs: Vec<u64> =
-                std::iter::once(&part.top).chain(part.chain.iter()).flat_map(|l| l.offsets()).collect();
+                std::iter::once(&*part.top.read()).chain(part.chain.iter()).flat_map(|l| l.offsets()).collect();
             if let Some(c) = part.tag.checked_sub(1).and_then(|s| st.chains.get(&s)) {
                 for l in &c.leaves {
                     if let Some(d) = &l.dram {
@@ -2061,8 +2156,9 @@ impl PwbStore {
         // While active, the sorted view maps exactly the keys the DRAM leaves index to their
         // newest record there (retired entries aside: they wait for old iterators); while
         // inactive it is empty and no iterator is open.
-        if !st.view.active() {
-            if st.view.len() != 0 || self.pins.count() != 0 {
+        let view = st.view.lock();
+        if !view.active() {
+            if view.len() != 0 || self.pins.count() != 0 {
                 problems.push("sorted view: inactive, yet it holds keys or iterators are open".into());
             }
             return Ok(problems);
@@ -2070,13 +2166,14 @@ impl PwbStore {
         let mut newest: HashMap<Vec<u8>, u64> = HashMap::new();
         for p in st.tree.partitions_in_order() {
             let part = st.tree.partition(p);
-            for off in std::iter::once(&part.top).chain(part.chain.iter()).flat_map(|l| l.offsets()) {
+            let top = part.top.read();
+            for off in std::iter::once(&*top).chain(part.chain.iter()).flat_map(|l| l.offsets()) {
                 if let Ok((_, k, _)) = self.record(off) {
                     newest.entry(k).or_insert(off);
                 }
             }
         }
-        for (k, e) in st.view.entries().filter(|(_, e)| e.retired == 0) {
+        for (k, e) in view.entries().filter(|(_, e)| e.retired == 0) {
             if newest.remove(k) != Some(e.off) {
                 problems.push(format!(
                     "sorted view: key {:?} maps to {:#x}, not to its newest DRAM-indexed record",
@@ -2105,11 +2202,17 @@ impl PwbStore {
             .tree
             .partitions_in_order()
             .into_iter()
-            .map(|p| (st.tree.descriptor(p), st.active.get(&p).copied().unwrap_or(0), st.tree.partition(p).top.clone()))
+            .map(|p| {
+                (
+                    st.tree.descriptor(p),
+                    st.active.get(&p).copied().unwrap_or(0),
+                    st.tree.partition(p).top.read().clone(),
+                )
+            })
             .collect();
         let img = Image {
             next_seq: st.next_seq.load(Ordering::Relaxed),
-            segments: st.segs.iter().map(|(&a, g)| (a, g.pos)).collect(),
+            segments: st.segs.iter().map(|(&a, g)| (a, g.pos.load(Ordering::Relaxed))).collect(),
             partitions,
         };
         let b = encode_image(&img);
