@@ -433,7 +433,7 @@ struct Inner {
 #[derive(Debug, Clone)]
 pub struct Partition {
     /// The top leaf.
-    pub top: Leaf,
+    pub top: TopLeaf,
     /// Older leaves the tree searches after the top leaf, newest first. The engine may move
     /// a leaf out of here once it lives elsewhere (e.g. a PM copy it searches itself).
     pub chain: Vec<Leaf>,
@@ -445,6 +445,46 @@ pub struct Partition {
     pub tag: u64,
     inner: u32,
     end: bool,
+}
+
+/// A partition's top leaf behind its own lock, so that an engine can change one partition's
+/// top leaf while other threads use the tree (and other top leaves) through a shared
+/// reference ([`RhTree::insert_shared`]). `&mut` paths reach it without locking
+/// ([`TopLeaf::get_mut`]).
+pub struct TopLeaf(parking_lot::RwLock<Leaf>);
+
+impl TopLeaf {
+    /// Wrap a leaf.
+    pub fn new(leaf: Leaf) -> TopLeaf {
+        TopLeaf(parking_lot::RwLock::new(leaf))
+    }
+
+    /// The leaf, shared.
+    pub fn read(&self) -> parking_lot::RwLockReadGuard<'_, Leaf> {
+        self.0.read()
+    }
+
+    /// The leaf, for changes through a shared tree.
+    pub fn write(&self) -> parking_lot::RwLockWriteGuard<'_, Leaf> {
+        self.0.write()
+    }
+
+    /// The leaf, through an exclusive tree (no locking).
+    pub fn get_mut(&mut self) -> &mut Leaf {
+        self.0.get_mut()
+    }
+}
+
+impl Clone for TopLeaf {
+    fn clone(&self) -> TopLeaf {
+        TopLeaf::new(self.read().clone())
+    }
+}
+
+impl std::fmt::Debug for TopLeaf {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        self.read().fmt(f)
+    }
 }
 
 /// A key range routed to one partition: `(lower, upper, partition)`, `upper` exclusive,
@@ -460,6 +500,17 @@ pub enum Insert {
     Updated(PartitionId, u64),
     /// The top leaf is full and cannot split: [`RhTree::link`] a new top leaf and retry.
     Full(PartitionId),
+}
+
+/// Where a key stands in its partition's top leaf ([`RhTree::top_probe`]), for a later
+/// [`RhTree::insert_probed`] that then compares no key. Valid while nobody else changes
+/// that top leaf (the engine's per-partition writer lock).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Probe {
+    /// The key's entry sits at (bucket, slot) of partition `0`'s top leaf.
+    Present(PartitionId, usize, usize),
+    /// The key has no entry in partition `0`'s top leaf.
+    Absent(PartitionId),
 }
 
 /// What splits happened (for tests and stats).
@@ -516,7 +567,7 @@ impl RhTree {
     pub fn set_track_dirty(&mut self, on: bool) {
         self.track_dirty = on;
         for p in self.parts.iter_mut() {
-            p.top.track_dirty(on);
+            p.top.get_mut().track_dirty(on);
         }
     }
 
@@ -549,7 +600,7 @@ impl RhTree {
         let depth = self.inners[inner as usize].depth;
         let mut top = Leaf::new(self.opts.leaf_buckets, depth);
         top.track_dirty(self.track_dirty);
-        self.parts.push(Partition { top, chain: Vec::new(), linked: false, tag: 0, inner, end });
+        self.parts.push(Partition { top: TopLeaf::new(top), chain: Vec::new(), linked: false, tag: 0, inner, end });
         (self.parts.len() - 1) as PartitionId
     }
 
@@ -609,7 +660,8 @@ impl RhTree {
     pub fn get(&self, key: &[u8], src: &dyn KeySource) -> Result<Option<(PartitionId, u64)>> {
         let Some(p) = self.route(key) else { return Ok(None) };
         let part = &self.parts[p as usize];
-        for leaf in std::iter::once(&part.top).chain(part.chain.iter()) {
+        let top = part.top.read();
+        for leaf in std::iter::once(&*top).chain(part.chain.iter()) {
             if let Some(off) = leaf.get(key, src)? {
                 return Ok(Some((p, off)));
             }
@@ -622,15 +674,16 @@ impl RhTree {
         loop {
             let p = self.route_mut(key);
             let part = &mut self.parts[p as usize];
-            let h = hashes(key, part.top.normal);
-            if let Some((b, s)) = part.top.find(key, &h, src)? {
-                let old = std::mem::replace(&mut part.top.buckets[b].off[s], off);
-                part.top.mark(b);
+            let top = part.top.get_mut();
+            let h = hashes(key, top.normal);
+            if let Some((b, s)) = top.find(key, &h, src)? {
+                let old = std::mem::replace(&mut top.buckets[b].off[s], off);
+                top.mark(b);
                 return Ok(Insert::Updated(p, old));
             }
-            if let Some(pos) = part.top.free_slot(&h) {
-                let (cache, clen) = cache_of(key, part.top.depth);
-                part.top.place(pos, h.sig29 << 3 | clen, cache, off);
+            if let Some(pos) = top.free_slot(&h) {
+                let (cache, clen) = cache_of(key, top.depth);
+                top.place(pos, h.sig29 << 3 | clen, cache, off);
                 return Ok(Insert::Inserted(p));
             }
             if part.end || part.linked || self.parts.len() >= self.opts.max_leaf_nodes {
@@ -640,12 +693,104 @@ impl RhTree {
         }
     }
 
+    /// Where `key` stands in its partition's top leaf (key comparisons against the source,
+    /// nothing changed); `None` when no partition takes the key yet.
+    pub fn top_probe(&self, key: &[u8], src: &dyn KeySource) -> Result<Option<Probe>> {
+        let Some(p) = self.route(key) else { return Ok(None) };
+        let top = self.parts[p as usize].top.read();
+        let h = hashes(key, top.normal);
+        Ok(Some(match top.find(key, &h, src)? {
+            Some((b, s)) => Probe::Present(p, b, s),
+            None => Probe::Absent(p),
+        }))
+    }
+
+    /// [`RhTree::insert`] with the outcome of [`RhTree::top_probe`] taken on the same top
+    /// leaf: no key is compared (a split may still read keys to refresh cache slots). A
+    /// probe that no longer fits the leaf (its partition or slot changed) is ignored and
+    /// the key searched for as by `insert`.
+    pub fn insert_probed(&mut self, key: &[u8], off: u64, probe: Probe, src: &dyn KeySource) -> Result<Insert> {
+        match probe {
+            Probe::Present(p, b, s) => {
+                let h = hashes(key, self.parts.get_mut(p as usize).map_or(1, |x| x.top.get_mut().normal));
+                let fits = self.route(key) == Some(p)
+                    && self.parts[p as usize]
+                        .top
+                        .get_mut()
+                        .buckets
+                        .get(b)
+                        .is_some_and(|bk| s < SLOTS && live(bk.sig[s]) && bk.sig[s] >> 3 == h.sig29);
+                if !fits {
+                    return self.insert(key, off, src);
+                }
+                let top = self.parts[p as usize].top.get_mut();
+                let old = std::mem::replace(&mut top.buckets[b].off[s], off);
+                top.mark(b);
+                Ok(Insert::Updated(p, old))
+            }
+            Probe::Absent(p) => {
+                if self.route(key) != Some(p) {
+                    return self.insert(key, off, src);
+                }
+                // Absent from the top leaf stays true through splits (they only move its
+                // entries) and links (the new top leaf is empty).
+                loop {
+                    let p = self.route_mut(key);
+                    let part = &mut self.parts[p as usize];
+                    let top = part.top.get_mut();
+                    let h = hashes(key, top.normal);
+                    if let Some(pos) = top.free_slot(&h) {
+                        let (cache, clen) = cache_of(key, top.depth);
+                        top.place(pos, h.sig29 << 3 | clen, cache, off);
+                        return Ok(Insert::Inserted(p));
+                    }
+                    if part.end || part.linked || self.parts.len() >= self.opts.max_leaf_nodes {
+                        return Ok(Insert::Full(p));
+                    }
+                    self.split(p, src)?;
+                }
+            }
+        }
+    }
+
+    /// [`RhTree::insert_probed`] through a shared tree, changing only the key's partition's
+    /// top leaf (under its own lock): the caller must be the only one changing that leaf
+    /// meanwhile. `None`, with nothing changed, when the insert needs more than one leaf
+    /// slot — a split or a link — or the probe no longer fits; the caller then inserts
+    /// through an exclusive tree.
+    pub fn insert_shared(&self, key: &[u8], off: u64, probe: Probe) -> Option<Insert> {
+        let (Probe::Present(p, ..) | Probe::Absent(p)) = probe;
+        if self.route(key) != Some(p) {
+            return None;
+        }
+        let mut top = self.parts.get(p as usize)?.top.write();
+        let h = hashes(key, top.normal);
+        match probe {
+            Probe::Present(_, b, s) => {
+                let fits =
+                    top.buckets.get(b).is_some_and(|bk| s < SLOTS && live(bk.sig[s]) && bk.sig[s] >> 3 == h.sig29);
+                if !fits {
+                    return None;
+                }
+                let old = std::mem::replace(&mut top.buckets[b].off[s], off);
+                top.mark(b);
+                Some(Insert::Updated(p, old))
+            }
+            Probe::Absent(_) => {
+                let pos = top.free_slot(&h)?;
+                let (cache, clen) = cache_of(key, top.depth);
+                top.place(pos, h.sig29 << 3 | clen, cache, off);
+                Some(Insert::Inserted(p))
+            }
+        }
+    }
+
     /// Remove `key`'s entry from its partition's top leaf (the slot is marked deleted and
     /// reused by later inserts). Returns the removed offset. Older linked leaves are not
     /// touched: when they may hold the key the engine indexes a tombstone record instead.
     pub fn remove_top(&mut self, key: &[u8], src: &dyn KeySource) -> Result<Option<u64>> {
         let Some(p) = self.route(key) else { return Ok(None) };
-        let top = &mut self.parts[p as usize].top;
+        let top = self.parts[p as usize].top.get_mut();
         let h = hashes(key, top.normal);
         let Some((b, s)) = top.find(key, &h, src)? else { return Ok(None) };
         let off = top.buckets[b].off[s];
@@ -660,9 +805,9 @@ impl RhTree {
     /// (returned index 0 of the chain).
     pub fn link(&mut self, p: PartitionId) {
         let part = &mut self.parts[p as usize];
-        let mut fresh = Leaf::new(self.opts.leaf_buckets, part.top.depth);
+        let mut fresh = Leaf::new(self.opts.leaf_buckets, part.top.get_mut().depth);
         fresh.track_dirty(self.track_dirty);
-        let mut old = std::mem::replace(&mut part.top, fresh);
+        let mut old = std::mem::replace(part.top.get_mut(), fresh);
         old.track_dirty(false);
         part.chain.insert(0, old);
         part.linked = true;
@@ -809,7 +954,7 @@ impl RhTree {
     /// The returned id is valid until the next restore (which may renumber partitions):
     /// attach the partition's data (its chain, its [`Partition::tag`]) right away.
     pub fn ensure_partition(&mut self, d: &PartitionDesc, linked: bool) -> std::result::Result<PartitionId, String> {
-        if self.parts.iter().any(|p| p.top.live() > 0) {
+        if self.parts.iter().any(|p| p.top.read().live() > 0) {
             return Err("partitions can only be restored before any entry is indexed".into());
         }
         if (!d.end && d.values.is_empty()) || (d.end && !d.values.is_empty()) {
@@ -903,12 +1048,12 @@ impl RhTree {
             for &v in &values[n - n / 2..] {
                 self.inners[inner as usize].children[v as usize] = Child::Leaf(q);
             }
-            for pos in self.parts[p as usize].top.live_positions() {
-                let bk = &self.parts[p as usize].top.buckets[pos.0];
+            for pos in self.parts[p as usize].top.get_mut().live_positions() {
+                let bk = &self.parts[p as usize].top.get_mut().buckets[pos.0];
                 let (sig, cache) = (bk.sig[pos.1], bk.cache[pos.1]);
                 if cached_byte(sig, cache, d).is_some_and(|b| b >= first_moved) {
-                    let (sig, cache, off) = self.parts[p as usize].top.take(pos);
-                    self.parts[q as usize].top.place(pos, sig, cache, off);
+                    let (sig, cache, off) = self.parts[p as usize].top.get_mut().take(pos);
+                    self.parts[q as usize].top.get_mut().place(pos, sig, cache, off);
                 }
             }
             self.splits.normal += 1;
@@ -919,7 +1064,7 @@ impl RhTree {
             values[0]
         } else {
             let mut count = [0usize; FANOUT];
-            let top = &self.parts[p as usize].top;
+            let top = &*self.parts[p as usize].top.get_mut();
             for (b, s) in top.live_positions() {
                 if let Some(x) = cached_byte(top.buckets[b].sig[s], top.buckets[b].cache[s], d) {
                     count[x as usize] += 1;
@@ -932,13 +1077,13 @@ impl RhTree {
         let (child, lo, hi) = self.new_inner(prefix);
         self.inners[inner as usize].children[v as usize] = Child::Inner(child);
         let refresh = (d + 1).is_multiple_of(4);
-        for pos in self.parts[p as usize].top.live_positions() {
-            let bk = &self.parts[p as usize].top.buckets[pos.0];
+        for pos in self.parts[p as usize].top.get_mut().live_positions() {
+            let bk = &self.parts[p as usize].top.get_mut().buckets[pos.0];
             let (sig, cache) = (bk.sig[pos.1], bk.cache[pos.1]);
             if cached_byte(sig, cache, d) != Some(v) {
                 continue;
             }
-            let (sig, mut cache, off) = self.parts[p as usize].top.take(pos);
+            let (sig, mut cache, off) = self.parts[p as usize].top.get_mut().take(pos);
             let mut sig = sig;
             if refresh {
                 let key = src.key(off)?;
@@ -960,14 +1105,14 @@ impl RhTree {
                 Some(b) if (b as usize) < FANOUT / 2 => lo,
                 Some(_) => hi,
             };
-            self.parts[dest as usize].top.place(pos, sig, cache, off);
+            self.parts[dest as usize].top.get_mut().place(pos, sig, cache, off);
         }
         if n == 1 {
             // `p` no longer owns any value: it becomes unreachable and empty. Reuse it as
             // the lower leaf of the new node instead, so partition ids stay dense.
-            let lo_top = std::mem::replace(&mut self.parts[lo as usize].top, Leaf::new(1, 0));
+            let lo_top = std::mem::replace(self.parts[lo as usize].top.get_mut(), Leaf::new(1, 0));
             let part = &mut self.parts[p as usize];
-            part.top = lo_top;
+            *part.top.get_mut() = lo_top;
             part.inner = child;
             for c in self.inners[child as usize].children.iter_mut() {
                 if *c == Child::Leaf(lo) {
@@ -1037,11 +1182,11 @@ mod tests {
         for (k, off) in model {
             assert_eq!(t.get(k, log).unwrap().map(|x| x.1), Some(*off), "key {k:?}");
         }
-        let total: usize = (0..t.partition_count() as u32).map(|p| t.partition(p).top.live()).sum();
+        let total: usize = (0..t.partition_count() as u32).map(|p| t.partition(p).top.read().live()).sum();
         assert_eq!(total, model.len(), "live entries");
         // Every entry sits in the partition its key routes to.
         for p in 0..t.partition_count() as u32 {
-            for off in t.partition(p).top.offsets() {
+            for off in t.partition(p).top.read().offsets() {
                 let k = log.key(off).unwrap();
                 assert_eq!(t.route(&k), Some(p), "entry {k:?} in the wrong partition");
             }
@@ -1127,7 +1272,7 @@ mod tests {
         let pab = t.route(b"ab").unwrap();
         assert!(t.partition(pa).end && t.partition(pab).end, "short keys route to end partitions");
         assert_ne!(pa, pab);
-        assert_eq!(t.partition(pab).top.live(), 1);
+        assert_eq!(t.partition(pab).top.read().live(), 1);
         // An end partition sorts before its node's children.
         let order = t.partitions_in_order();
         let pos = |p| order.iter().position(|&x| x == p).unwrap();
@@ -1172,7 +1317,7 @@ mod tests {
     fn deleted_slots_are_reused() {
         let log = Log::default();
         let mut t = RhTree::new(small(2));
-        let cap = t.partition(0).top.capacity();
+        let cap = t.partition(0).top.read().capacity();
         // Fill partition 0 (bytes < 128) to Full.
         let mut keys = Vec::new();
         for i in 0u32.. {

@@ -344,7 +344,8 @@ mod tests {
             }
         }
         let p = t.route(b"k1").unwrap();
-        let leaf = &t.partition(p).top;
+        let top = t.partition(p).top.read();
+        let leaf = &*top;
         let meta = LeafMeta { table: 12, cw: 2, seq_hi: 99 };
         let enc = encode_leaf(leaf, 8, meta);
         assert_eq!(leaf_len(&enc).unwrap(), enc.len());

@@ -6,7 +6,8 @@
 //!   cache slots; MAX_LEAF_NODES, after which a full leaf gets a linked successor.
 //! - **Persistent write buffer** (§III-A/D) — [`pwb`]: one append-only PM segment (4 MiB) per
 //!   partition; a put appends its checksummed record, persists it, and updates the top leaf.
-//!   No WAL: the write buffer is the log.
+//!   No WAL: the write buffer is the log. Writers of different partitions append, persist
+//!   and index in parallel, each in its partition's *lane* (see "Write path" in [`store`]).
 //! - **Flush** (Fig. 6) and **partition compaction** (§III-F) — [`store`]: a full leaf that
 //!   cannot split is linked behind a fresh top leaf and queued; the flush thread sorts its
 //!   records into an SSTable, copies the leaf to PM pointing at the table, and swaps it in

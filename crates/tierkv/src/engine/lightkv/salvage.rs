@@ -635,7 +635,8 @@ fn name_entries(seg: &[u8], base: u64, off: usize, end: usize, image: Option<&Im
 /// it: never written (zero), stale bytes of a recycled extent, a write torn by a crash (never
 /// acknowledged) — or a damaged last write. The last is reported (and a torn write with it,
 /// which looks the same) when its header looks like the segment's next write (a sequence
-/// number after the segment's last intact record and at most one past the newest seen, a
+/// number after the segment's last intact record and at most one past the newest seen plus
+/// one per writer lane — writers of other lanes may have had later numbers in flight — a
 /// plausible entry count), or when its entries all verify and fill the length it claims;
 /// either way only when it does not verify as a record of another segment (stale bytes).
 fn tail_record(pm: &Pm, t: &Tail, max_seq: u64, counter: u64, sink: &mut dyn SalvageSink) {
@@ -650,7 +651,7 @@ fn tail_record(pm: &Pm, t: &Tail, max_seq: u64, counter: u64, sink: &mut dyn Sal
     let stale = || (1..=counter.min(1 << 16)).any(|i| i != t.id && pwb::record_at(seg, i, off).is_some());
     // The header looks like this segment's next write (the damage is elsewhere in it)...
     let next_write = seq != 0
-        && seq <= max_seq.saturating_add(1)
+        && seq <= max_seq.saturating_add(1 + super::store::LANES as u64)
         && t.prev_seq.is_none_or(|p| seq > p)
         && count != 0
         && count as usize <= room
