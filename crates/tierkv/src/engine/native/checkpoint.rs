@@ -385,6 +385,12 @@ impl Checkpoints {
         Ok(())
     }
 
+    /// Whether the log since the checkpoint the open loaded — `replayed` bytes at open plus
+    /// `segments` new segments of `segment_bytes` — reached the checkpoint interval.
+    pub(super) fn tail_due(&self, replayed: u64, segments: u64, segment_bytes: u64) -> bool {
+        self.every > 0 && replayed.saturating_add(segments.saturating_mul(segment_bytes)) >= self.every
+    }
+
     /// Whether enough new log was written since the last checkpoint (`segments`: segments
     /// created so far, `segment_bytes`: their size).
     pub(super) fn due(&self, segments: u64, segment_bytes: u64) -> bool {
@@ -398,6 +404,8 @@ impl Inner {
     /// Write a checkpoint while writers go on (see the module docs). `Error::Closed` when
     /// the store started closing meanwhile (the partial file is left as `.tmp`).
     pub(super) fn checkpoint(&self) -> Result<()> {
+        // The walk needs every key; wait here, before step 1 holds the shards.
+        self.index.wait_loaded()?;
         let _one = self.ckpt.writing.lock();
         if self.closed.load(Ordering::Acquire) {
             return Err(Error::Closed);

@@ -57,9 +57,9 @@
 //! - **Background load** (after an open from an index checkpoint): inserting a million
 //!   keys into both maps takes about a second here, far more than the rest of an open. So
 //!   the open puts only the log tail's winners into the maps ([`Index::bulk_load`]) and
-//!   hands the checkpoint's entries over as a sorted array, the *base* ([`Index::set_base`];
-//!   the file's bytes plus one fixed-size record per entry, about 40 bytes, freed when the
-//!   load ends). The inserter thread then moves the base into the maps in key order
+//!   hands the checkpoint's entries over as a sorted array, the *base* ([`Index::set_base`]:
+//!   the checkpoint file, mapped where the file system maps files, plus an 8-byte offset
+//!   per entry; freed when the load ends). The inserter thread then moves the base into the maps in key order
 //!   ([`Index::load_base`]), a key at a time under its stripe, skipping keys that have a
 //!   slot. Until it is done:
 //!   - a point lookup ([`Index::lookup`]) that misses the hash binary-searches the base.
@@ -480,6 +480,16 @@ impl Index {
     /// Whether every entry of the base is in the maps (or there was none).
     pub fn loaded(&self) -> bool {
         !self.loading.load(Ordering::Acquire) || *self.load_state.lock() == LoadState::Done
+    }
+
+    /// Mark a load that will not finish (its thread never ran, or stopped abnormally) as
+    /// abandoned, waking whoever waits for it. No effect once done.
+    pub fn abandon_load(&self) {
+        let mut st = self.load_state.lock();
+        if *st == LoadState::Loading {
+            *st = LoadState::Abandoned;
+            self.load_cv.notify_all();
+        }
     }
 
     /// Wait until the base is loaded. `Error::Closed` if the load was stopped by a close

@@ -75,6 +75,8 @@ impl NativeIter {
     /// batch is kept in ascending order and the cursor put on its first (forward) or last
     /// entry.
     fn fill(&mut self, from: Bound<()>, forward: bool) -> Result<()> {
+        // Before any guard is taken (a wait under a pin holds back reclamation).
+        self.snap.inner.index.wait_loaded()?;
         let n = self.batch;
         self.keys.clear();
         self.ents.clear();

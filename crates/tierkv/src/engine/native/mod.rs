@@ -289,6 +289,8 @@ impl Native {
             Err(e) => {
                 // Stop the worker started above: it holds the store open. (The inserter
                 // runs whatever `background` says: it changes nothing a reader can see.)
+                // No thread loads the index: whoever waits for the load stops waiting.
+                inner.index.abandon_load();
                 Native { inner, worker: Mutex::new(worker), inserter: Mutex::new(None) }.stop_worker();
                 return Err(e.into());
             }
@@ -325,7 +327,16 @@ impl Inner {
             return;
         }
         let t = std::time::Instant::now();
+        // A panic in the load must not leave waiters waiting for good.
+        struct Abandon<'a>(&'a Index);
+        impl Drop for Abandon<'_> {
+            fn drop(&mut self) {
+                self.0.abandon_load();
+            }
+        }
+        let guard = Abandon(&self.index);
         self.index.load_base(&self.stop, self.probe.as_deref());
+        drop(guard);
         if self.index.loaded() {
             self.load_us.store(t.elapsed().as_micros().max(1) as u64, Ordering::Relaxed);
         }
@@ -428,6 +439,11 @@ impl Inner {
     }
 
     fn maintain_log(&self) -> Result<()> {
+        // Moves and cleaning judge keys by the index: not before it holds them all (and not
+        // waiting for that with a shard held).
+        if !self.index.loaded() {
+            return Ok(());
+        }
         let over = self.over_budget(0.0);
         let pending = self.cold.has_pending();
         let dirty = self.mostly_dead() || self.pm_tight();
@@ -663,7 +679,9 @@ impl Inner {
         if let Err(e) = &r {
             // A failure before the append (a conditional write's read of the disk tier)
             // wrote nothing: the error goes to the caller only.
-            if appending && !matches!(e, Error::PmFull(_) | Error::InvalidArgument(_)) {
+            // `Closed`: a writer short of PM waited for the background index load and the
+            // store closed meanwhile; nothing was written either.
+            if appending && !matches!(e, Error::PmFull(_) | Error::InvalidArgument(_) | Error::Closed) {
                 self.poison.set(format!("a write failed: {e}"));
             }
         }
@@ -1070,6 +1088,8 @@ impl Inner {
     /// Verify every segment's records and that every key's newest version points at its
     /// own intact entry.
     fn check_impl(&self) -> Result<Vec<String>> {
+        // Not with every shard held: writers would stall for the whole load.
+        self.index.wait_loaded()?;
         // Writers wait while the logs are read (they hold their shard while appending).
         let _logs: Vec<MutexGuard<'_, ShardLog>> = self.shards.iter().map(|s| s.log.lock()).collect();
         let mut problems = Vec::new();
@@ -1266,10 +1286,12 @@ fn get_at<T>(
 ) -> Result<Option<T>> {
     {
         let mg = index::MapGuard::new();
+        // Pinned across the PM read, for either kind of hit: a segment the cleaner retired
+        // is reused only after every reader pinned before the retirement has left.
+        let guard = epoch::pin();
         match inner.index.lookup(key, &mg) {
             Some(index::Found::Slot(slot)) => {
                 slot.touch();
-                let guard = epoch::pin();
                 if let Some(v) = slot.find(at, &guard) {
                     if v.tomb {
                         return Ok(None);
@@ -1353,6 +1375,16 @@ impl Engine for Native {
     }
 
     fn close(&self) -> Result<()> {
+        // A close during the background load writes no checkpoint (see `close_impl`), so
+        // the next open replays everything written since the loaded one. Once that is
+        // `checkpoint_bytes` or more, finish the load first (at most what an open used to
+        // take), so repeated short sessions do not grow the replay without bound.
+        let inner = &self.inner;
+        if !inner.index.loaded()
+            && inner.ckpt.tail_due(inner.replayed_bytes, inner.segments_created(), inner.geo.stride)
+        {
+            let _ = inner.index.wait_loaded();
+        }
         self.stop_worker();
         self.inner.close_impl()
     }

@@ -1291,3 +1291,39 @@ fn a_close_or_crash_during_the_background_load_loses_nothing() {
         assert!(e2.check().unwrap().is_empty());
     }
 }
+
+/// A close during the background load, once the log since the loaded checkpoint reached
+/// `checkpoint_bytes`, lets the load finish and writes a checkpoint (repeated short
+/// sessions would otherwise replay an ever longer tail); the next open replays nothing.
+#[test]
+fn a_close_during_the_load_with_a_long_tail_finishes_it_and_writes_a_checkpoint() {
+    let dev = SimDevice::new();
+    let fs = FaultFs::new();
+    let mut m = checkpointed_store(&dev, &fs, false);
+    let (mut o, probe) = loading_opts(&dev, &fs, 0, false);
+    o.native.checkpoint_bytes = 1;
+    let e = open(&o, &fs, false).unwrap();
+    for i in (0..3000u32).step_by(9) {
+        let v = format!("e{i}").into_bytes();
+        e.write(&[put(&bk(i), &v)], Cond::None).unwrap();
+        m.insert(bk(i), v);
+    }
+    assert!(!e.inner.index.loaded());
+    let release = {
+        let probe = probe.clone();
+        std::thread::spawn(move || {
+            std::thread::sleep(std::time::Duration::from_millis(50));
+            probe.limit_loads(u64::MAX);
+        })
+    };
+    e.close().unwrap();
+    release.join().unwrap();
+    assert!(e.inner.index.loaded(), "the close stopped the load");
+    assert_eq!(design(&e, "checkpoints_written"), 1);
+    drop(e);
+    let e2 = open(&tier_opts(&dev, &fs, false), &fs, false).unwrap();
+    assert_eq!(design(&e2, "replayed_bytes"), 0, "the close's checkpoint did not cover the session");
+    for i in 0..3000u32 {
+        assert_eq!(e2.get(&bk(i)).unwrap(), m.get(&bk(i)).cloned(), "key {i}");
+    }
+}
