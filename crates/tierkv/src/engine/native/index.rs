@@ -436,6 +436,8 @@ pub(crate) struct Index {
     /// Slots the background load created / reads served from the base.
     pub loaded_by_load: AtomicU64,
     pub base_reads: AtomicU64,
+    /// Callers of [`Index::wait_loaded`] that found the load running and waited.
+    pub load_waits: AtomicU64,
 }
 
 /// An ordered walk of the tree: whole-tree or positioned (see "Range positioning").
@@ -465,6 +467,7 @@ impl Index {
             load_cv: parking_lot::Condvar::new(),
             loaded_by_load: AtomicU64::new(0),
             base_reads: AtomicU64::new(0),
+            load_waits: AtomicU64::new(0),
         }
     }
 
@@ -499,6 +502,9 @@ impl Index {
             return Ok(());
         }
         let mut st = self.load_state.lock();
+        if *st == LoadState::Loading {
+            self.load_waits.fetch_add(1, Ordering::Relaxed);
+        }
         while *st == LoadState::Loading {
             self.load_cv.wait(&mut st);
         }

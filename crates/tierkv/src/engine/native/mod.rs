@@ -1053,6 +1053,7 @@ impl Inner {
                 ("index_load_us", self.load_us.load(Ordering::Relaxed)),
                 ("index_load_slots", self.index.loaded_by_load.load(Ordering::Relaxed)),
                 ("index_base_reads", self.index.base_reads.load(Ordering::Relaxed)),
+                ("index_load_waits", self.index.load_waits.load(Ordering::Relaxed)),
                 ("free_segment_slots", free_slots),
                 ("segments", live_segments),
                 ("published_seq", self.published.0.load(Ordering::Relaxed)),

@@ -1217,11 +1217,18 @@ fn a_checkpoint_open_serves_reads_and_writes_while_the_index_loads() {
         assert_eq!(e.get(&bk(i)).unwrap(), m.get(&bk(i)).cloned(), "key {i} after writes while loading");
         assert_eq!(snap.get(&bk(i)).unwrap(), before.get(&bk(i)).cloned(), "key {i} in the snapshot");
     }
-    // An iterator started now waits for the load (released below) and sees every key.
+    // An iterator started now waits for the load (released once it waits) and sees every
+    // key.
+    let waits = e.inner.index.load_waits.load(Ordering::Relaxed);
     let walker = {
         let e = e.clone();
         std::thread::spawn(move || walk_all(&mut e.iter().unwrap()))
     };
+    let t = std::time::Instant::now();
+    while e.inner.index.load_waits.load(Ordering::Relaxed) == waits {
+        assert!(t.elapsed() < std::time::Duration::from_secs(60), "the iterator did not wait for the load");
+        std::thread::yield_now();
+    }
     probe.limit_loads(u64::MAX);
     let walked = walker.join().unwrap();
     assert_eq!(walked, m.iter().map(|(k, v)| (k.clone(), v.clone())).collect::<Vec<_>>());
