@@ -198,6 +198,7 @@ pub struct Decoded<'a> {
 
 /// Decode and verify a checkpoint file of a store of `shards` shards with id `db_id`:
 /// checksums, the entry count, keys strictly ascending.
+/// (The golden-bytes test reads files through it; open uses [`verify`] and [`for_each_entry`].)
 pub fn decode(buf: &[u8], shards: usize, db_id: u64) -> std::result::Result<Decoded<'_>, String> {
     let v = verify(buf, shards, db_id)?;
     let mut entries = Vec::new();

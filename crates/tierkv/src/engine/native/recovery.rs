@@ -196,7 +196,8 @@ pub(super) fn open(ctx: &EngineCtx) -> Result<Inner> {
     let clean = Clean::decode(clean_raw, nshards);
     // The capacity tier's LSM opens (disk reads, file creation, fsyncs) on a thread of its
     // own while this one reads the checkpoint and the logs: the two share nothing.
-    let open_cold = || super::cold::Cold::open(ctx, create_cold, Arc::new(crate::poison::Poison::default()), cancel);
+    let open_cold =
+        || super::cold::Cold::open(ctx, create_cold, Arc::new(crate::poison::Poison::default()), cancel.clone());
     let (cold, recovered) = std::thread::scope(|s| {
         let spawned = std::thread::Builder::new().name("tierkv-native-open".into()).spawn_scoped(s, open_cold);
         let recovered = (|| -> Result<_> {
@@ -243,12 +244,8 @@ pub(super) fn open(ctx: &EngineCtx) -> Result<Inner> {
             Ok(h) => {
                 h.join().unwrap_or_else(|_| Err(Error::InvalidArgument("opening the capacity tier panicked".into())))
             }
-            Err(_) => super::cold::Cold::open(
-                ctx,
-                create_cold,
-                Arc::new(crate::poison::Poison::default()),
-                Arc::new(crate::jobs::Cancel::new(ctx.opts.job_probe.clone())),
-            ),
+            // No thread: open it here.
+            Err(_) => open_cold(),
         };
         (cold, recovered)
     });

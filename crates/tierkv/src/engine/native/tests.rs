@@ -1316,15 +1316,20 @@ fn a_close_during_the_load_with_a_long_tail_finishes_it_and_writes_a_checkpoint(
         m.insert(bk(i), v);
     }
     assert!(!e.inner.index.loaded());
-    let release = {
-        let probe = probe.clone();
-        std::thread::spawn(move || {
-            std::thread::sleep(std::time::Duration::from_millis(50));
-            probe.limit_loads(u64::MAX);
-        })
+    let e = Arc::new(e);
+    // The load is released only once the close waits for it.
+    let waits = e.inner.index.load_waits.load(Ordering::Relaxed);
+    let closer = {
+        let e = e.clone();
+        std::thread::spawn(move || e.close())
     };
-    e.close().unwrap();
-    release.join().unwrap();
+    let t = std::time::Instant::now();
+    while e.inner.index.load_waits.load(Ordering::Relaxed) == waits {
+        assert!(t.elapsed() < std::time::Duration::from_secs(60), "the close did not wait for the load");
+        std::thread::yield_now();
+    }
+    probe.limit_loads(u64::MAX);
+    closer.join().unwrap().unwrap();
     assert!(e.inner.index.loaded(), "the close stopped the load");
     assert_eq!(design(&e, "checkpoints_written"), 1);
     drop(e);

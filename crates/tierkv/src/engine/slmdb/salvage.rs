@@ -87,7 +87,6 @@
 
 use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
 use std::path::PathBuf;
-use std::sync::Arc;
 
 use super::layout::{self, Root};
 use super::memtable::{self, encode_arena_header, ARENA_MAGIC, KIND_PUT, NODE_HEADER};
@@ -228,19 +227,7 @@ fn open_pm(ctx: &EngineCtx, sink: &mut dyn SalvageSink) -> Result<Option<Pm>> {
         }
     }
     let dev = SimDevice::new();
-    let region = Region::open(RegionConfig {
-        backing: Backing::Sim(dev.clone()),
-        pool_size: size as u64,
-        db_id: ctx.db_id,
-        sync: false,
-        write_latency_ns: 0,
-        write_bandwidth_mbps: 0,
-        read_latency_ns: 0,
-        capacity: 0,
-        preallocate: false,
-        create: true,
-        health: Arc::default(),
-    })?;
+    let region = Region::open(RegionConfig::new(Backing::Sim(dev.clone()), size as u64, ctx.db_id))?;
     for _ in 1..images.len() {
         region.grow()?;
     }
@@ -1348,17 +1335,8 @@ mod tests {
         let img = dev.durable_image(0).unwrap();
         let db = u64::from_le_bytes(img[24..32].try_into().unwrap());
         Region::open(RegionConfig {
-            backing: Backing::Sim(dev.clone()),
-            pool_size: img.len() as u64,
-            db_id: db,
-            sync: false,
-            write_latency_ns: 0,
-            write_bandwidth_mbps: 0,
-            read_latency_ns: 0,
-            capacity: 0,
-            preallocate: false,
             create: false,
-            health: Arc::default(),
+            ..RegionConfig::new(Backing::Sim(dev.clone()), img.len() as u64, db)
         })
         .unwrap()
     }

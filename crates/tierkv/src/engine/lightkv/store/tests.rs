@@ -7,22 +7,7 @@ use crate::pm::sim::SimDevice;
 use crate::pm::{Backing, RegionConfig};
 
 fn region(dev: &SimDevice, create: bool) -> Arc<Region> {
-    Arc::new(
-        Region::open(RegionConfig {
-            backing: Backing::Sim(dev.clone()),
-            pool_size: 1 << 20,
-            db_id: 5,
-            sync: false,
-            write_latency_ns: 0,
-            write_bandwidth_mbps: 0,
-            read_latency_ns: 0,
-            capacity: 0,
-            preallocate: false,
-            create,
-            health: Default::default(),
-        })
-        .unwrap(),
-    )
+    Arc::new(Region::open(RegionConfig { create, ..RegionConfig::new(Backing::Sim(dev.clone()), 1 << 20, 5) }).unwrap())
 }
 
 /// Small leaves that split often, and room for every partition the workloads need (no
