@@ -9,6 +9,8 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ./scripts/deps.sh
+# The peers' bundled C++ needs clang (see .cargo/config.toml).
+export CC="${CC:-clang}" CXX="${CXX:-clang++}"
 cargo build --release --locked -p tierkv-cli --features peers
 mkdir -p bench-results
 name=results
