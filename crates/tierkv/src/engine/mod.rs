@@ -8,6 +8,7 @@
 pub mod hoakv;
 pub mod hpdk;
 pub mod lightkv;
+pub(crate) mod media;
 pub mod native;
 pub mod pmekv;
 pub mod slmdb;

@@ -26,7 +26,6 @@
 
 pub mod flush;
 pub mod heap;
-pub(crate) mod media;
 pub(crate) mod pins;
 pub mod profile;
 pub mod sim;

@@ -24,11 +24,11 @@
 use super::layout::{self, Clean, Kind, SegHeader, Superblock, SEG_HEADER_LEN};
 use super::log::Geometry;
 use super::scan::{intact_after, scan, End};
+use crate::engine::media::{open_media, Media};
 use crate::engine::EngineCtx;
 use crate::error::Result;
 use crate::fs::Fs;
 use crate::iter::InternalIterator;
-use crate::pm::media::{open_media, Media};
 use crate::pm::{Region, POOL_HEADER_LEN};
 use crate::repair::{Lost, SalvageSink};
 

@@ -80,10 +80,10 @@ use std::collections::{BTreeMap, BTreeSet};
 
 use super::layout::{self, Checkpoint, LogEntry, LogKind, Op, Superblock, ValueRef, CKPT_SLOT_ADDR, SUPERBLOCK_ADDR};
 use super::log::scan_bytes;
+use crate::engine::media::{open_media, Media};
 use crate::engine::EngineCtx;
 use crate::error::Result;
 use crate::format::{align_up, Cursor};
-use crate::pm::media::{open_media, Media};
 use crate::pm::LINE;
 use crate::repair::{Lost, Order, SalvageSink};
 

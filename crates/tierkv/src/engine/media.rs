@@ -3,7 +3,7 @@
 
 use std::path::PathBuf;
 
-use crate::engine::EngineCtx;
+use super::EngineCtx;
 use crate::error::{Error, Result};
 use crate::format::Cursor;
 use crate::pm::{encode_pool_header, Region, LINE, MAX_POOLS, POOL_HEADER_LEN};
@@ -52,7 +52,7 @@ impl Media {
 
 /// Open the region; when it refuses, copy the pools raw and check their headers here.
 pub(crate) fn open_media(ctx: &EngineCtx, sink: &mut dyn SalvageSink) -> Result<Media> {
-    let err = match crate::engine::open_region(ctx) {
+    let err = match super::open_region(ctx) {
         Ok(r) => return Ok(Media::Mapped(r)),
         Err(e) => e,
     };
@@ -88,7 +88,7 @@ pub(crate) fn open_media(ctx: &EngineCtx, sink: &mut dyn SalvageSink) -> Result<
     let own = first.get(..POOL_HEADER_LEN as usize).and_then(header_fields).filter(|h| h.verifies);
     if let Some(h) = own.filter(|h| ctx.db_id == 0 && h.db != 0) {
         // The store's id is unknown (its OPTIONS record is damaged): pool 0 names it.
-        if let Ok(r) = crate::engine::open_region(&EngineCtx { db_id: h.db, ..ctx.clone() }) {
+        if let Ok(r) = super::open_region(&EngineCtx { db_id: h.db, ..ctx.clone() }) {
             return Ok(Media::Mapped(r));
         }
     }
