@@ -73,6 +73,22 @@ fn kv(i: u32, round: u32) -> (Vec<u8>, Vec<u8>) {
     (format!("k{i:05}").into_bytes(), format!("v{i}-{round}-{}", "x".repeat(80 + (i % 7) as usize)).into_bytes())
 }
 
+/// Arm `probe` at the next safe point and overwrite 3,000 keys round after round until a
+/// background job parks there (panics with `none` if none does); returns the model.
+fn write_until_paused(db: &Db, probe: &JobProbe, none: &str) -> Model {
+    probe.pause_at(1);
+    let mut m = Model::new();
+    let mut n = 0u32;
+    while !probe.is_paused() {
+        assert!(n < 300_000, "{none}");
+        let (k, v) = kv(n % 3000, n / 3000);
+        db.put(&k, &v).unwrap();
+        m.insert(k, v);
+        n += 1;
+    }
+    m
+}
+
 /// `keys` keys written, flushed; then `over` in 10 of them overwritten and 1 in 10
 /// deleted, flushed again: tables that keep many entries live but fall under the
 /// live-ratio thresholds, so a compaction or merge has entries to move.
@@ -169,16 +185,7 @@ fn native_background_capacity_tier_compaction_cancelled_by_close() {
     };
     let probe = JobProbe::new();
     let db = Db::open(dir(), opts(&probe)).unwrap();
-    probe.pause_at(1);
-    let mut m = Model::new();
-    let mut n = 0u32;
-    while !probe.is_paused() {
-        assert!(n < 300_000, "no capacity-tier compaction started");
-        let (k, v) = kv(n % 3000, n / 3000);
-        db.put(&k, &v).unwrap();
-        m.insert(k, v);
-        n += 1;
-    }
+    let m = write_until_paused(&db, &probe, "no capacity-tier compaction started");
     let design = db.stats().design;
     assert!(design["cold_keys_moved"] > 0, "{design:?}");
     db.close().unwrap();
@@ -209,16 +216,7 @@ fn lightkv_background_partition_compaction_cancelled_by_close_deletes_its_table(
     };
     let probe = JobProbe::new();
     let db = Db::open(dir(), opts(&probe)).unwrap();
-    probe.pause_at(1);
-    let mut m = Model::new();
-    let mut n = 0u32;
-    while !probe.is_paused() {
-        assert!(n < 300_000, "no partition compaction started");
-        let (k, v) = kv(n % 3000, n / 3000);
-        db.put(&k, &v).unwrap();
-        m.insert(k, v);
-        n += 1;
-    }
+    let m = write_until_paused(&db, &probe, "no partition compaction started");
     // Leaves were flushed to tables, and the parked job is the first partition compaction.
     let design = db.stats().design;
     assert!(design["flushes"] >= 4 && design["compactions"] == 0, "{design:?}");
