@@ -297,7 +297,14 @@ impl Inner {
                 self.remove_moved();
                 moved += n;
                 wraps += usize::from(wrapped);
-                if !all || wraps >= 2 || !self.over_budget(0.1) || self.closed.load(Ordering::Acquire) {
+                // Each batch is committed: a close (`stop`, set before the worker is
+                // joined) ends the loop between two.
+                if !all
+                    || wraps >= 2
+                    || !self.over_budget(0.1)
+                    || self.closed.load(Ordering::Acquire)
+                    || self.stop.load(Ordering::Acquire)
+                {
                     break;
                 }
             }

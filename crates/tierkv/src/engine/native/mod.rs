@@ -301,14 +301,15 @@ impl Native {
 
     /// Stop the background threads and wait for them.
     fn stop_worker(&self) {
-        // The capacity tier's compaction first: it stops at its next safe point and
-        // discards its partial outputs. The worker may be waiting for it (a move's ingest
-        // takes the LSM's job lock), so joining the worker before this would make the close
-        // wait for the whole compaction (seconds under load; forever in the test that
-        // parks it: tests/cancel.rs).
-        self.inner.cold.lsm.stop();
+        // The worker's flag first, so no new round starts (and a move in progress stops
+        // after its current batch). Then the capacity tier's compaction, before joining:
+        // it stops at its next safe point and discards its partial outputs. The worker may
+        // be waiting for it (a move's ingest takes the LSM's job lock), so joining the
+        // worker first would make the close wait for the whole compaction (seconds under
+        // load; forever in the test that parks it: tests/cancel.rs).
         self.inner.stop.store(true, Ordering::Release);
         self.inner.signal();
+        self.inner.cold.lsm.stop();
         if let Some(h) = self.worker.lock().take() {
             let _ = h.join();
         }
