@@ -429,7 +429,9 @@ impl PTree {
                     _ => 0,
                 };
                 first = false;
-                for &a in e.get(at..).unwrap_or(&[]) {
+                let recs = e.get(at..).unwrap_or(&[]);
+                prefetch_records(r, recs);
+                for &a in recs {
                     let rec = record_verified(r, a)?;
                     n += 1;
                     if !f(rec.key, Loc { file: rec.a, offset: rec.b, size: rec.c }) || n >= max {
@@ -457,7 +459,9 @@ impl PTree {
                 Bound::Included(k) => upper_bound(r, &e, k, true)?,
                 Bound::Excluded(k) => lower_bound(r, &e, k, true)?,
             };
-            for &a in e.get(..end).unwrap_or(&[]).iter().rev() {
+            let recs = e.get(..end).unwrap_or(&[]);
+            prefetch_records(r, recs);
+            for &a in recs.iter().rev() {
                 let rec = record_verified(r, a)?;
                 n += 1;
                 if !f(rec.key, Loc { file: rec.a, offset: rec.b, size: rec.c }) || n >= max {
@@ -769,6 +773,15 @@ fn record(r: &Region, addr: u64) -> Result<Rec<'_>> {
     let u64_at = |o: usize| u64::from_le_bytes(all.get(o..o + 8).and_then(|s| s.try_into().ok()).unwrap_or([0; 8]));
     let c = u32::from_le_bytes(all.get(24..28).and_then(|s| s.try_into().ok()).unwrap_or([0; 4]));
     Ok(Rec { key: all.get(REC_HEADER as usize..).unwrap_or(&[]), a: u64_at(8), b: u64_at(16), c })
+}
+
+/// Start loading the first line of every record a walk is about to read: records lie
+/// wherever the PM heap put them, so reading them one by one waits for a miss at each;
+/// requested together, the misses overlap.
+fn prefetch_records(r: &Region, recs: &[u64]) {
+    for &a in recs {
+        r.prefetch(a, 64);
+    }
 }
 
 fn record_verified(r: &Region, addr: u64) -> Result<Rec<'_>> {

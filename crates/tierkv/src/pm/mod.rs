@@ -586,6 +586,18 @@ impl Region {
         Some(unsafe { std::slice::from_raw_parts(p, len) })
     }
 
+    /// Ask the CPU to start loading the first cache lines of `[addr, addr+len)` (at most
+    /// `len` bytes, rounded to lines) so that later reads of it overlap their misses. A
+    /// hint only: it reads nothing, pays no emulated latency (the read that follows does),
+    /// and a range outside the region is ignored.
+    #[inline]
+    pub fn prefetch(&self, addr: u64, len: usize) {
+        if let Some(p) = self.resolve(addr, len as u64) {
+            // SAFETY: as in `slice`: `resolve` checked the range lies in a live mapping.
+            flush::prefetch(unsafe { std::slice::from_raw_parts(p, len) });
+        }
+    }
+
     /// Like [`Region::slice`], but a range outside the region is [`Error::Corruption`]
     /// (for offsets that came from persistent data).
     pub fn slice_checked(&self, addr: u64, len: usize, what: &str) -> Result<&[u8]> {
