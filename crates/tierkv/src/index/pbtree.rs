@@ -430,7 +430,7 @@ impl PTree {
                 };
                 first = false;
                 let recs = e.get(at..).unwrap_or(&[]);
-                prefetch_records(r, recs);
+                prefetch_records(r, recs.get(..max - n).unwrap_or(recs));
                 for &a in recs {
                     let rec = record_verified(r, a)?;
                     n += 1;
@@ -460,7 +460,7 @@ impl PTree {
                 Bound::Excluded(k) => lower_bound(r, &e, k, true)?,
             };
             let recs = e.get(..end).unwrap_or(&[]);
-            prefetch_records(r, recs);
+            prefetch_records(r, recs.get(recs.len().saturating_sub(max - n)..).unwrap_or(recs));
             for &a in recs.iter().rev() {
                 let rec = record_verified(r, a)?;
                 n += 1;

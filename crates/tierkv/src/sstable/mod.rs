@@ -21,18 +21,23 @@
 //! [`Table::open`] reads and verifies the footer, index and filter into DRAM; point reads
 //! then cost one block read ([`Table::get`]), or exactly one when the caller already knows
 //! the block ([`Table::read_block`] with a [`Handle`], as SLM-DB's location objects do).
-//! Every block read is verified; a bad block is [`Error::Corruption`] naming the file and
-//! offset. An optional [`BlockCache`] (shared by a store's tables, keyed by file number and
+//! Every block is verified before a read uses it (a mapped table's block once per open
+//! table, below); a bad block is [`Error::Corruption`] naming the file and offset. An optional [`BlockCache`] (shared by a store's tables, keyed by file number and
 //! block offset, weighted by bytes) keeps verified blocks in DRAM, as LevelDB's block cache
 //! does; blocks read by whole-table scans (merges, `check`) bypass it.
 //!
 //! A mapped table's blocks are read in place ([`Table::block_ref`]), with no cache to hold
-//! them verified, so the table keeps one bit per data block: set once the block's checksum
-//! matched in this process, after which reads of it skip the checksum — the guarantee a
-//! block cache gives for the blocks it holds, without the copy. (Measured before this: a
-//! `slmdb` range read re-verified every block it touched, 24 % of seekrandom's samples at
-//! 500,000 keys.) Whole-table scans (`check`, merges) read through [`Table::read_block`],
-//! which verifies every time.
+//! them verified, so the open [`Table`] keeps one bit per data block: set once the block's
+//! checksum matched, after which in-place reads of it skip the checksum (measured before
+//! this: a `slmdb` range read re-verified every block it touched, 24 % of seekrandom's
+//! samples at 500,000 keys). This is weaker than a block cache in one case, stated
+//! plainly: the mapping is the page cache, and a page the kernel evicts is read from the
+//! device again at the next access, unchecked — damage the device introduces *after* a
+//! block's first read in this open table (silent media corruption on a re-read) reaches
+//! reads, and is caught by `check`, by merges and by the next open instead. (LevelDB, by
+//! default, verifies no block on reads at all; RocksDB verifies a block when it enters its
+//! cache.) Whole-table scans (`check`, merges) read through [`Table::read_block`], which
+//! verifies every time; a table opened again (a reopen) starts with no bits set.
 
 pub(crate) mod bloom;
 
@@ -457,7 +462,7 @@ impl Table {
     /// bloom filter.
     pub fn dram_bytes(&self) -> u64 {
         let index: usize = self.index.iter().map(|(k, _)| k.len() + 24 + std::mem::size_of::<Handle>()).sum();
-        (index + self.filter.bytes() + std::mem::size_of::<Table>()) as u64
+        (index + self.filter.bytes() + self.verified.len() * 8 + std::mem::size_of::<Table>()) as u64
     }
 
     /// Open `path` as table number `id` whose point reads go through `cache`.
@@ -757,7 +762,8 @@ impl Payload {
 ///
 /// Where the payload comes from ([`DecodedBlock::load`]): a block cache hit is shared with
 /// the cache (verified when it was cached); otherwise a mapped table file's block is
-/// verified (checksum) *in place* and borrowed from the mapping — no copy, no allocation,
+/// verified (checksum) *in place* — at its first read by this open table, see "Reading" in
+/// the module docs — and borrowed from the mapping — no copy, no allocation,
 /// and the block cache is not filled (LevelDB's `fill_cache = false`, which its docs
 /// recommend for scans: a scan's blocks would evict the point reads' working set, and
 /// inserting and evicting them cost a fifth of a range read, measured). A file that is not

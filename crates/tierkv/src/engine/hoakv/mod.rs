@@ -97,8 +97,8 @@
 //!
 //! **Costs.** A seek: one HotStore lock (a `BTreeMap` range of 16 keys), a skiplist
 //! search per MemTable, a block per level-0 table and per deeper level (binary searches of
-//! table bounds, index and block; a block of a mapped table file is verified in place and
-//! borrowed, see [`crate::sstable::DecodedBlock`]). A step: O(1) amortised per source plus
+//! table bounds, index and block; a block of a mapped table file is verified in place at
+//! its first read and borrowed, see [`crate::sstable::DecodedBlock`]). A step: O(1) amortised per source plus
 //! the merge's one comparison per source and a copy of the current key (the replay point);
 //! one HotStore lock per batch of hot keys and one per hot entry returned; no lock for
 //! cold entries. Only returned hot values are copied, and cold-vlog values are read (one

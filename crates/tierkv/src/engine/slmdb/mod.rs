@@ -94,10 +94,10 @@
 //!   records verified, copying keys and location objects — never a node address, so
 //!   splits and the frees of records and nodes by later writes cannot touch it. Values are
 //!   read from the SSTable block a location names: a block cache hit, or the block verified
-//!   in place in the mapped file ([`crate::sstable::DecodedBlock`]). The tree's files
+//!   in place in the mapped file (at its first read by the open table) ([`crate::sstable::DecodedBlock`]). The tree's files
 //!   overlap (every flush spans the key space), so a walk meets runs of keys from a few
 //!   files' blocks in turn; the cursor keeps the last eight decoded blocks (most recently
-//!   used first), so a block is read and verified once per walk, not once per run of its
+//!   used first), so a block is decoded once per walk, not once per run of its
 //!   keys (keeping only the last block re-verified a block at nearly every key: half of a
 //!   range read's time, measured; the paper's get reads a block per key). Keys a MemTable
 //!   shadows are still resolved by the tree cursor as it steps past them.
