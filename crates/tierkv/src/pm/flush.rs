@@ -113,21 +113,32 @@ pub fn sfence() {
 /// Ask the CPU to start loading `bytes` into its caches (a hint: nothing is read).
 #[inline]
 pub fn prefetch(bytes: &[u8]) {
+    prefetch_range(bytes.as_ptr(), bytes.len());
+}
+
+/// Ask the CPU to start loading every cache line of `[start, start+len)` (a hint: no byte
+/// is read and no reference to them is formed, so they may be bytes other threads write).
+#[inline]
+pub(crate) fn prefetch_range(start: *const u8, len: usize) {
     #[cfg(target_arch = "x86_64")]
     {
         use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T0};
-        for line in bytes.chunks(64) {
-            // SAFETY: SSE is part of the x86-64 baseline, and a prefetch is only a hint:
-            // it reads nothing observable and never faults (the pointer is in `bytes`).
-            unsafe { _mm_prefetch::<_MM_HINT_T0>(line.as_ptr().cast()) };
+        let mut off = 0;
+        while off < len {
+            // SAFETY: SSE is part of the x86-64 baseline, and a prefetch is only a hint: it
+            // reads nothing observable and never faults, whatever the address (the pointer
+            // arithmetic wraps instead of assuming bounds).
+            unsafe { _mm_prefetch::<_MM_HINT_T0>(start.wrapping_add(off).cast()) };
+            off += 64;
         }
-        if let Some(last) = bytes.last() {
+        if len > 0 {
+            // The last line, when `start` is not line-aligned.
             // SAFETY: as above.
-            unsafe { _mm_prefetch::<_MM_HINT_T0>(std::ptr::from_ref(last).cast()) };
+            unsafe { _mm_prefetch::<_MM_HINT_T0>(start.wrapping_add(len - 1).cast()) };
         }
     }
     #[cfg(not(target_arch = "x86_64"))]
-    let _ = bytes;
+    let _ = (start, len);
 }
 
 /// Ask the CPU to start loading the cache line holding the start of `*value` (a hint:
