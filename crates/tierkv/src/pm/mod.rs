@@ -24,6 +24,7 @@
 //! failed msync is recorded in the region's [`PmHealth`], which the store checks before it
 //! acknowledges a write.
 
+pub mod checked;
 pub mod flush;
 pub mod heap;
 pub(crate) mod pins;
@@ -230,6 +231,8 @@ pub struct Region {
     health: Arc<PmHealth>,
     /// 0: bytes stored, 1: lines persisted, 2: persist calls (fences), 3: delayed reads.
     counters: crate::counters::Counters<4>,
+    /// Records this open region's readers already verified (see [`checked`]).
+    checked: checked::Checked,
 }
 
 impl std::fmt::Debug for Region {
@@ -293,6 +296,7 @@ impl Region {
             throttle: Mutex::new(Instant::now()),
             health: cfg.health.clone(),
             counters: Default::default(),
+            checked: checked::Checked::new(),
         };
         let existing = region.attach_existing(cfg.create)?;
         // An existing region keeps its pool size, so the pool budget is computed after attach.
@@ -589,6 +593,12 @@ impl Region {
         if let Some(p) = self.resolve(addr, len as u64) {
             flush::prefetch_range(p, len);
         }
+    }
+
+    /// The memo of records this region's readers already verified ([`checked`]).
+    #[inline]
+    pub fn checked(&self) -> &checked::Checked {
+        &self.checked
     }
 
     /// Like [`Region::slice`], but a range outside the region is [`Error::Corruption`]

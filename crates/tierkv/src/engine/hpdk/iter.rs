@@ -42,9 +42,20 @@ impl BatchSource for TreeSource {
 
 /// Entries ahead of the current one whose record header is prefetched.
 const PREFETCH_HEAD: isize = 6;
-/// Entries ahead of the current one whose whole record is prefetched (its header, fetched
-/// two moves earlier, gives the length).
+/// Entries ahead of the current one whose memo slot (`crate::pm::checked`) is prefetched
+/// (their header, fetched two moves earlier, gives the record's length).
+const PREFETCH_MEMO: isize = 4;
+/// Entries ahead of the current one whose whole record is prefetched, unless this open
+/// region already verified it (then only the header is read).
 const PREFETCH_RECORD: isize = 3;
+
+/// How much of a record [`AddrCursor::prefetch_at`] asks for.
+#[derive(Clone, Copy)]
+enum Ahead {
+    Head,
+    Memo,
+    Record,
+}
 
 /// A read-ahead cursor as an [`InternalIterator`] of key → address bytes. Values sit in
 /// the value log in write order, not key order, so each step of a walk reads a record far
@@ -60,8 +71,8 @@ impl<S: BatchSource<V = Addr>> AddrCursor<S> {
         AddrCursor { cur: ReadAhead::new(src), inner: inner.clone(), pools: Vec::new() }
     }
 
-    /// The record of the entry `ahead` entries away: header only, or all of it.
-    fn prefetch_at(&mut self, ahead: isize, whole: bool) {
+    /// The record of the entry `ahead` entries away: its header, its memo slot, or all of it.
+    fn prefetch_at(&mut self, ahead: isize, what: Ahead) {
         let Some(Some(b)) = self.cur.peek(ahead).copied() else { return };
         let Some(a) = layout::vaddr_from(&b) else { return };
         let (no, off) = layout::split_vaddr(a);
@@ -80,27 +91,29 @@ impl<S: BatchSource<V = Addr>> AddrCursor<S> {
         };
         let at = info.addr + u64::from(off);
         let region = &self.inner.region;
-        if !whole {
-            if let Some(h) = region.slice(at, 4) {
-                crate::pm::flush::prefetch(h);
-            }
+        if let Ahead::Head = what {
+            region.prefetch(at, 4);
             return;
         }
         // The address came from a source after this iterator pinned the value log, so
         // its pool is not reused: the header read is of a written record (its length is
-        // only a hint here; `Vlog::locate` verifies the record when it is read).
+        // only a hint here; `Vlog::locate_once` verifies the record when it is read).
         let Some(h) = region.slice(at, 4) else { return };
         let size = u32::from_le_bytes([h[0], h[1], h[2], h[3]]) as usize;
         let room = u64::from(info.cap).saturating_sub(u64::from(off)) as usize;
-        if let Some(r) = region.slice(at, (size + layout::RECORD_OVERHEAD as usize).min(room)) {
-            crate::pm::flush::prefetch(r);
+        let len = (size + layout::RECORD_OVERHEAD as usize).min(room);
+        match what {
+            Ahead::Memo => region.checked().prefetch(at, len),
+            Ahead::Record if !region.checked().contains(at, len) => region.prefetch(at, len),
+            _ => {}
         }
     }
 
     fn prefetch(&mut self, dir: isize) {
         if self.cur.valid() {
-            self.prefetch_at(PREFETCH_RECORD * dir, true);
-            self.prefetch_at(PREFETCH_HEAD * dir, false);
+            self.prefetch_at(PREFETCH_RECORD * dir, Ahead::Record);
+            self.prefetch_at(PREFETCH_MEMO * dir, Ahead::Memo);
+            self.prefetch_at(PREFETCH_HEAD * dir, Ahead::Head);
         }
     }
 }
@@ -112,7 +125,7 @@ impl<S: BatchSource<V = Addr>> InternalIterator for AddrCursor<S> {
     fn seek(&mut self, key: &[u8]) -> Result<()> {
         self.cur.seek(key);
         for d in 1..PREFETCH_HEAD {
-            self.prefetch_at(d, false);
+            self.prefetch_at(d, Ahead::Head);
         }
         Ok(())
     }
@@ -129,7 +142,7 @@ impl<S: BatchSource<V = Addr>> InternalIterator for AddrCursor<S> {
     fn seek_for_prev(&mut self, key: &[u8]) -> Result<()> {
         self.cur.seek_for_prev(key);
         for d in 1..PREFETCH_HEAD {
-            self.prefetch_at(-d, false);
+            self.prefetch_at(-d, Ahead::Head);
         }
         Ok(())
     }
@@ -247,7 +260,7 @@ impl HpdkIter {
                     .corruption(0, format!("malformed value address for key {}", crate::escape(self.src.key())))
             })?;
             let info = self.pool(a)?;
-            self.val = Some(Vlog::locate(&self.inner.region, &info, a)?);
+            self.val = Some(Vlog::locate_once(&self.inner.region, &info, a)?);
             Ok(())
         });
         self.ok = r.is_ok();
@@ -565,6 +578,33 @@ mod tests {
                 .collect();
             assert_eq!(got, want, "{name}: bounded scan after reopen");
         }
+    }
+
+    /// A walk verifies each value record it meets once per open region: walking the same
+    /// store again verifies nothing more (the values still match the model), and a reopen
+    /// verifies them again.
+    #[test]
+    fn walks_verify_each_record_once_per_open() {
+        let (dev, fs) = (SimDevice::new(), FaultFs::new());
+        let o = opts(&dev, &fs, crate::testing::hpdk_small());
+        let e = open(&o, &fs, true);
+        let mut rng = SmallRng::seed_from_u64(8);
+        let (mut m, mut ver) = (Model::new(), 0);
+        churn(&e, &mut m, &mut rng, 500, 300, &mut ver);
+        let verified = |e: &Hpdk| e.inner.region.checked().verified();
+        assert_eq!(verified(&e), 0, "point reads and writes do not use the memo");
+        full_walks(&mut *e.iter().unwrap(), &m);
+        let first = verified(&e);
+        assert!(first >= m.len() as u64, "every live value was verified ({first} checks, {} keys)", m.len());
+        full_walks(&mut *e.iter().unwrap(), &m);
+        random_moves(&mut *e.iter().unwrap(), &m, &mut rng, 500);
+        assert_eq!(verified(&e), first, "the second walk verified nothing");
+        e.close().unwrap();
+        drop(e);
+        let e = open(&o, &fs, false);
+        assert_eq!(verified(&e), 0);
+        full_walks(&mut *e.iter().unwrap(), &m);
+        assert!(verified(&e) >= m.len() as u64, "a reopen verifies again");
     }
 
     /// (b) An iterator created before a flush and a merge that free the tables and

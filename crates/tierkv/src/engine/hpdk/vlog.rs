@@ -133,8 +133,19 @@ impl Vlog {
     }
 
     /// Verify the record at address `a` in pool `info`; returns where its value bytes are
-    /// (region address, length).
+    /// (region address, length). A point read: it reads the whole value anyway, and the
+    /// checksum over bytes in cache costs less than a look into the memo.
     pub(crate) fn locate(region: &Region, info: &PoolInfo, a: u64) -> Result<(u64, usize)> {
+        Self::locate_with(region, info, a, false)
+    }
+
+    /// As [`Vlog::locate`], but a record this open region already verified is not verified
+    /// again (`crate::pm::checked`): a range read's walk then reads only its header.
+    pub(crate) fn locate_once(region: &Region, info: &PoolInfo, a: u64) -> Result<(u64, usize)> {
+        Self::locate_with(region, info, a, true)
+    }
+
+    fn locate_with(region: &Region, info: &PoolInfo, a: u64, memo: bool) -> Result<(u64, usize)> {
         let (no, off) = layout::split_vaddr(a);
         let at = info.addr + u64::from(off);
         let bad = |d: &str| region.corruption(at, format!("value pool {no} offset {off}: {d}"));
@@ -146,10 +157,18 @@ impl Vlog {
         if u64::from(off) + RECORD_OVERHEAD + size > u64::from(info.cap) {
             return Err(bad("value record runs past the end of the pool"));
         }
-        let rec = region.slice_checked(at + 4, size as usize + 4, "value record")?;
-        let (v, c) = rec.split_at(size as usize);
-        if layout::record_crc(info.gen, v) != u32::from_le_bytes([c[0], c[1], c[2], c[3]]) {
-            return Err(bad("value record checksum mismatch"));
+        let verify = || {
+            let rec = region.slice_checked(at + 4, size as usize + 4, "value record")?;
+            let (v, c) = rec.split_at(size as usize);
+            if layout::record_crc(info.gen, v) != u32::from_le_bytes([c[0], c[1], c[2], c[3]]) {
+                return Err(bad("value record checksum mismatch"));
+            }
+            Ok(())
+        };
+        if memo {
+            region.checked().verify_once(at, (size + RECORD_OVERHEAD) as usize, verify)?;
+        } else {
+            verify()?;
         }
         Ok((at + 4, size as usize))
     }

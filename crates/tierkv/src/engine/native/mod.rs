@@ -38,7 +38,10 @@
 //! open, naming the pool file and offset); a record written since was encoded by this
 //! process from the caller's buffers and is immutable in PM. A read then checks the entry's
 //! structure (kind, lengths within the region) and that its key is the one looked up, which
-//! catches an index pointing anywhere else. `NativeOptions::verify_reads` verifies the
+//! catches an index pointing anywhere else. An iterator does less: for a version this
+//! process wrote or already verified it reads no PM while it walks (the version's entry
+//! size and the key's length place the value exactly), and `value()` reads only the value
+//! bytes asked for ([`iter`]). `NativeOptions::verify_reads` verifies the
 //! checksum of every value read as well (about 0.1 µs per KiB on the test machine), and
 //! `check` always does. An open that loads an index checkpoint ([`checkpoint`]) does not
 //! replay the records below its resume points: the versions it loads are marked

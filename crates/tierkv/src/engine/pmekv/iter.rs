@@ -63,18 +63,30 @@ impl PmekvIter {
     }
 
     /// Prefetch the value record `ahead` entries away (values are in PM in write order,
-    /// not key order: each step of a walk reads a record far from the last).
+    /// not key order: each step of a walk reads a record far from the last), unless this
+    /// process already verified it (the walk then reads none of its bytes).
     fn prefetch_at(&self, ahead: isize) {
         if let Some(v) = self.cur.peek(ahead) {
             let len = (layout::VALUE_HEADER + u64::from(v.len)) as usize;
-            if let Some(r) = self.inner.region.slice(v.addr, len) {
-                crate::pm::flush::prefetch(r);
+            if !self.inner.region.checked().contains(v.addr, len) {
+                self.inner.region.prefetch(v.addr, len);
             }
+        }
+    }
+
+    /// Prefetch the memo slot of the value record `ahead` entries away, which
+    /// [`PmekvIter::prefetch_at`] reads a few steps later.
+    fn prefetch_memo(&self, ahead: isize) {
+        if let Some(v) = self.cur.peek(ahead) {
+            self.inner.region.checked().prefetch(v.addr, (layout::VALUE_HEADER + u64::from(v.len)) as usize);
         }
     }
 
     /// After a seek: prefetch the records of the next entries in direction `dir`.
     fn after_seek(&mut self, dir: isize) -> Result<()> {
+        for d in 0..=2 * PREFETCH {
+            self.prefetch_memo(d * dir);
+        }
         self.settle()?;
         for d in 1..=PREFETCH {
             self.prefetch_at(d * dir);
@@ -84,23 +96,26 @@ impl PmekvIter {
 
     /// After a step in direction `dir`: prefetch one more record ahead.
     fn after_step(&mut self, dir: isize) -> Result<()> {
+        self.prefetch_memo(2 * PREFETCH * dir);
         self.settle()?;
         self.prefetch_at(PREFETCH * dir);
         Ok(())
     }
 
-    /// After a move: verify the current value record in place.
+    /// After a move: verify the current value record in place (once per open region).
     fn settle(&mut self) -> Result<()> {
         self.val = None;
         self.ok = true;
         let Some(v) = self.cur.val().copied() else { return Ok(()) };
         let len = (layout::VALUE_HEADER + u64::from(v.len)) as usize;
-        let r = self
-            .inner
-            .region
-            .slice_checked(v.addr, len, "value record")
-            .and_then(|rec| {
-                layout::value_verify(rec, self.cur.key(), v.len).map_err(|d| self.inner.region.corruption(v.addr, d))
+        let region = &self.inner.region;
+        // Verified once per open region (`crate::pm::checked`): a record a walk met before
+        // is not read again until `value` is asked for.
+        let r = region
+            .checked()
+            .verify_once(v.addr, len, || {
+                let rec = region.slice_checked(v.addr, len, "value record")?;
+                layout::value_verify(rec, self.cur.key(), v.len).map_err(|d| region.corruption(v.addr, d))
             })
             .map(|_| (v.addr + layout::VALUE_HEADER, v.len as usize));
         match r {
@@ -175,7 +190,7 @@ mod tests {
 
     use crate::batch::BatchOp;
     use crate::engine::hpdk::iter::check::{full_walks, random_moves, Model};
-    use crate::engine::pmekv::Pmekv;
+    use crate::engine::pmekv::{layout, Pmekv, ValueRef};
     use crate::engine::{Cond, Engine};
     use crate::fs::FaultFs;
     use crate::options::{Options, PmekvOptions, Preset};
@@ -256,6 +271,52 @@ mod tests {
         .unwrap();
         let want: Vec<(Vec<u8>, Vec<u8>)> = m.range(lo..hi).take(40).map(|(k, v)| (k.clone(), v.clone())).collect();
         assert_eq!(got, want, "bounded scan");
+    }
+
+    /// The value records a walk verified are memoised for this open region (later walks
+    /// read none of their bytes until `value` is asked for), and only those: a reopen
+    /// starts with none, so its first walk verifies every record again.
+    #[test]
+    fn a_walk_verifies_each_record_once_per_open() {
+        let (dev, fs) = (SimDevice::new(), FaultFs::new());
+        let o = crate::testing::sim_options(Preset::Pmekv, &dev, &fs);
+        let mut rng = SmallRng::seed_from_u64(5);
+        let (mut m, mut ver) = (Model::new(), 0);
+        let e = open(&o, &fs, true);
+        churn(&e, &mut m, &mut rng, 300, 200, &mut ver);
+        let refs = |e: &Pmekv| -> Vec<ValueRef> {
+            e.inner.state.read().tree.range_from(std::ops::Bound::Unbounded).map(|(_, v)| *v).collect()
+        };
+        let memoised = |e: &Pmekv| {
+            let r = &e.inner.region;
+            refs(e)
+                .iter()
+                .filter(|v| r.checked().contains(v.addr, (layout::VALUE_HEADER + u64::from(v.len)) as usize))
+                .count()
+        };
+        assert!(!refs(&e).is_empty());
+        assert_eq!(memoised(&e), 0, "no walk yet");
+        // A walk of the first half memoises exactly its records.
+        let half = key(100);
+        let mut it = e.iter().unwrap();
+        it.seek_to_first().unwrap();
+        let mut walked = 0;
+        while it.valid() && it.key() < half.as_slice() {
+            assert_eq!(it.value(), m.get(it.key()).map(|v| v.as_slice()));
+            walked += 1;
+            it.next().unwrap();
+        }
+        drop(it);
+        // (The walk stops one entry past the half: that record was verified too.)
+        assert_eq!(memoised(&e), walked + 1);
+        full_walks(&mut *e.iter().unwrap(), &m);
+        assert_eq!(memoised(&e), refs(&e).len(), "a full walk verified every record");
+        e.close().unwrap();
+        drop(e);
+        let e = open(&o, &fs, false);
+        assert_eq!(memoised(&e), 0, "a reopen trusts nothing it did not verify");
+        full_walks(&mut *e.iter().unwrap(), &m);
+        assert_eq!(memoised(&e), refs(&e).len());
     }
 
     /// (b) Checkpoints that free the values an iterator holds addresses of (keys

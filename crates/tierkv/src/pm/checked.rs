@@ -1,0 +1,235 @@
+//! Records this process has already checked: a bounded, lossy DRAM memo of the PM records
+//! whose checksums a reader verified, so a range read that walks the same records again
+//! (every scan of a hot range does) does not pull each whole record through the cache and
+//! checksum it on every visit.
+//!
+//! # What a hit promises
+//! A memo entry is the exact pair (region address, record length). It is set only after a
+//! reader verified the record at that address with that length, on this [`super::Region`]
+//! (one per open store: a reopen, or a reopen of a crash image, starts empty). The presets
+//! that use it write a record only into space no reader can reach and publish its address
+//! after the bytes are written, and never change a published record's bytes in place, so
+//! while this process runs, the bytes at a memoised (address, length) are either the ones
+//! verified or a newer record this process wrote there after the space was freed (and
+//! which it wrote whole). What the memo gives up is the re-check of bytes that change
+//! under a running process by other means (a stray store, media decay after the first
+//! read): the same trade the SSTable reader makes when it verifies a mapped block once
+//! per open table (`docs/design/read-path.md`). LevelDB, by default, checks neither.
+//!
+//! # Cost
+//! A table of [`SLOTS`] 8-byte words (8 MiB), allocated on the first insert: a store whose
+//! iterators never run pays nothing. It is 8-way set-associative: each record maps by a
+//! hash of its address to one set of 8 words in one cache line, so a lookup costs at most
+//! one DRAM miss, and records that share a set do not evict each other until the set is
+//! full (with one word per record, two records whose hashes collide evict each other on
+//! every visit and are re-verified each time). A full set overwrites a word picked by the hash; the evicted record is
+//! verified again on its next read, never trusted wrongly: a word holds the full
+//! (address, length). Lookups and inserts are relaxed atomics: the memo carries no data,
+//! the record's bytes are reached through the design's own published index.
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::OnceLock;
+
+/// Words per set: one 64-byte cache line.
+const WAYS: usize = 8;
+/// log2 of the set count.
+const SETS_LOG2: u32 = 17;
+/// Words in the table (8 bytes each).
+pub const SLOTS: usize = WAYS << SETS_LOG2;
+/// Addresses at or past this are not memoised (always verified).
+const ADDR_LIMIT: u64 = 1 << 40;
+/// Lengths at or past this are not memoised (always verified).
+const LEN_LIMIT: usize = 1 << 24;
+
+/// One set: a cache line of words.
+#[repr(align(64))]
+struct Set([AtomicU64; WAYS]);
+
+/// The memo (see the module docs).
+#[derive(Default)]
+pub struct Checked {
+    sets: OnceLock<Box<[Set]>>,
+    /// Checks [`Checked::verify_once`] ran and passed (a figure for tests and stats).
+    runs: AtomicU64,
+}
+
+impl std::fmt::Debug for Checked {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Checked").field("allocated", &self.sets.get().is_some()).finish()
+    }
+}
+
+/// The word for (addr, len): both packed exactly, so equal words mean equal pairs. `None`
+/// for pairs that do not fit (and for (0, 0), which would read as an empty word).
+#[inline]
+fn word(addr: u64, len: usize) -> Option<u64> {
+    (addr < ADDR_LIMIT && len < LEN_LIMIT && (addr | len as u64) != 0).then_some(addr | ((len as u64) << 40))
+}
+
+/// The set of word `w`, and the way a full set gives up for it.
+#[inline]
+fn place(w: u64) -> (usize, usize) {
+    let h = w.wrapping_mul(0x9E37_79B9_7F4A_7C15);
+    ((h >> (64 - SETS_LOG2)) as usize, (h >> 20) as usize % WAYS)
+}
+
+/// `n` empty sets, from zeroed memory: the allocator hands large zeroed blocks straight
+/// from the kernel's zero pages, so the table costs RAM only where records land.
+fn zeroed_sets(n: usize) -> Box<[Set]> {
+    let Ok(layout) = std::alloc::Layout::array::<Set>(n) else {
+        return (0..n).map(|_| Set(Default::default())).collect();
+    };
+    if layout.size() == 0 {
+        return Box::default();
+    }
+    // SAFETY: the layout has a non-zero size; a null result is handled; an all-zero
+    // `AtomicU64` is a valid `AtomicU64` (0), so the zeroed block is `n` initialised `Set`s;
+    // and the block came from the global allocator with exactly the layout of `[Set; n]`,
+    // which is what `Box<[Set]>` frees it with.
+    unsafe {
+        let p = std::alloc::alloc_zeroed(layout).cast::<Set>();
+        if p.is_null() {
+            std::alloc::handle_alloc_error(layout);
+        }
+        Box::from_raw(std::ptr::slice_from_raw_parts_mut(p, n))
+    }
+}
+
+impl Checked {
+    /// An empty memo (no table until the first insert).
+    pub fn new() -> Checked {
+        Checked::default()
+    }
+
+    #[inline]
+    fn set(&self, w: u64) -> Option<(&Set, usize)> {
+        let (set, way) = place(w);
+        Some((self.sets.get()?.get(set)?, way))
+    }
+
+    /// Whether the record of `len` bytes at `addr` was verified by this process.
+    #[inline]
+    pub fn contains(&self, addr: u64, len: usize) -> bool {
+        let Some(w) = word(addr, len) else { return false };
+        self.set(w).is_some_and(|(s, _)| s.0.iter().any(|x| x.load(Ordering::Relaxed) == w))
+    }
+
+    /// Note that the record of `len` bytes at `addr` was just verified.
+    #[inline]
+    pub fn insert(&self, addr: u64, len: usize) {
+        let Some(w) = word(addr, len) else { return };
+        self.sets.get_or_init(|| zeroed_sets(1 << SETS_LOG2));
+        let Some((s, way)) = self.set(w) else { return };
+        // A racing insert may take the same empty word: one of the two records is then
+        // verified again later, nothing worse.
+        let free = s.0.iter().find(|x| {
+            let v = x.load(Ordering::Relaxed);
+            v == 0 || v == w
+        });
+        if let Some(x) = free.or_else(|| s.0.get(way)) {
+            x.store(w, Ordering::Relaxed);
+        }
+    }
+
+    /// Start loading the set `contains(addr, len)` will read (a hint).
+    #[inline]
+    pub fn prefetch(&self, addr: u64, len: usize) {
+        if let Some((s, _)) = word(addr, len).and_then(|w| self.set(w)) {
+            super::flush::prefetch_obj(s);
+        }
+    }
+
+    /// Checks [`Checked::verify_once`] ran and passed since this memo was made.
+    pub fn verified(&self) -> u64 {
+        self.runs.load(Ordering::Relaxed)
+    }
+
+    /// DRAM the memo holds (0 until its first insert).
+    pub fn dram_bytes(&self) -> u64 {
+        self.sets.get().map_or(0, |t| std::mem::size_of_val::<[Set]>(t) as u64)
+    }
+
+    /// Run `verify` for the record of `len` bytes at `addr` unless this process already
+    /// verified it; memoise a success.
+    #[inline]
+    pub fn verify_once<T>(
+        &self,
+        addr: u64,
+        len: usize,
+        verify: impl FnOnce() -> crate::error::Result<T>,
+    ) -> crate::error::Result<Option<T>> {
+        if self.contains(addr, len) {
+            return Ok(None);
+        }
+        let r = verify()?;
+        self.insert(addr, len);
+        self.runs.fetch_add(1, Ordering::Relaxed);
+        Ok(Some(r))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn remembers_exact_pairs_only() {
+        let c = Checked::new();
+        assert!(!c.contains(4096, 100));
+        assert_eq!(c.dram_bytes(), 0, "no table before the first insert");
+        c.insert(4096, 100);
+        assert!(c.contains(4096, 100));
+        assert!(!c.contains(4096, 101), "another length at the same address is another record");
+        assert!(!c.contains(4097, 100));
+        assert_eq!(c.dram_bytes(), (SLOTS * 8) as u64);
+    }
+
+    #[test]
+    fn pairs_that_do_not_fit_are_never_remembered() {
+        let c = Checked::new();
+        for (a, l) in [(ADDR_LIMIT, 10), (5, LEN_LIMIT), (0, 0)] {
+            c.insert(a, l);
+            assert!(!c.contains(a, l), "({a}, {l})");
+        }
+    }
+
+    #[test]
+    fn a_full_set_evicts_one_word_and_mistakes_none() {
+        let c = Checked::new();
+        // WAYS + 1 records that share a set.
+        let first = word(64, 10).map(place).map(|p| p.0);
+        let same: Vec<u64> = (0..1u64 << 32)
+            .map(|i| 64 + i * 8)
+            .filter(|&a| word(a, 10).map(place).map(|p| p.0) == first)
+            .take(WAYS + 1)
+            .collect();
+        assert_eq!(same.len(), WAYS + 1);
+        for &a in &same[..WAYS] {
+            c.insert(a, 10);
+        }
+        assert!(same[..WAYS].iter().all(|&a| c.contains(a, 10)), "a set holds {WAYS} records");
+        assert!(!c.contains(same[WAYS], 10));
+        c.insert(same[WAYS], 10);
+        assert!(c.contains(same[WAYS], 10));
+        let kept = same[..WAYS].iter().filter(|&&a| c.contains(a, 10)).count();
+        assert_eq!(kept, WAYS - 1, "exactly one word was given up");
+    }
+
+    #[test]
+    fn verify_once_runs_the_check_until_it_succeeds() {
+        let c = Checked::new();
+        let mut runs = 0;
+        let bad: crate::error::Result<Option<()>> =
+            c.verify_once(128, 8, || Err(crate::error::Error::InvalidArgument("bad".into())));
+        assert!(bad.is_err());
+        for _ in 0..3 {
+            let r = c.verify_once(128, 8, || {
+                runs += 1;
+                Ok(())
+            });
+            assert!(r.is_ok());
+        }
+        assert_eq!(runs, 1, "a failed check is not memoised; a passed one is, once");
+        assert_eq!(c.verified(), 1);
+    }
+}
