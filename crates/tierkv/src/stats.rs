@@ -47,7 +47,8 @@ impl Stats {
             pm_bytes_written: pm.lines_persisted * crate::pm::LINE,
             pm,
             keys,
-            dram_index_bytes,
+            // The read path's memo of verified PM records is index-like DRAM too.
+            dram_index_bytes: dram_index_bytes + pm.checked_memo_bytes,
             design: design.iter().map(|(k, v)| (k.to_string(), *v)).collect(),
             ..Stats::default()
         }

@@ -4,28 +4,35 @@
 //! checksum it on every visit.
 //!
 //! # What a hit promises
-//! A memo entry is the exact pair (region address, record length). It is set only after a
-//! reader verified the record at that address with that length, on this [`super::Region`]
-//! (one per open store: a reopen, or a reopen of a crash image, starts empty). The presets
-//! that use it write a record only into space no reader can reach and publish its address
-//! after the bytes are written, and never change a published record's bytes in place, so
-//! while this process runs, the bytes at a memoised (address, length) are either the ones
-//! verified or a newer record this process wrote there after the space was freed (and
-//! which it wrote whole). What the memo gives up is the re-check of bytes that change
-//! under a running process by other means (a stray store, media decay after the first
-//! read): the same trade the SSTable reader makes when it verifies a mapped block once
-//! per open table (`docs/design/read-path.md`). LevelDB, by default, checks neither.
+//! An entry is a record's region address (exact) and a 24-bit *tag*: a hash of the
+//! record's length and of a *salt* the design passes — what the record's checksum binds it
+//! to besides its own bytes (pmekv: the key the index names; hpdk: the value pool's
+//! generation). An entry is set only after a reader verified the record at that address on
+//! this [`super::Region`] (one per open store: a reopen, or a reopen of a crash image,
+//! starts empty). The presets that use it write a record only into space no reader can
+//! reach, publish its address after the bytes are written, and never change a published
+//! record's bytes in place, so while this process runs the bytes at a memoised address are
+//! either the ones verified or a newer record this process wrote there, whole, after the
+//! space was freed. The tag keeps the checks a stale pointer would have failed: an index
+//! entry naming a record verified for another key (pmekv) or of an earlier generation of a
+//! reused pool (hpdk), or with another length, misses the memo and is verified — except
+//! when 24 tag bits collide, once in 16.7 million. What the memo gives up is the re-check
+//! of bytes that change under a running process by other means (a stray store, media
+//! decay after the first read): the trade the SSTable reader makes when it verifies a
+//! mapped block once per open table (`docs/design/read-path.md`). LevelDB, by default,
+//! checks neither.
 //!
 //! # Cost
-//! A table of [`SLOTS`] 8-byte words (8 MiB), allocated on the first insert: a store whose
-//! iterators never run pays nothing. It is 8-way set-associative: each record maps by a
-//! hash of its address to one set of 8 words in one cache line, so a lookup costs at most
-//! one DRAM miss, and records that share a set do not evict each other until the set is
-//! full (with one word per record, two records whose hashes collide evict each other on
-//! every visit and are re-verified each time). A full set overwrites a word picked by the hash; the evicted record is
-//! verified again on its next read, never trusted wrongly: a word holds the full
-//! (address, length). Lookups and inserts are relaxed atomics: the memo carries no data,
-//! the record's bytes are reached through the design's own published index.
+//! A table of [`SLOTS`] 8-byte words (8 MiB), allocated zeroed on the first insert (a
+//! store whose iterators never run pays nothing, and pages are touched only where entries
+//! land); each design counts it in its `dram_index_bytes`. It is 8-way set-associative:
+//! a record maps by a hash of its address to one set of 8 words in one cache line, so a
+//! lookup costs at most one DRAM miss, and records that share a set do not evict each
+//! other until the set is full (with one word per record, two records whose hashes collide
+//! evict each other on every visit and are re-verified each time). A full set overwrites a
+//! word picked by the hash; the evicted record is verified again on its next read. Lookups
+//! and inserts are relaxed atomics: the memo carries no data, the record's bytes are
+//! reached through the design's own published index.
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::OnceLock;
@@ -36,10 +43,9 @@ const WAYS: usize = 8;
 const SETS_LOG2: u32 = 17;
 /// Words in the table (8 bytes each).
 pub const SLOTS: usize = WAYS << SETS_LOG2;
-/// Addresses at or past this are not memoised (always verified).
-const ADDR_LIMIT: u64 = 1 << 40;
-/// Lengths at or past this are not memoised (always verified).
-const LEN_LIMIT: usize = 1 << 24;
+/// Bits of a word holding the address; addresses at or past `1 << ADDR_BITS` are not
+/// memoised (always verified).
+const ADDR_BITS: u32 = 40;
 
 /// One set: a cache line of words.
 #[repr(align(64))]
@@ -49,7 +55,7 @@ struct Set([AtomicU64; WAYS]);
 #[derive(Default)]
 pub struct Checked {
     sets: OnceLock<Box<[Set]>>,
-    /// Checks [`Checked::verify_once`] ran and passed (a figure for tests and stats).
+    /// Checks [`Checked::verify_once`] ran and passed (a figure for tests).
     runs: AtomicU64,
 }
 
@@ -59,17 +65,27 @@ impl std::fmt::Debug for Checked {
     }
 }
 
-/// The word for (addr, len): both packed exactly, so equal words mean equal pairs. `None`
-/// for pairs that do not fit (and for (0, 0), which would read as an empty word).
 #[inline]
-fn word(addr: u64, len: usize) -> Option<u64> {
-    (addr < ADDR_LIMIT && len < LEN_LIMIT && (addr | len as u64) != 0).then_some(addr | ((len as u64) << 40))
+fn mix(x: u64) -> u64 {
+    let x = (x ^ (x >> 32)).wrapping_mul(0x9E37_79B9_7F4A_7C15);
+    x ^ (x >> 29)
 }
 
-/// The set of word `w`, and the way a full set gives up for it.
+/// The word for a record: its address in the low bits, the tag of (`len`, `salt`) above
+/// (never 0, so a word is never an empty slot). `None` for an address that does not fit.
 #[inline]
-fn place(w: u64) -> (usize, usize) {
-    let h = w.wrapping_mul(0x9E37_79B9_7F4A_7C15);
+fn word(addr: u64, len: usize, salt: u64) -> Option<u64> {
+    if addr >> ADDR_BITS != 0 {
+        return None;
+    }
+    let tag = (mix(mix(len as u64) ^ salt) >> ADDR_BITS).max(1);
+    Some(addr | (tag << ADDR_BITS))
+}
+
+/// The set of address `addr`, and the way a full set gives up for it.
+#[inline]
+fn place(addr: u64) -> (usize, usize) {
+    let h = addr.wrapping_mul(0x9E37_79B9_7F4A_7C15);
     ((h >> (64 - SETS_LOG2)) as usize, (h >> 20) as usize % WAYS)
 }
 
@@ -102,24 +118,40 @@ impl Checked {
     }
 
     #[inline]
-    fn set(&self, w: u64) -> Option<(&Set, usize)> {
-        let (set, way) = place(w);
+    fn set(&self, addr: u64) -> Option<(&Set, usize)> {
+        let (set, way) = place(addr);
         Some((self.sets.get()?.get(set)?, way))
     }
 
-    /// Whether the record of `len` bytes at `addr` was verified by this process.
+    /// Whether the record of `len` bytes at `addr` with `salt` was verified by this process.
     #[inline]
-    pub fn contains(&self, addr: u64, len: usize) -> bool {
-        let Some(w) = word(addr, len) else { return false };
-        self.set(w).is_some_and(|(s, _)| s.0.iter().any(|x| x.load(Ordering::Relaxed) == w))
+    pub fn contains(&self, addr: u64, len: usize, salt: u64) -> bool {
+        let Some(w) = word(addr, len, salt) else { return false };
+        self.set(addr).is_some_and(|(s, _)| s.0.iter().any(|x| x.load(Ordering::Relaxed) == w))
     }
 
-    /// Note that the record of `len` bytes at `addr` was just verified.
+    /// Whether some record at `addr` was verified (a hint for prefetching: it does not say
+    /// the record there now is that one).
     #[inline]
-    pub fn insert(&self, addr: u64, len: usize) {
-        let Some(w) = word(addr, len) else { return };
+    pub fn knows(&self, addr: u64) -> bool {
+        if addr >> ADDR_BITS != 0 {
+            return false;
+        }
+        let mask = (1u64 << ADDR_BITS) - 1;
+        self.set(addr).is_some_and(|(s, _)| {
+            s.0.iter().any(|x| {
+                let v = x.load(Ordering::Relaxed);
+                v != 0 && v & mask == addr
+            })
+        })
+    }
+
+    /// Note that the record of `len` bytes at `addr` with `salt` was just verified.
+    #[inline]
+    pub fn insert(&self, addr: u64, len: usize, salt: u64) {
+        let Some(w) = word(addr, len, salt) else { return };
         self.sets.get_or_init(|| zeroed_sets(1 << SETS_LOG2));
-        let Some((s, way)) = self.set(w) else { return };
+        let Some((s, way)) = self.set(addr) else { return };
         // A racing insert may take the same empty word: one of the two records is then
         // verified again later, nothing worse.
         let free = s.0.iter().find(|x| {
@@ -131,10 +163,10 @@ impl Checked {
         }
     }
 
-    /// Start loading the set `contains(addr, len)` will read (a hint).
+    /// Start loading the set `contains` and `knows` read for `addr` (a hint).
     #[inline]
-    pub fn prefetch(&self, addr: u64, len: usize) {
-        if let Some((s, _)) = word(addr, len).and_then(|w| self.set(w)) {
+    pub fn prefetch(&self, addr: u64) {
+        if let Some((s, _)) = self.set(addr) {
             super::flush::prefetch_obj(s);
         }
     }
@@ -149,20 +181,21 @@ impl Checked {
         self.sets.get().map_or(0, |t| std::mem::size_of_val::<[Set]>(t) as u64)
     }
 
-    /// Run `verify` for the record of `len` bytes at `addr` unless this process already
-    /// verified it; memoise a success.
+    /// Run `verify` for the record of `len` bytes at `addr` with `salt` unless this process
+    /// already verified it; memoise a success.
     #[inline]
     pub fn verify_once<T>(
         &self,
         addr: u64,
         len: usize,
+        salt: u64,
         verify: impl FnOnce() -> crate::error::Result<T>,
     ) -> crate::error::Result<Option<T>> {
-        if self.contains(addr, len) {
+        if self.contains(addr, len, salt) {
             return Ok(None);
         }
         let r = verify()?;
-        self.insert(addr, len);
+        self.insert(addr, len, salt);
         self.runs.fetch_add(1, Ordering::Relaxed);
         Ok(Some(r))
     }
@@ -173,45 +206,48 @@ mod tests {
     use super::*;
 
     #[test]
-    fn remembers_exact_pairs_only() {
+    fn remembers_address_length_and_salt() {
         let c = Checked::new();
-        assert!(!c.contains(4096, 100));
+        assert!(!c.contains(4096, 100, 7));
+        assert!(!c.knows(4096));
         assert_eq!(c.dram_bytes(), 0, "no table before the first insert");
-        c.insert(4096, 100);
-        assert!(c.contains(4096, 100));
-        assert!(!c.contains(4096, 101), "another length at the same address is another record");
-        assert!(!c.contains(4097, 100));
+        c.insert(4096, 100, 7);
+        assert!(c.contains(4096, 100, 7));
+        assert!(c.knows(4096));
+        assert!(!c.contains(4096, 101, 7), "another length at the same address is another record");
+        assert!(!c.contains(4096, 100, 8), "another salt (key, generation) is another record");
+        assert!(!c.contains(4097, 100, 7));
+        assert!(!c.knows(4097));
         assert_eq!(c.dram_bytes(), (SLOTS * 8) as u64);
     }
 
     #[test]
-    fn pairs_that_do_not_fit_are_never_remembered() {
+    fn addresses_that_do_not_fit_are_never_remembered() {
         let c = Checked::new();
-        for (a, l) in [(ADDR_LIMIT, 10), (5, LEN_LIMIT), (0, 0)] {
-            c.insert(a, l);
-            assert!(!c.contains(a, l), "({a}, {l})");
-        }
+        let far = 1u64 << ADDR_BITS;
+        c.insert(far, 10, 0);
+        assert!(!c.contains(far, 10, 0));
+        assert!(!c.knows(far));
+        c.insert(0, 0, 0);
+        assert!(c.contains(0, 0, 0), "address 0 is a valid key: the tag is never 0");
     }
 
     #[test]
     fn a_full_set_evicts_one_word_and_mistakes_none() {
         let c = Checked::new();
         // WAYS + 1 records that share a set.
-        let first = word(64, 10).map(place).map(|p| p.0);
-        let same: Vec<u64> = (0..1u64 << 32)
-            .map(|i| 64 + i * 8)
-            .filter(|&a| word(a, 10).map(place).map(|p| p.0) == first)
-            .take(WAYS + 1)
-            .collect();
+        let first = place(64).0;
+        let same: Vec<u64> =
+            (0..1u64 << 32).map(|i| 64 + i * 8).filter(|&a| place(a).0 == first).take(WAYS + 1).collect();
         assert_eq!(same.len(), WAYS + 1);
         for &a in &same[..WAYS] {
-            c.insert(a, 10);
+            c.insert(a, 10, 1);
         }
-        assert!(same[..WAYS].iter().all(|&a| c.contains(a, 10)), "a set holds {WAYS} records");
-        assert!(!c.contains(same[WAYS], 10));
-        c.insert(same[WAYS], 10);
-        assert!(c.contains(same[WAYS], 10));
-        let kept = same[..WAYS].iter().filter(|&&a| c.contains(a, 10)).count();
+        assert!(same[..WAYS].iter().all(|&a| c.contains(a, 10, 1)), "a set holds {WAYS} records");
+        assert!(!c.contains(same[WAYS], 10, 1));
+        c.insert(same[WAYS], 10, 1);
+        assert!(c.contains(same[WAYS], 10, 1));
+        let kept = same[..WAYS].iter().filter(|&&a| c.contains(a, 10, 1)).count();
         assert_eq!(kept, WAYS - 1, "exactly one word was given up");
     }
 
@@ -220,10 +256,10 @@ mod tests {
         let c = Checked::new();
         let mut runs = 0;
         let bad: crate::error::Result<Option<()>> =
-            c.verify_once(128, 8, || Err(crate::error::Error::InvalidArgument("bad".into())));
+            c.verify_once(128, 8, 3, || Err(crate::error::Error::InvalidArgument("bad".into())));
         assert!(bad.is_err());
         for _ in 0..3 {
-            let r = c.verify_once(128, 8, || {
+            let r = c.verify_once(128, 8, 3, || {
                 runs += 1;
                 Ok(())
             });
@@ -231,5 +267,8 @@ mod tests {
         }
         assert_eq!(runs, 1, "a failed check is not memoised; a passed one is, once");
         assert_eq!(c.verified(), 1);
+        // The same address under another salt is checked again.
+        assert!(matches!(c.verify_once(128, 8, 4, || Ok(())), Ok(Some(()))));
+        assert_eq!(c.verified(), 2);
     }
 }

@@ -190,6 +190,10 @@ pub struct PmStats {
     pub persist_calls: u64,
     /// Read accesses that paid an emulated read latency.
     pub delayed_reads: u64,
+    /// Records whose checksum a reader verified and memoised ([`checked`]).
+    pub records_checked: u64,
+    /// DRAM held by the memo of verified records ([`checked`]; 0 until first used).
+    pub checked_memo_bytes: u64,
     /// Pools in the region.
     pub pools: u64,
     /// Bytes of PM mapped.
@@ -573,6 +577,13 @@ impl Region {
         Some(unsafe { pool.base.add(off as usize) })
     }
 
+    /// Whether `[addr, addr+len)` lies inside one mapped pool (reads nothing, pays no
+    /// emulated latency).
+    #[inline]
+    pub fn contains_range(&self, addr: u64, len: usize) -> bool {
+        self.resolve(addr, len as u64).is_some()
+    }
+
     /// A read view of `[addr, addr+len)`, or `None` if the range is not inside one pool.
     /// With an emulated read latency ([`profile`]) every call pays it once.
     #[inline]
@@ -781,6 +792,8 @@ impl Region {
             lines_persisted: self.counters.get(1),
             persist_calls: self.counters.get(2),
             delayed_reads: self.counters.get(3),
+            records_checked: self.checked.verified(),
+            checked_memo_bytes: self.checked.dram_bytes(),
             pools: self.pool_count() as u64,
             capacity: self.pool_count() as u64 * self.pool_size,
         }

@@ -42,11 +42,11 @@ impl BatchSource for TreeSource {
 
 /// Entries ahead of the current one whose record header is prefetched.
 const PREFETCH_HEAD: isize = 6;
-/// Entries ahead of the current one whose memo slot (`crate::pm::checked`) is prefetched
-/// (their header, fetched two moves earlier, gives the record's length).
+/// Entries ahead of the current one whose memo set (`crate::pm::checked`) is prefetched.
 const PREFETCH_MEMO: isize = 4;
-/// Entries ahead of the current one whose whole record is prefetched, unless this open
-/// region already verified it (then only the header is read).
+/// Entries ahead of the current one whose whole record is prefetched (its header, fetched
+/// three moves earlier, gives the length), unless this open region already verified a
+/// record there (then only the header is read).
 const PREFETCH_RECORD: isize = 3;
 
 /// How much of a record [`AddrCursor::prefetch_at`] asks for.
@@ -71,7 +71,7 @@ impl<S: BatchSource<V = Addr>> AddrCursor<S> {
         AddrCursor { cur: ReadAhead::new(src), inner: inner.clone(), pools: Vec::new() }
     }
 
-    /// The record of the entry `ahead` entries away: its header, its memo slot, or all of it.
+    /// The record of the entry `ahead` entries away: its header, its memo set, or all of it.
     fn prefetch_at(&mut self, ahead: isize, what: Ahead) {
         let Some(Some(b)) = self.cur.peek(ahead).copied() else { return };
         let Some(a) = layout::vaddr_from(&b) else { return };
@@ -91,9 +91,12 @@ impl<S: BatchSource<V = Addr>> AddrCursor<S> {
         };
         let at = info.addr + u64::from(off);
         let region = &self.inner.region;
-        if let Ahead::Head = what {
-            region.prefetch(at, 4);
-            return;
+        match what {
+            Ahead::Head => return region.prefetch(at, 4),
+            Ahead::Memo => return region.checked().prefetch(at),
+            // A record verified here before needs only its header, prefetched already.
+            Ahead::Record if region.checked().knows(at) => return,
+            Ahead::Record => {}
         }
         // The address came from a source after this iterator pinned the value log, so
         // its pool is not reused: the header read is of a written record (its length is
@@ -101,12 +104,7 @@ impl<S: BatchSource<V = Addr>> AddrCursor<S> {
         let Some(h) = region.slice(at, 4) else { return };
         let size = u32::from_le_bytes([h[0], h[1], h[2], h[3]]) as usize;
         let room = u64::from(info.cap).saturating_sub(u64::from(off)) as usize;
-        let len = (size + layout::RECORD_OVERHEAD as usize).min(room);
-        match what {
-            Ahead::Memo => region.checked().prefetch(at, len),
-            Ahead::Record if !region.checked().contains(at, len) => region.prefetch(at, len),
-            _ => {}
-        }
+        region.prefetch(at, (size + layout::RECORD_OVERHEAD as usize).min(room));
     }
 
     fn prefetch(&mut self, dir: isize) {

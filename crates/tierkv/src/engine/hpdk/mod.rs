@@ -116,7 +116,9 @@
 //!   and merges wait at most for one batch copy. A merge rewrites only the tree's table
 //!   part, never a value's address, so it changes nothing an iterator returns.
 //! - **Values, pinned and borrowed.** Values are not copied: `value()` borrows the record's
-//!   bytes in PM, verified (checksum, bounds) when the iterator moves onto the entry. The
+//!   bytes in PM, verified (bounds; checksum the first time an iterator of this open store
+//!   meets the record, remembered in [`crate::pm::checked`] by address, length and pool
+//!   generation, so later walks read only the record's header). The
 //!   iterator registers an epoch with the value log at creation (`Vlog::pin`); a pool
 //!   whose live count falls to zero is not reused while an iterator registered before
 //!   that moment lives (another idle pool, or a new extent, is taken instead;

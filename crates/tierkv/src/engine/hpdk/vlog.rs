@@ -166,7 +166,9 @@ impl Vlog {
             Ok(())
         };
         if memo {
-            region.checked().verify_once(at, (size + RECORD_OVERHEAD) as usize, verify)?;
+            // The pool's generation is the salt: the checksum binds a record to it, so an
+            // address of a reused pool's earlier generation misses the memo and fails.
+            region.checked().verify_once(at, (size + RECORD_OVERHEAD) as usize, u64::from(info.gen), verify)?;
         } else {
             verify()?;
         }

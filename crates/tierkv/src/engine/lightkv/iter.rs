@@ -146,7 +146,7 @@ impl BufferIter {
             let len = pwb::ENTRY_HEADER + klen + vlen;
             // Verified once per open region (`crate::pm::checked`): an entry a walk met
             // before is read no further than its header and key.
-            r.checked().verify_once(off, len, || {
+            r.checked().verify_once(off, len, 0, || {
                 let b = r.slice_checked(off, len, "PWB entry")?;
                 let (kind, _, _, _) =
                     pwb::decode_entry(b).ok_or_else(|| r.corruption(off, "PWB entry checksum mismatch"))?;
@@ -654,8 +654,7 @@ mod tests {
         }
         let verified = |e: &Lightkv| e.store.region().checked().verified();
         assert_eq!(verified(&e), 0, "point reads and writes do not use the memo");
-        let mut it = e.iter().unwrap();
-        assert_live(&walk_both_ways(&mut it), &m);
+        assert_live(&walk_both_ways(&mut e.iter().unwrap()), &m);
         let first = verified(&e);
         assert!(first > 0, "the walk read write-buffer entries");
         assert_live(&walk_both_ways(&mut e.iter().unwrap()), &m);

@@ -40,8 +40,10 @@
 //!   copies up to 8 record *addresses* after the current key (doubling to 256 while the
 //!   walk goes on in one direction), and lets go; entries added or removed meanwhile are
 //!   met or not (only keys written meanwhile can be affected). Keys and values are
-//!   borrowed from the records in PM, each record's checksum verified when the cursor
-//!   reaches it (the record three entries ahead is prefetched: records sit in write order);
+//!   borrowed from the records in PM, each record's checksum verified the first time a
+//!   cursor of this open store reaches it (remembered in [`crate::pm::checked`]: later
+//!   walks read only its header and key; the record three entries ahead is prefetched:
+//!   records sit in write order);
 //!   nothing is copied per entry but the address.
 //! - **The chained partitions' SSTables** ([`iter::TableWalker`]): the radix tree's key
 //!   ranges in key order ([`crate::index::rhtree::RhTree::ranges`] — a partition whose

@@ -59,8 +59,13 @@ struct Ent {
     seq: u64,
     /// PM address of its log entry; `None` for a tombstone.
     loc: Option<u64>,
-    /// Its value's address and length once verified.
+    /// Its value's address and length (placed at the refill, or once its entry is read).
     val: (u64, usize),
+    /// Bytes of its log entry, as its version records them.
+    size: u32,
+    /// Its log entry is read at the refill: structure and key checked, and its checksum
+    /// too when `verify`. Otherwise the value is placed from `size`.
+    read: bool,
     /// Its checksum must be verified (a version loaded from a checkpoint, not read since).
     verify: bool,
 }
@@ -146,22 +151,24 @@ impl NativeIter {
                     let loc = (!v.tomb).then_some(v.loc());
                     let verify = loc.is_some() && v.unverified();
                     // A version this process wrote or already verified names its value
-                    // exactly (its entry's size and the key's length give it): the walk
+                    // exactly (its entry's size minus the header and the key): the walk
                     // reads no PM, `value()` reads the bytes it is asked for.
+                    let read = verify || inner.verify_reads;
                     let val = match loc {
-                        Some(l) if !verify && !inner.verify_reads => {
-                            let vlen = (v.size as usize).checked_sub(ENTRY_HEADER_LEN + k.len());
-                            vlen.map_or((0, 0), |vl| (l + (ENTRY_HEADER_LEN + k.len()) as u64, vl))
+                        Some(l) if !read => (
+                            l + (ENTRY_HEADER_LEN + k.len()) as u64,
+                            (v.size as usize).saturating_sub(ENTRY_HEADER_LEN + k.len()),
+                        ),
+                        Some(l) => {
+                            inner.region.prefetch(l, 64);
+                            (0, 0)
                         }
-                        _ => (0, 0),
+                        None => (0, 0),
                     };
-                    if let (Some(l), (0, 0)) = (loc, val) {
-                        inner.region.prefetch(l, 64);
-                    }
                     if verify {
                         unverified.push(v);
                     }
-                    ents.push(Ent { key: (start, keys.len()), seq: v.seq, loc, val, verify });
+                    ents.push(Ent { key: (start, keys.len()), seq: v.seq, loc, val, size: v.size, read, verify });
                 }
                 if walked_out || ents.len() >= n {
                     break;
@@ -171,20 +178,35 @@ impl NativeIter {
             if !forward {
                 ents.reverse();
             }
-            // Check the values (their lines were prefetched above), still under both
-            // guards: the versions verified here are marked so, as a `get` marks them.
+            // Check the values (the lines of those read were prefetched above), still under
+            // both guards: the versions verified here are marked so, as a `get` marks them.
             for i in 0..self.ents.len() {
                 let e = self.ents[i];
-                if let (Some(loc), (0, 0)) = (e.loc, e.val) {
-                    let key_len = self.key_at(i).len();
-                    let r = inner.entry_value(self.key_at(i), e.seq, loc, e.verify);
-                    match r {
-                        Ok(v) => self.ents[i].val = (loc + (ENTRY_HEADER_LEN + key_len) as u64, v.len()),
-                        Err(err) => {
-                            self.ents.clear();
-                            self.pos = 0;
-                            return Err(err);
+                let Some(loc) = e.loc else { continue };
+                let key_len = self.key_at(i).len();
+                let r = if e.read {
+                    // The entry must be the one the version describes, or a value placed
+                    // from its size later (once it is marked verified) would be wrong.
+                    inner.entry_value(self.key_at(i), e.seq, loc, e.verify).and_then(|v| {
+                        if ENTRY_HEADER_LEN + key_len + v.len() == e.size as usize {
+                            Ok((loc + (ENTRY_HEADER_LEN + key_len) as u64, v.len()))
+                        } else {
+                            Err(inner.region.corruption(loc, "log entry's length differs from its index version's"))
                         }
+                    })
+                } else if (e.size as usize) >= ENTRY_HEADER_LEN + key_len
+                    && inner.region.contains_range(e.val.0, e.val.1)
+                {
+                    Ok(e.val)
+                } else {
+                    Err(inner.region.corruption(loc, "index version places its value outside its log entry's PM"))
+                };
+                match r {
+                    Ok(val) => self.ents[i].val = val,
+                    Err(err) => {
+                        self.ents.clear();
+                        self.pos = 0;
+                        return Err(err);
                     }
                 }
             }

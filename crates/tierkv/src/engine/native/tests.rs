@@ -1356,6 +1356,8 @@ fn walks_read_no_log_entry_for_versions_this_process_wrote_or_verified() {
     let (dev, fs) = (SimDevice::new(), FaultFs::new());
     let mut o = opts(&dev, &fs);
     o.pm_read_latency_ns = 1;
+    // Every key stays in PM (no capacity-tier moves to count around).
+    o.native.dram_budget = 0;
     let e = open(&o, &fs, true).unwrap();
     let mut m = BTreeMap::new();
     for i in 0..300u32 {

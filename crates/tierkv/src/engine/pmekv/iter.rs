@@ -67,9 +67,8 @@ impl PmekvIter {
     /// process already verified it (the walk then reads none of its bytes).
     fn prefetch_at(&self, ahead: isize) {
         if let Some(v) = self.cur.peek(ahead) {
-            let len = (layout::VALUE_HEADER + u64::from(v.len)) as usize;
-            if !self.inner.region.checked().contains(v.addr, len) {
-                self.inner.region.prefetch(v.addr, len);
+            if !self.inner.region.checked().knows(v.addr) {
+                self.inner.region.prefetch(v.addr, (layout::VALUE_HEADER + u64::from(v.len)) as usize);
             }
         }
     }
@@ -78,7 +77,7 @@ impl PmekvIter {
     /// [`PmekvIter::prefetch_at`] reads a few steps later.
     fn prefetch_memo(&self, ahead: isize) {
         if let Some(v) = self.cur.peek(ahead) {
-            self.inner.region.checked().prefetch(v.addr, (layout::VALUE_HEADER + u64::from(v.len)) as usize);
+            self.inner.region.checked().prefetch(v.addr);
         }
     }
 
@@ -110,10 +109,13 @@ impl PmekvIter {
         let len = (layout::VALUE_HEADER + u64::from(v.len)) as usize;
         let region = &self.inner.region;
         // Verified once per open region (`crate::pm::checked`): a record a walk met before
-        // is not read again until `value` is asked for.
+        // is not read again until `value` is asked for. The key is the memo's salt: the
+        // checksum binds the record to its key, so an index entry naming a record verified
+        // for another key misses the memo and fails the check.
+        let salt = u64::from(crc32c::crc32c(self.cur.key()));
         let r = region
             .checked()
-            .verify_once(v.addr, len, || {
+            .verify_once(v.addr, len, salt, || {
                 let rec = region.slice_checked(v.addr, len, "value record")?;
                 layout::value_verify(rec, self.cur.key(), v.len).map_err(|d| region.corruption(v.addr, d))
             })
@@ -287,13 +289,16 @@ mod tests {
         let refs = |e: &Pmekv| -> Vec<ValueRef> {
             e.inner.state.read().tree.range_from(std::ops::Bound::Unbounded).map(|(_, v)| *v).collect()
         };
+        let entries = |e: &Pmekv| -> Vec<(Vec<u8>, ValueRef)> {
+            e.inner.state.read().tree.range_from(std::ops::Bound::Unbounded).map(|(k, v)| (k.to_vec(), *v)).collect()
+        };
         let memoised = |e: &Pmekv| {
             let r = &e.inner.region;
-            refs(e)
-                .iter()
-                .filter(|v| r.checked().contains(v.addr, (layout::VALUE_HEADER + u64::from(v.len)) as usize))
-                .count()
+            let len = |v: &ValueRef| (layout::VALUE_HEADER + u64::from(v.len)) as usize;
+            let salt = |k: &[u8]| u64::from(crc32c::crc32c(k));
+            entries(e).iter().filter(|(k, v)| r.checked().contains(v.addr, len(v), salt(k))).count()
         };
+        let verified = |e: &Pmekv| e.inner.region.checked().verified() as usize;
         assert!(!refs(&e).is_empty());
         assert_eq!(memoised(&e), 0, "no walk yet");
         // A walk of the first half memoises exactly its records.
@@ -309,14 +314,19 @@ mod tests {
         drop(it);
         // (The walk stops one entry past the half: that record was verified too.)
         assert_eq!(memoised(&e), walked + 1);
+        assert_eq!(verified(&e), walked + 1, "one check per record");
         full_walks(&mut *e.iter().unwrap(), &m);
         assert_eq!(memoised(&e), refs(&e).len(), "a full walk verified every record");
+        assert_eq!(verified(&e), refs(&e).len(), "and checked none twice");
+        full_walks(&mut *e.iter().unwrap(), &m);
+        assert_eq!(verified(&e), refs(&e).len(), "a second full walk checked nothing");
         e.close().unwrap();
         drop(e);
         let e = open(&o, &fs, false);
         assert_eq!(memoised(&e), 0, "a reopen trusts nothing it did not verify");
         full_walks(&mut *e.iter().unwrap(), &m);
         assert_eq!(memoised(&e), refs(&e).len());
+        assert_eq!(verified(&e), refs(&e).len());
     }
 
     /// (b) Checkpoints that free the values an iterator holds addresses of (keys

@@ -111,8 +111,10 @@
 //!   at most for one batch copy; a key not written while the iterator lives is in every
 //!   batch whose range covers it, so it is returned exactly once with its value.
 //! - **Values, borrowed from PM and pinned.** `value()` borrows the value record in place,
-//!   verified (checksum over key, length and value) when the iterator moves onto it; no
-//!   value is copied. A value replaced or deleted after the batch was copied is freed only
+//!   verified (checksum over key, length and value) the first time an iterator of this
+//!   open store moves onto it: a memo of verified records ([`crate::pm::checked`], keyed
+//!   by address, length and a hash of the key) lets later walks skip the check and read
+//!   none of the record's bytes until `value()` is used. No value is copied. A value replaced or deleted after the batch was copied is freed only
 //!   at a checkpoint (the deferred frees); a checkpoint while an iterator registered
 //!   before it lives *parks* those frees (`pm::pins::Pins`, epochs as in HPDK's value log) and
 //!   the last such iterator to be dropped frees them. An iterator registered after the
@@ -124,9 +126,10 @@
 //!   `iterators_live`, `frees_held_for_iterators` and `frees_ever_held_for_iterators` show it.
 //! - **Prefetch.** Values are in the heap in write order, not key order: the iterator
 //!   prefetches the value record 3 entries ahead in its batch (the pointer gives its
-//!   length), so a walk overlaps the memory misses of consecutive values.
+//!   length) unless the memo knows it, and the memo's set 6 entries ahead, so a walk
+//!   overlaps the memory misses of consecutive values.
 //! - **Cost.** A seek: one descent under the shared lock and a batch copy of keys; `next`:
-//!   amortised O(1) (a step in the batch, one checksum of the value read); no allocation per
+//!   amortised O(1) (a step in the batch, a memo probe; one checksum per record per open); no allocation per
 //!   entry (batch buffers are reused). Every range read (`Db::scan`, `Db::iter`,
 //!   snapshots) goes through it.
 //!
