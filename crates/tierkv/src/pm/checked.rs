@@ -23,39 +23,49 @@
 //! checks neither.
 //!
 //! # Cost
-//! A table of [`SLOTS`] 8-byte words (8 MiB), allocated zeroed on the first insert (a
+//! A table of [`SLOTS`] 16-byte entries (8 MiB), allocated zeroed on the first insert (a
 //! store whose iterators never run pays nothing, and pages are touched only where entries
-//! land); each design counts it in its `dram_index_bytes`. It is 8-way set-associative:
-//! a record maps by a hash of its address to one set of 8 words in one cache line, so a
-//! lookup costs at most one DRAM miss, and records that share a set do not evict each
-//! other until the set is full (with one word per record, two records whose hashes collide
-//! evict each other on every visit and are re-verified each time). A full set overwrites a
-//! word picked by the hash; the evicted record is verified again on its next read. Lookups
-//! and inserts are relaxed atomics: the memo carries no data, the record's bytes are
-//! reached through the design's own published index.
+//! land); each design counts it in its `dram_index_bytes`. An entry is a word (address and
+//! tag) and the record's length, which [`Checked::lookup`] returns to a design whose index
+//! lacks it. The table is 4-way set-associative: a record maps by a hash of its address to
+//! one set of 4 entries in one cache line, so a lookup costs at most one DRAM miss, and
+//! records that share a set do not evict each other until the set is full (with one entry
+//! per set, two records whose hashes collide evict each other on every visit and are
+//! re-verified each time). A full set overwrites an entry picked by the hash; the evicted
+//! record is verified again on its next read. The memo carries no data but lengths (each
+//! vouched for by its tag): the record's bytes are reached through the design's own
+//! published index.
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::OnceLock;
 
-/// Words per set: one 64-byte cache line.
-const WAYS: usize = 8;
+/// Entries per set: one 64-byte cache line of four 16-byte entries.
+const WAYS: usize = 4;
 /// log2 of the set count.
 const SETS_LOG2: u32 = 17;
-/// Words in the table (8 bytes each).
+/// Entries in the table (16 bytes each).
 pub const SLOTS: usize = WAYS << SETS_LOG2;
 /// Bits of a word holding the address; addresses at or past `1 << ADDR_BITS` are not
 /// memoised (always verified).
 const ADDR_BITS: u32 = 40;
 
-/// One set: a cache line of words.
+/// One entry: the word (address and tag; 0 = empty) and the record's length, which
+/// [`Checked::lookup`] hands back (the tag, a hash of that length, vouches for it).
+#[derive(Default)]
+struct Entry {
+    word: AtomicU64,
+    len: AtomicU64,
+}
+
+/// One set: a cache line of entries.
 #[repr(align(64))]
-struct Set([AtomicU64; WAYS]);
+struct Set([Entry; WAYS]);
 
 /// The memo (see the module docs).
 #[derive(Default)]
 pub struct Checked {
     sets: OnceLock<Box<[Set]>>,
-    /// Checks [`Checked::verify_once`] ran and passed (a figure for tests).
+    /// Checks [`Checked::verify_once`] ran and passed (`PmStats::records_checked`).
     runs: AtomicU64,
 }
 
@@ -99,7 +109,8 @@ fn zeroed_sets(n: usize) -> Box<[Set]> {
         return Box::default();
     }
     // SAFETY: the layout has a non-zero size; a null result is handled; an all-zero
-    // `AtomicU64` is a valid `AtomicU64` (0), so the zeroed block is `n` initialised `Set`s;
+    // `AtomicU64` is a valid `AtomicU64` (0) and a `Set` is only `AtomicU64`s, so the
+    // zeroed block is `n` initialised `Set`s;
     // and the block came from the global allocator with exactly the layout of `[Set; n]`,
     // which is what `Box<[Set]>` frees it with.
     unsafe {
@@ -127,7 +138,29 @@ impl Checked {
     #[inline]
     pub fn contains(&self, addr: u64, len: usize, salt: u64) -> bool {
         let Some(w) = word(addr, len, salt) else { return false };
-        self.set(addr).is_some_and(|(s, _)| s.0.iter().any(|x| x.load(Ordering::Relaxed) == w))
+        self.set(addr).is_some_and(|(s, _)| s.0.iter().any(|e| e.word.load(Ordering::Relaxed) == w))
+    }
+
+    /// The length of the record at `addr` with `salt` this process verified, if the memo
+    /// holds it: for a design whose DRAM index does not hold lengths (hpdk), a known record
+    /// is then placed without reading PM. The length is read between two loads of the
+    /// entry's word and must hash to the word's tag, so an entry replaced meanwhile is not
+    /// taken for this one (but for a 24-bit tag collision).
+    #[inline]
+    pub fn lookup(&self, addr: u64, salt: u64) -> Option<usize> {
+        if addr >> ADDR_BITS != 0 {
+            return None;
+        }
+        let mask = (1u64 << ADDR_BITS) - 1;
+        let (s, _) = self.set(addr)?;
+        s.0.iter().find_map(|e| {
+            let w = e.word.load(Ordering::Acquire);
+            if w == 0 || w & mask != addr {
+                return None;
+            }
+            let len = usize::try_from(e.len.load(Ordering::Acquire)).ok()?;
+            (word(addr, len, salt) == Some(w) && e.word.load(Ordering::Acquire) == w).then_some(len)
+        })
     }
 
     /// Whether some record at `addr` was verified (a hint for prefetching: it does not say
@@ -139,8 +172,8 @@ impl Checked {
         }
         let mask = (1u64 << ADDR_BITS) - 1;
         self.set(addr).is_some_and(|(s, _)| {
-            s.0.iter().any(|x| {
-                let v = x.load(Ordering::Relaxed);
+            s.0.iter().any(|e| {
+                let v = e.word.load(Ordering::Relaxed);
                 v != 0 && v & mask == addr
             })
         })
@@ -154,12 +187,15 @@ impl Checked {
         let Some((s, way)) = self.set(addr) else { return };
         // A racing insert may take the same empty word: one of the two records is then
         // verified again later, nothing worse.
-        let free = s.0.iter().find(|x| {
-            let v = x.load(Ordering::Relaxed);
+        let free = s.0.iter().find(|e| {
+            let v = e.word.load(Ordering::Relaxed);
             v == 0 || v == w
         });
-        if let Some(x) = free.or_else(|| s.0.get(way)) {
-            x.store(w, Ordering::Relaxed);
+        if let Some(e) = free.or_else(|| s.0.get(way)) {
+            // Length first, word last: a reader that matches the word and then reads the
+            // length sees this length or a later insert's, which the tag check rejects.
+            e.len.store(len as u64, Ordering::Release);
+            e.word.store(w, Ordering::Release);
         }
     }
 
@@ -218,7 +254,10 @@ mod tests {
         assert!(!c.contains(4096, 100, 8), "another salt (key, generation) is another record");
         assert!(!c.contains(4097, 100, 7));
         assert!(!c.knows(4097));
-        assert_eq!(c.dram_bytes(), (SLOTS * 8) as u64);
+        assert_eq!(c.dram_bytes(), (SLOTS * 16) as u64);
+        assert_eq!(c.lookup(4096, 7), Some(100), "the length comes back under the same salt");
+        assert_eq!(c.lookup(4096, 8), None, "and not under another");
+        assert_eq!(c.lookup(4097, 7), None);
     }
 
     #[test]

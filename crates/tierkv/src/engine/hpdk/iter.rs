@@ -40,13 +40,13 @@ impl BatchSource for TreeSource {
     }
 }
 
-/// Entries ahead of the current one whose record header is prefetched.
-const PREFETCH_HEAD: isize = 6;
 /// Entries ahead of the current one whose memo set (`crate::pm::checked`) is prefetched.
-const PREFETCH_MEMO: isize = 4;
+const PREFETCH_MEMO: isize = 6;
+/// Entries ahead of the current one whose record header is prefetched, unless the memo
+/// knows a record there (its length then comes from the memo: nothing of it is read).
+const PREFETCH_HEAD: isize = 5;
 /// Entries ahead of the current one whose whole record is prefetched (its header, fetched
-/// three moves earlier, gives the length), unless this open region already verified a
-/// record there (then only the header is read).
+/// two moves earlier, gives the length), unless the memo knows a record there.
 const PREFETCH_RECORD: isize = 3;
 
 /// How much of a record [`AddrCursor::prefetch_at`] asks for.
@@ -92,10 +92,10 @@ impl<S: BatchSource<V = Addr>> AddrCursor<S> {
         let at = info.addr + u64::from(off);
         let region = &self.inner.region;
         match what {
-            Ahead::Head => return region.prefetch(at, 4),
             Ahead::Memo => return region.checked().prefetch(at),
-            // A record verified here before needs only its header, prefetched already.
-            Ahead::Record if region.checked().knows(at) => return,
+            // A record verified here before is placed from the memo: none of it is read.
+            _ if region.checked().knows(at) => return,
+            Ahead::Head => return region.prefetch(at, 4),
             Ahead::Record => {}
         }
         // The address came from a source after this iterator pinned the value log, so
@@ -110,8 +110,8 @@ impl<S: BatchSource<V = Addr>> AddrCursor<S> {
     fn prefetch(&mut self, dir: isize) {
         if self.cur.valid() {
             self.prefetch_at(PREFETCH_RECORD * dir, Ahead::Record);
-            self.prefetch_at(PREFETCH_MEMO * dir, Ahead::Memo);
             self.prefetch_at(PREFETCH_HEAD * dir, Ahead::Head);
+            self.prefetch_at(PREFETCH_MEMO * dir, Ahead::Memo);
         }
     }
 }
@@ -122,6 +122,9 @@ impl<S: BatchSource<V = Addr>> InternalIterator for AddrCursor<S> {
     }
     fn seek(&mut self, key: &[u8]) -> Result<()> {
         self.cur.seek(key);
+        for d in 0..=PREFETCH_MEMO {
+            self.prefetch_at(d, Ahead::Memo);
+        }
         for d in 1..PREFETCH_HEAD {
             self.prefetch_at(d, Ahead::Head);
         }
@@ -139,6 +142,9 @@ impl<S: BatchSource<V = Addr>> InternalIterator for AddrCursor<S> {
     }
     fn seek_for_prev(&mut self, key: &[u8]) -> Result<()> {
         self.cur.seek_for_prev(key);
+        for d in 0..=PREFETCH_MEMO {
+            self.prefetch_at(-d, Ahead::Memo);
+        }
         for d in 1..PREFETCH_HEAD {
             self.prefetch_at(-d, Ahead::Head);
         }
@@ -584,12 +590,25 @@ mod tests {
     #[test]
     fn walks_verify_each_record_once_per_open() {
         let (dev, fs) = (SimDevice::new(), FaultFs::new());
-        let o = opts(&dev, &fs, crate::testing::hpdk_small());
+        let mut o = opts(&dev, &fs, crate::testing::hpdk_small());
+        // PM reads are counted through the emulated read latency (1 ns per access).
+        o.pm_read_latency_ns = 1;
         let e = open(&o, &fs, true);
         let mut rng = SmallRng::seed_from_u64(8);
         let (mut m, mut ver) = (Model::new(), 0);
         churn(&e, &mut m, &mut rng, 500, 300, &mut ver);
         let verified = |e: &Hpdk| e.inner.region.checked().verified();
+        let reads = |e: &Hpdk| e.inner.region.stats().delayed_reads;
+        let key_walk = |e: &Hpdk| {
+            let mut it = e.iter().unwrap();
+            it.seek_to_first().unwrap();
+            let mut n = 0;
+            while it.valid() {
+                n += usize::from(m.contains_key(it.key()));
+                it.next().unwrap();
+            }
+            assert_eq!(n, m.len());
+        };
         assert_eq!(verified(&e), 0, "point reads and writes do not use the memo");
         full_walks(&mut *e.iter().unwrap(), &m);
         let first = verified(&e);
@@ -597,6 +616,13 @@ mod tests {
         full_walks(&mut *e.iter().unwrap(), &m);
         random_moves(&mut *e.iter().unwrap(), &m, &mut rng, 500);
         assert_eq!(verified(&e), first, "the second walk verified nothing");
+        // Known records are placed from the memo: a walk that does not read the values'
+        // bytes reads no PM at all (`value()` borrows through a PM read).
+        let before = reads(&e);
+        key_walk(&e);
+        assert_eq!(reads(&e), before, "a walk over known records read PM");
+        full_walks(&mut *e.iter().unwrap(), &m);
+        assert!(reads(&e) > before, "and `value()` does read it");
         e.close().unwrap();
         drop(e);
         let e = open(&o, &fs, false);

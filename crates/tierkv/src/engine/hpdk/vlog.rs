@@ -140,7 +140,8 @@ impl Vlog {
     }
 
     /// As [`Vlog::locate`], but a record this open region already verified is not verified
-    /// again (`crate::pm::checked`): a range read's walk then reads only its header.
+    /// again (`crate::pm::checked`), and its length comes from the memo: a range read's
+    /// walk then reads none of it.
     pub(crate) fn locate_once(region: &Region, info: &PoolInfo, a: u64) -> Result<(u64, usize)> {
         Self::locate_with(region, info, a, true)
     }
@@ -151,6 +152,14 @@ impl Vlog {
         let bad = |d: &str| region.corruption(at, format!("value pool {no} offset {off}: {d}"));
         if u64::from(off) + RECORD_OVERHEAD > u64::from(info.cap) {
             return Err(bad("value address past the end of the pool"));
+        }
+        // A record this open region verified under the pool's current generation: its
+        // length comes from the memo, and nothing of it is read until the value is.
+        if let Some(len) = memo.then(|| region.checked().lookup(at, u64::from(info.gen))).flatten() {
+            let len = len as u64;
+            if len >= RECORD_OVERHEAD && u64::from(off) + len <= u64::from(info.cap) {
+                return Ok((at + 4, (len - RECORD_OVERHEAD) as usize));
+            }
         }
         let h = region.slice_checked(at, 4, "value record")?;
         let size = u64::from(u32::from_le_bytes([h[0], h[1], h[2], h[3]]));

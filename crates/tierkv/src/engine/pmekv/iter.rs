@@ -73,7 +73,7 @@ impl PmekvIter {
         }
     }
 
-    /// Prefetch the memo slot of the value record `ahead` entries away, which
+    /// Prefetch the memo set of the value record `ahead` entries away, which
     /// [`PmekvIter::prefetch_at`] reads a few steps later.
     fn prefetch_memo(&self, ahead: isize) {
         if let Some(v) = self.cur.peek(ahead) {

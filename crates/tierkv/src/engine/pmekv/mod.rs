@@ -987,7 +987,9 @@ impl Engine for Pmekv {
             write_amp_pm: 0.0,
             write_amp_disk: 0.0,
             keys: st.tree.len() as u64,
-            dram_index_bytes: st.tree.dram_bytes() as u64,
+            // The read path's memo of verified records counts as index DRAM (as
+            // `Stats::engine` counts it for the other presets).
+            dram_index_bytes: st.tree.dram_bytes() as u64 + pm.checked_memo_bytes,
             design,
         }
     }
