@@ -4,8 +4,8 @@
 //! checksum it on every visit.
 //!
 //! # What a hit promises
-//! An entry is a record's region address (exact) and a 24-bit *tag*: a hash of the
-//! record's length and of a *salt* the design passes — what the record's checksum binds it
+//! An entry is a record's region address (exact), a 24-bit *tag* and a 32-bit check hash,
+//! both hashes of the record's length and of a *salt* the design passes — what the record's checksum binds it
 //! to besides its own bytes (pmekv: the key the index names; hpdk: the value pool's
 //! generation). An entry is set only after a reader verified the record at that address on
 //! this [`super::Region`] (one per open store: a reopen, or a reopen of a crash image,
@@ -16,18 +16,18 @@
 //! space was freed. The tag keeps the checks a stale pointer would have failed: an index
 //! entry naming a record verified for another key (pmekv) or of an earlier generation of a
 //! reused pool (hpdk), or with another length, misses the memo and is verified — except
-//! when 24 tag bits collide, once in 16.7 million. What the memo gives up is the re-check
+//! when 56 bits of hash collide. What the memo gives up is the re-check
 //! of bytes that change under a running process by other means (a stray store, media
 //! decay after the first read): the trade the SSTable reader makes when it verifies a
 //! mapped block once per open table (`docs/design/read-path.md`). LevelDB, by default,
 //! checks neither.
 //!
 //! # Cost
-//! A table of [`SLOTS`] 16-byte entries (8 MiB), allocated zeroed on the first insert (a
+//! A table of [`SLOTS`] 16-byte entries (16 MiB), allocated zeroed on the first insert (a
 //! store whose iterators never run pays nothing, and pages are touched only where entries
 //! land); each design counts it in its `dram_index_bytes`. An entry is a word (address and
-//! tag) and the record's length, which [`Checked::lookup`] returns to a design whose index
-//! lacks it. The table is 4-way set-associative: a record maps by a hash of its address to
+//! tag) and a check (the record's length, which [`Checked::lookup`] returns to a design
+//! whose index lacks it, and a second 32-bit hash). The table is 4-way set-associative: a record maps by a hash of its address to
 //! one set of 4 entries in one cache line, so a lookup costs at most one DRAM miss, and
 //! records that share a set do not evict each other until the set is full (with one entry
 //! per set, two records whose hashes collide evict each other on every visit and are
@@ -42,19 +42,20 @@ use std::sync::OnceLock;
 /// Entries per set: one 64-byte cache line of four 16-byte entries.
 const WAYS: usize = 4;
 /// log2 of the set count.
-const SETS_LOG2: u32 = 17;
+const SETS_LOG2: u32 = 18;
 /// Entries in the table (16 bytes each).
 pub const SLOTS: usize = WAYS << SETS_LOG2;
 /// Bits of a word holding the address; addresses at or past `1 << ADDR_BITS` are not
 /// memoised (always verified).
 const ADDR_BITS: u32 = 40;
 
-/// One entry: the word (address and tag; 0 = empty) and the record's length, which
-/// [`Checked::lookup`] hands back (the tag, a hash of that length, vouches for it).
+/// One entry: the word (address and tag; 0 = empty) and the *check*: the record's length
+/// (low 32 bits), which [`Checked::lookup`] hands back, and a second 32-bit hash of the
+/// address, length and salt. A record matches only when both halves do.
 #[derive(Default)]
 struct Entry {
     word: AtomicU64,
-    len: AtomicU64,
+    check: AtomicU64,
 }
 
 /// One set: a cache line of entries.
@@ -90,6 +91,15 @@ fn word(addr: u64, len: usize, salt: u64) -> Option<u64> {
     }
     let tag = (mix(mix(len as u64) ^ salt) >> ADDR_BITS).max(1);
     Some(addr | (tag << ADDR_BITS))
+}
+
+/// The check half of an entry for a record (see [`Entry`]); `None` for a length that does
+/// not fit in 32 bits.
+#[inline]
+fn check(addr: u64, len: usize, salt: u64) -> Option<u64> {
+    let len = u32::try_from(len).ok()?;
+    let h = mix(mix(addr ^ salt.rotate_left(17)) ^ u64::from(len).rotate_left(40)) >> 32;
+    Some(u64::from(len) | (h << 32))
 }
 
 /// The set of address `addr`, and the way a full set gives up for it.
@@ -137,15 +147,18 @@ impl Checked {
     /// Whether the record of `len` bytes at `addr` with `salt` was verified by this process.
     #[inline]
     pub fn contains(&self, addr: u64, len: usize, salt: u64) -> bool {
-        let Some(w) = word(addr, len, salt) else { return false };
-        self.set(addr).is_some_and(|(s, _)| s.0.iter().any(|e| e.word.load(Ordering::Relaxed) == w))
+        let (Some(w), Some(c)) = (word(addr, len, salt), check(addr, len, salt)) else { return false };
+        self.set(addr).is_some_and(|(s, _)| {
+            s.0.iter().any(|e| e.word.load(Ordering::Acquire) == w && e.check.load(Ordering::Acquire) == c)
+        })
     }
 
     /// The length of the record at `addr` with `salt` this process verified, if the memo
     /// holds it: for a design whose DRAM index does not hold lengths (hpdk), a known record
-    /// is then placed without reading PM. The length is read between two loads of the
-    /// entry's word and must hash to the word's tag, so an entry replaced meanwhile is not
-    /// taken for this one (but for a 24-bit tag collision).
+    /// is then placed without reading PM. The length must reproduce both the word's 24-bit
+    /// tag and the check's 32-bit hash, so an entry of another record at the address (an
+    /// earlier generation, another length), or one torn by racing inserts, is not taken
+    /// for this one but for a 56-bit collision.
     #[inline]
     pub fn lookup(&self, addr: u64, salt: u64) -> Option<usize> {
         if addr >> ADDR_BITS != 0 {
@@ -158,8 +171,9 @@ impl Checked {
             if w == 0 || w & mask != addr {
                 return None;
             }
-            let len = usize::try_from(e.len.load(Ordering::Acquire)).ok()?;
-            (word(addr, len, salt) == Some(w) && e.word.load(Ordering::Acquire) == w).then_some(len)
+            let c = e.check.load(Ordering::Acquire);
+            let len = (c & u64::from(u32::MAX)) as usize;
+            (word(addr, len, salt) == Some(w) && check(addr, len, salt) == Some(c)).then_some(len)
         })
     }
 
@@ -182,19 +196,18 @@ impl Checked {
     /// Note that the record of `len` bytes at `addr` with `salt` was just verified.
     #[inline]
     pub fn insert(&self, addr: u64, len: usize, salt: u64) {
-        let Some(w) = word(addr, len, salt) else { return };
+        let (Some(w), Some(c)) = (word(addr, len, salt), check(addr, len, salt)) else { return };
         self.sets.get_or_init(|| zeroed_sets(1 << SETS_LOG2));
         let Some((s, way)) = self.set(addr) else { return };
-        // A racing insert may take the same empty word: one of the two records is then
-        // verified again later, nothing worse.
         let free = s.0.iter().find(|e| {
             let v = e.word.load(Ordering::Relaxed);
             v == 0 || v == w
         });
         if let Some(e) = free.or_else(|| s.0.get(way)) {
-            // Length first, word last: a reader that matches the word and then reads the
-            // length sees this length or a later insert's, which the tag check rejects.
-            e.len.store(len as u64, Ordering::Release);
+            // Two inserts racing on one entry may leave one's word with the other's check:
+            // that entry then matches neither record (both halves must), so each is
+            // verified again at its next read and re-inserted here, which rewrites both.
+            e.check.store(c, Ordering::Release);
             e.word.store(w, Ordering::Release);
         }
     }
@@ -288,6 +301,26 @@ mod tests {
         assert!(c.contains(same[WAYS], 10, 1));
         let kept = same[..WAYS].iter().filter(|&&a| c.contains(a, 10, 1)).count();
         assert_eq!(kept, WAYS - 1, "exactly one word was given up");
+    }
+
+    #[test]
+    fn an_entry_torn_by_racing_inserts_matches_neither_record_and_heals() {
+        let c = Checked::new();
+        c.insert(4096, 100, 1);
+        // Another record at the same address (say, a reused pool's next generation), whose
+        // insert raced with the first: the first's word, the second's check.
+        let other = check(4096, 60, 2);
+        let (s, _) = c.set(4096).expect("allocated");
+        let e = s.0.iter().find(|e| e.word.load(Ordering::Relaxed) != 0).expect("the entry");
+        e.check.store(other.expect("fits"), Ordering::Relaxed);
+        assert!(!c.contains(4096, 100, 1));
+        assert!(!c.contains(4096, 60, 2));
+        assert_eq!(c.lookup(4096, 1), None);
+        assert_eq!(c.lookup(4096, 2), None);
+        assert!(c.knows(4096), "a hint only");
+        c.insert(4096, 100, 1);
+        assert!(c.contains(4096, 100, 1), "re-inserting rewrites both halves");
+        assert_eq!(c.lookup(4096, 1), Some(100));
     }
 
     #[test]
