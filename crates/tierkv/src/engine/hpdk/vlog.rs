@@ -133,8 +133,9 @@ impl Vlog {
     }
 
     /// Verify the record at address `a` in pool `info`; returns where its value bytes are
-    /// (region address, length). A point read: it reads the whole value anyway, and the
-    /// checksum over bytes in cache costs less than a look into the memo.
+    /// (region address, length). A point read: it reads the whole value anyway, so the
+    /// memo would save only the checksum (not measured), and point reads must not
+    /// allocate (`tests/get_into.rs`) while the memo's first insert does.
     pub(crate) fn locate(region: &Region, info: &PoolInfo, a: u64) -> Result<(u64, usize)> {
         Self::locate_with(region, info, a, false)
     }

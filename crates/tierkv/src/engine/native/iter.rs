@@ -59,7 +59,7 @@ struct Ent {
     seq: u64,
     /// PM address of its log entry; `None` for a tombstone.
     loc: Option<u64>,
-    /// Its value's address and length (placed at the refill, or once its entry is read).
+    /// Its value's address and length (set by the refill's checking pass).
     val: (u64, usize),
     /// Bytes of its log entry, as its version records them.
     size: u32,
@@ -154,21 +154,21 @@ impl NativeIter {
                     // exactly (its entry's size minus the header and the key): the walk
                     // reads no PM, `value()` reads the bytes it is asked for.
                     let read = verify || inner.verify_reads;
-                    let val = match loc {
-                        Some(l) if !read => (
-                            l + (ENTRY_HEADER_LEN + k.len()) as u64,
-                            (v.size as usize).saturating_sub(ENTRY_HEADER_LEN + k.len()),
-                        ),
-                        Some(l) => {
-                            inner.region.prefetch(l, 64);
-                            (0, 0)
-                        }
-                        None => (0, 0),
-                    };
+                    if let (true, Some(l)) = (read, loc) {
+                        inner.region.prefetch(l, 64);
+                    }
                     if verify {
                         unverified.push(v);
                     }
-                    ents.push(Ent { key: (start, keys.len()), seq: v.seq, loc, val, size: v.size, read, verify });
+                    ents.push(Ent {
+                        key: (start, keys.len()),
+                        seq: v.seq,
+                        loc,
+                        val: (0, 0),
+                        size: v.size,
+                        read,
+                        verify,
+                    });
                 }
                 if walked_out || ents.len() >= n {
                     break;
@@ -194,12 +194,15 @@ impl NativeIter {
                             Err(inner.region.corruption(loc, "log entry's length differs from its index version's"))
                         }
                     })
-                } else if (e.size as usize) >= ENTRY_HEADER_LEN + key_len
-                    && inner.region.contains_range(e.val.0, e.val.1)
-                {
-                    Ok(e.val)
                 } else {
-                    Err(inner.region.corruption(loc, "index version places its value outside its log entry's PM"))
+                    // Placed from the version: its entry size minus the header and the key.
+                    (e.size as usize)
+                        .checked_sub(ENTRY_HEADER_LEN + key_len)
+                        .map(|len| (loc + (ENTRY_HEADER_LEN + key_len) as u64, len))
+                        .filter(|&(at, len)| inner.region.contains_range(at, len))
+                        .ok_or_else(|| {
+                            inner.region.corruption(loc, "index version places its value outside its log entry's PM")
+                        })
                 };
                 match r {
                     Ok(val) => self.ents[i].val = val,

@@ -150,7 +150,7 @@ pub mod log;
 mod recovery;
 pub(crate) mod salvage;
 
-use std::collections::{BTreeMap, HashSet};
+use std::collections::HashSet;
 use std::ops::Bound;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
@@ -960,38 +960,24 @@ impl Engine for Pmekv {
         let st = self.inner.state.read();
         let heap = self.inner.heap.lock();
         let pm = self.inner.region.stats();
-        let mut design = BTreeMap::new();
-        design.insert("leaves".to_string(), st.tree.leaf_ids().len() as u64);
-        design.insert("keynodes".to_string(), st.kn_set.len() as u64);
-        design.insert("checkpoints".to_string(), self.inner.checkpoints.load(Ordering::Relaxed));
-        design.insert("group_commits".to_string(), self.inner.group_commits.load(Ordering::Relaxed));
-        design.insert("group_committed_batches".to_string(), self.inner.grouped_batches.load(Ordering::Relaxed));
-        design.insert("checkpoint_seq".to_string(), st.ckpt.seq);
-        design.insert("key_log_bytes_used".to_string(), st.key_log.used());
-        design.insert("heap_bytes".to_string(), heap.total());
-        design.insert("heap_free_bytes".to_string(), heap.free_bytes());
-        design.insert("deferred_frees".to_string(), st.deferred.len() as u64);
-        {
-            let pins = self.inner.pins.lock();
-            design.insert("iterators_live".to_string(), pins.live() as u64);
-            design.insert("frees_held_for_iterators".to_string(), pins.held() as u64);
-            design.insert("frees_ever_held_for_iterators".to_string(), pins.ever_held());
-        }
-        Stats {
-            preset: "pmekv".into(),
-            user_bytes_written: self.inner.user_bytes.get(0),
-            pm_bytes_written: pm.lines_persisted * crate::pm::LINE,
-            pm,
-            disk_bytes_written: 0,
-            disk_bytes_read: 0,
-            write_amp_pm: 0.0,
-            write_amp_disk: 0.0,
-            keys: st.tree.len() as u64,
-            // The read path's memo of verified records counts as index DRAM (as
-            // `Stats::engine` counts it for the other presets).
-            dram_index_bytes: st.tree.dram_bytes() as u64 + pm.checked_memo_bytes,
-            design,
-        }
+        let pins = self.inner.pins.lock();
+        let design = [
+            ("leaves", st.tree.leaf_ids().len() as u64),
+            ("keynodes", st.kn_set.len() as u64),
+            ("checkpoints", self.inner.checkpoints.load(Ordering::Relaxed)),
+            ("group_commits", self.inner.group_commits.load(Ordering::Relaxed)),
+            ("group_committed_batches", self.inner.grouped_batches.load(Ordering::Relaxed)),
+            ("checkpoint_seq", st.ckpt.seq),
+            ("key_log_bytes_used", st.key_log.used()),
+            ("heap_bytes", heap.total()),
+            ("heap_free_bytes", heap.free_bytes()),
+            ("deferred_frees", st.deferred.len() as u64),
+            ("iterators_live", pins.live() as u64),
+            ("frees_held_for_iterators", pins.held() as u64),
+            ("frees_ever_held_for_iterators", pins.ever_held()),
+        ];
+        let user = self.inner.user_bytes.get(0);
+        Stats::engine("pmekv", pm, user, st.tree.len() as u64, st.tree.dram_bytes() as u64, &design)
     }
 
     fn check(&self) -> Result<Vec<String>> {
