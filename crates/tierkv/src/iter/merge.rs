@@ -14,10 +14,15 @@
 //! key; moving backward, at its last entry `<=` it. A change of direction re-seeks every
 //! child but the current one, as LevelDB does.
 //!
-//! One comparison per child per step: the pass that finds the smallest (largest) key also
-//! records the children *tied* with it, and the next step moves exactly those past the key
-//! — no second pass of comparisons (after a change of direction, which re-seeks, the ties
-//! are found by comparing).
+//! One pass over the children per step at most, often a single comparison: the pass that finds the
+//! smallest (largest) key also records the children *tied* with it, and the next step moves
+//! exactly those past the key — no second pass of comparisons (after a change of direction,
+//! which re-seeks, the ties are found by comparing). The pass also records the runner-up
+//! (the child with the next key: a second comparison for a child behind the best); when the
+//! current child had no ties and its next key still
+//! comes before the runner-up's, it stays current after one comparison — LSM walks take
+//! runs of keys from one source (the deepest level holds most of them), and the pass over
+//! every child touched each child's key.
 
 use std::cmp::Ordering;
 
@@ -40,6 +45,11 @@ pub struct MergingIterator {
     ties: Vec<usize>,
     /// The current key, copied only when the direction changes.
     scratch: Vec<u8>,
+    /// The child with the nearest key after the current one's (forward: the smallest
+    /// key above it; reverse: the largest below), found by the same pass; `None` when
+    /// no other child holds a different key. Valid until a child other than `current`
+    /// moves.
+    runner: Option<usize>,
 }
 
 impl std::fmt::Debug for MergingIterator {
@@ -51,7 +61,14 @@ impl std::fmt::Debug for MergingIterator {
 impl MergingIterator {
     /// Merge `children`, newest first. Unpositioned until a seek.
     pub fn new(children: Vec<BoxedIter>) -> MergingIterator {
-        MergingIterator { children, current: None, dir: Dir::Forward, ties: Vec::new(), scratch: Vec::new() }
+        MergingIterator {
+            children,
+            current: None,
+            dir: Dir::Forward,
+            ties: Vec::new(),
+            scratch: Vec::new(),
+            runner: None,
+        }
     }
 
     /// Index of the child the current entry comes from (`None` when invalid): lets a
@@ -62,10 +79,13 @@ impl MergingIterator {
 
     /// Make the child with the smallest key (`want == Less`) or the largest (`Greater`)
     /// current, the lowest index winning ties, and record the tied children.
+    /// The same pass records the runner-up: the child whose key comes next after the
+    /// best one's.
     fn find(&mut self, want: Ordering) {
-        let MergingIterator { children, current, ties, .. } = self;
+        let MergingIterator { children, current, ties, runner, .. } = self;
         ties.clear();
         let mut best: Option<usize> = None;
+        let mut second: Option<usize> = None;
         for (i, c) in children.iter().enumerate() {
             if !c.valid() {
                 continue;
@@ -75,14 +95,33 @@ impl MergingIterator {
                 Some(b) => match c.key().cmp(children[b].key()) {
                     Ordering::Equal => ties.push(i),
                     o if o == want => {
+                        // Every child seen so far is at or beyond the old best.
+                        second = Some(b);
                         best = Some(i);
                         ties.clear();
                     }
-                    _ => {}
+                    _ => {
+                        if second.is_none_or(|s| c.key().cmp(children[s].key()) == want) {
+                            second = Some(i);
+                        }
+                    }
                 },
             }
         }
         *current = best;
+        *runner = second;
+    }
+
+    /// After the current child alone moved on (no ties, no turn), it is still the merge's
+    /// entry when its new key comes before the runner-up's: one comparison instead of a
+    /// pass over every child (a walk often takes runs of keys from one source — a
+    /// deeper level holds most of them).
+    fn still_current(&self, cur: usize, want: Ordering) -> bool {
+        let Some(c) = self.children.get(cur).filter(|c| c.valid()) else { return false };
+        match self.runner {
+            None => true,
+            Some(r) => self.children.get(r).is_some_and(|r| c.key().cmp(r.key()) == want),
+        }
     }
 
     fn find_smallest(&mut self) {
@@ -156,10 +195,14 @@ impl MergingIterator {
             }
             self.dir = want;
         }
+        let alone = !turned && self.ties.is_empty();
         self.step_ties(cur, forward, turned)?;
         let r = if forward { self.children[cur].next() } else { self.children[cur].prev() };
         if let Err(e) = r {
             return self.fail(e);
+        }
+        if alone && self.still_current(cur, if forward { Ordering::Less } else { Ordering::Greater }) {
+            return Ok(());
         }
         if forward {
             self.find_smallest();

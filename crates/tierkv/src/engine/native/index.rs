@@ -908,7 +908,9 @@ impl Index {
     /// point the version at its new place. Returns `None` (the copy is dead) when no such
     /// version is in the chain any more, else whether it is the key's newest version (an
     /// older one is kept only for a snapshot, and its bytes are already counted dead).
-    pub fn relocate(&self, key: &[u8], seq: u64, from: u64, to: u64) -> Option<bool> {
+    /// `size` is the copied entry's length: the version is marked verified only when its
+    /// own size agrees (else a reader verifies it and reports the disagreement).
+    pub fn relocate(&self, key: &[u8], seq: u64, from: u64, to: u64, size: u32) -> Option<bool> {
         let g = MapGuard::new();
         let slot = self.hash.peek(key, &g)?;
         let _l = slot.lock.lock();
@@ -918,7 +920,7 @@ impl Index {
         while let Some(x) = v {
             if x.seq == seq {
                 let moved = x.loc.compare_exchange(from, to, Ordering::AcqRel, Ordering::Acquire).is_ok();
-                if moved {
+                if moved && x.size == size {
                     // The cleaner verified the record it copied.
                     x.mark_verified();
                 }

@@ -188,11 +188,8 @@ impl NativeIter {
                     // The entry must be the one the version describes, or a value placed
                     // from its size later (once it is marked verified) would be wrong.
                     inner.entry_value(self.key_at(i), e.seq, loc, e.verify).and_then(|v| {
-                        if ENTRY_HEADER_LEN + key_len + v.len() == e.size as usize {
-                            Ok((loc + (ENTRY_HEADER_LEN + key_len) as u64, v.len()))
-                        } else {
-                            Err(inner.region.corruption(loc, "log entry's length differs from its index version's"))
-                        }
+                        inner.same_size(e.size, self.key_at(i), v, loc)?;
+                        Ok((loc + (ENTRY_HEADER_LEN + key_len) as u64, v.len()))
                     })
                 } else {
                     // Placed from the version: its entry size minus the header and the key.

@@ -629,6 +629,17 @@ impl Inner {
 
     /// Read and check the entry of version `(seq, loc)` (its checksum too when `verify`:
     /// a version loaded from a checkpoint); it must be `key`'s.
+    /// A version's `size` must be its log entry's length before the version is marked
+    /// verified (a checkpoint entry whose size disagrees with the log it names is
+    /// corruption, and must never place a value).
+    fn same_size(&self, size: u32, key: &[u8], value: &[u8], loc: u64) -> Result<()> {
+        if entry_len(key.len(), value.len()) == size as usize {
+            Ok(())
+        } else {
+            Err(self.region.corruption(loc, "log entry's length differs from its index version's"))
+        }
+    }
+
     fn entry_value(&self, key: &[u8], seq: u64, loc: u64, verify: bool) -> Result<&[u8]> {
         let e = self.read_entry(seq, loc, verify)?;
         if e.key != key {
@@ -865,7 +876,7 @@ impl Inner {
             let mut one = std::iter::once(EntryIn { kind: e.kind, key: e.key, value: e.value });
             let at = self.append(log, e.seq, 1, len, &mut one, false)?;
             let to = at + RECORD_HEADER_LEN as u64;
-            if has_slot && self.index.relocate(e.key, e.seq, loc, to) != Some(true) {
+            if has_slot && self.index.relocate(e.key, e.seq, loc, to, size as u32) != Some(true) {
                 // Superseded while it was copied, or an older version kept for a snapshot
                 // (counted dead when it was superseded): the copy counts as dead.
                 self.add_dead(to, size);
@@ -1310,6 +1321,9 @@ fn get_at<T>(
                     let unverified = v.unverified();
                     let value = inner.entry_value(key, v.seq, v.loc(), unverified)?;
                     if unverified {
+                        // Marked verified, the version's size is trusted to place its value
+                        // (walks read no log entry for it): it must be its entry's.
+                        inner.same_size(v.size, key, value, v.loc())?;
                         v.mark_verified();
                         inner.gc_counters.add(G_CKPT_VERIFIED, 1);
                     }

@@ -1403,3 +1403,62 @@ fn walks_read_no_log_entry_for_versions_this_process_wrote_or_verified() {
     keys_only(&e);
     assert_eq!(reads(&e), before, "the second walk read PM");
 }
+
+/// A checkpoint entry whose size disagrees with the log entry it names (its checksums
+/// valid: a writer bug, not media damage) is reported as corruption by reads and walks
+/// alike, and is never marked verified: a walk would otherwise place a value from the
+/// wrong size and return bytes that are not the value.
+#[test]
+fn a_checkpoint_version_whose_size_disagrees_with_its_log_entry_is_reported_never_placed() {
+    let (dev, fs) = (SimDevice::new(), FaultFs::new());
+    let mut o = opts(&dev, &fs);
+    o.native.dram_budget = 0;
+    let e = open(&o, &fs, true).unwrap();
+    let mut m = BTreeMap::new();
+    for i in 0..50u32 {
+        let (k, v) = (format!("key{i:04}").into_bytes(), val(0, i as usize, i));
+        e.write(&[put(&k, &v)], Cond::None).unwrap();
+        m.insert(k, v);
+    }
+    e.close().unwrap();
+    drop(e);
+    // Give key0010's checkpoint entry 8 more bytes than its log entry, checksums rewritten:
+    // an entry is `klen u32 | size u32 | seq u64 | loc u64 | flags u8 | key`.
+    let path = std::path::Path::new("/db").join(super::checkpoint::FILE_NAME);
+    let mut buf = crate::fs::Fs::read_all(&fs, &path).unwrap();
+    let find = |buf: &[u8], k: &[u8]| buf.windows(k.len()).position(|w| w == k).unwrap();
+    let body = find(&buf, b"key0000") - super::checkpoint::ENTRY_FIXED;
+    let at = find(&buf, b"key0010") - super::checkpoint::ENTRY_FIXED + 4;
+    let size = u32::from_le_bytes(buf[at..at + 4].try_into().unwrap());
+    buf[at..at + 4].copy_from_slice(&(size + 8).to_le_bytes());
+    let end = buf.len() - super::checkpoint::TRAILER_LEN;
+    let crc = crate::format::crc::masked(&buf[body..end]);
+    buf[end..end + 4].copy_from_slice(&crc.to_le_bytes());
+    crate::fs::Fs::remove(&fs, &path).unwrap();
+    let mut f = crate::fs::Fs::create(&fs, &path).unwrap();
+    f.append(&buf).unwrap();
+    f.sync().unwrap();
+    drop(f);
+
+    let e = open(&o, &fs, false).unwrap();
+    assert_eq!(design(&e, "recovery_checkpoint_entries"), 50, "the rewritten checkpoint was loaded");
+    let walk = |e: &Native| {
+        let mut it = e.iter().unwrap();
+        let mut r = it.seek_to_first();
+        while r.is_ok() && it.valid() {
+            assert_eq!(it.value(), m.get(it.key()).map(Vec::as_slice), "a walk returned a wrong value");
+            r = it.next();
+        }
+        r
+    };
+    for round in 0..2 {
+        assert!(matches!(walk(&e), Err(crate::Error::Corruption { .. })), "round {round}: the walk passed the entry");
+        assert!(
+            matches!(e.get(b"key0010"), Err(crate::Error::Corruption { .. })),
+            "round {round}: a point read trusted the version's size"
+        );
+    }
+    for (k, v) in m.iter().filter(|(k, _)| k.as_slice() != b"key0010") {
+        assert_eq!(e.get(k).unwrap().as_deref(), Some(v.as_slice()));
+    }
+}
