@@ -14,15 +14,15 @@
 //! key; moving backward, at its last entry `<=` it. A change of direction re-seeks every
 //! child but the current one, as LevelDB does.
 //!
-//! One pass over the children per step at most, often a single comparison: the pass that finds the
-//! smallest (largest) key also records the children *tied* with it, and the next step moves
-//! exactly those past the key — no second pass of comparisons (after a change of direction,
-//! which re-seeks, the ties are found by comparing). The pass also records the runner-up
-//! (the child with the next key: a second comparison for a child behind the best); when the
-//! current child had no ties and its next key still
-//! comes before the runner-up's, it stays current after one comparison — LSM walks take
-//! runs of keys from one source (the deepest level holds most of them), and the pass over
-//! every child touched each child's key.
+//! A step in one direction makes one pass over the children at most, often a single
+//! comparison: the pass that finds the smallest (largest) key also records the children
+//! *tied* with it, and the next step moves exactly those past the key — no second pass of
+//! comparisons (after a change of direction, which re-seeks every other child, the ties are
+//! found by a comparing pass first). The pass also records the runner-up (the child with
+//! the next key: a second comparison for a child behind the best); when the current child
+//! had no ties and its next key still comes before the runner-up's, it stays current after
+//! one comparison — LSM walks take runs of keys from one source (the deepest level holds
+//! most of them; slmdb's tree holds nearly all), and the pass touched every child's key.
 
 use std::cmp::Ordering;
 

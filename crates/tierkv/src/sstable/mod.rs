@@ -44,8 +44,10 @@
 //! block's last key after the prefix all of them share, as integers, and each block's
 //! offset. [`Table::block_for`] binary-searches the integers and compares whole keys only
 //! among the blocks whose 8 bytes tie with the key's; finding a block's verified bit from
-//! its handle reads a slot table indexed by offset (see `Seps`). Both replace searches over the index's separately
-//! allocated keys (two dependent cache misses per probe).
+//! its handle reads a slot table indexed by offset (see `Seps`; a binary search over the
+//! offsets for a table too irregular for one). Both replace binary searches over the index
+//! entries themselves (a probe of the key search paid two dependent cache misses: the entry,
+//! then its separately allocated key).
 
 pub(crate) mod bloom;
 
@@ -415,12 +417,15 @@ pub struct Table {
 /// comparing two of them as integers orders the keys whenever they differ, and only the
 /// blocks whose 8 bytes equal the key's are compared in full.
 ///
-/// A block's ordinal from its handle (SLM-DB's locations name blocks by handle): every data
-/// block but the last holds at least `block_size` bytes, so block starts lie at least the
-/// smallest gap between them (`gap`) apart and `offset / gap` differs for every block.
-/// `slots[offset / gap]` is the ordinal + 1 of the block starting in that slot (0: none),
-/// and `handles[ordinal]` confirms the handle: two array reads instead of a binary search
-/// (the search and its index check were 10 % of an slmdb range read's samples).
+/// A block's ordinal from its handle (SLM-DB's locations name blocks by handle): block
+/// starts strictly increase, each at least `gap` (the smallest measured difference) after
+/// the one before, so `offset / gap` differs for every block. `slots[offset / gap]` is the
+/// ordinal + 1 of the block starting in that slot (0: none), and `handles[ordinal]`
+/// confirms the handle: two array reads instead of a binary search (the search and its
+/// index check were 10 % of an slmdb range read's samples). Blocks close at `block_size`
+/// bytes, so the slot table is about as long as the index; a table whose block sizes vary
+/// so much that it would be over eight times longer (one huge entry among small blocks),
+/// or whose offsets do not increase, gets none and is searched.
 #[derive(Debug, Default)]
 struct Seps {
     common: Vec<u8>,
@@ -1286,6 +1291,53 @@ mod seps_tests {
             all.extend(probes.iter().map(|p| [prefix.as_slice(), p].concat()));
             check(&keys, &all);
         }
+    }
+
+    /// One huge entry among small blocks leaves the table without a slot table; its
+    /// ordinals come from a search, and agree.
+    #[test]
+    fn an_irregular_table_finds_ordinals_by_search() {
+        let mut keys: BTreeSet<Vec<u8>> = (0..40u32).map(|i| format!("k{i:03}").into_bytes()).collect();
+        keys.insert(b"k020x".to_vec());
+        let fs = FaultFs::new();
+        fs.create_dir_all(Path::new("/d")).unwrap();
+        let mut b = TableBuilder::create(&fs, Path::new("/d/t.sst"), 64, 10).unwrap();
+        for k in &keys {
+            let v = if k.as_slice() == b"k020x" { vec![7u8; 100_000] } else { b"v".to_vec() };
+            b.add(Kind::Put, k, &v).unwrap();
+        }
+        b.finish().unwrap();
+        let t = Table::open(&fs, Path::new("/d/t.sst")).unwrap();
+        assert!(t.seps.slots.is_empty(), "a slot table of {} for {} blocks", t.seps.slots.len(), t.index().len());
+        for (i, (_, h)) in t.index().iter().enumerate() {
+            assert_eq!(t.block_ordinal(*h), Some(i));
+            assert_eq!(t.block_ordinal(Handle { offset: h.offset + 1, ..*h }), None);
+        }
+        check(&keys, &[b"k020".to_vec(), b"k0201".to_vec(), b"k9".to_vec()]);
+    }
+
+    /// An ordinal hint that names another block is not trusted: a damaged block is
+    /// reported even when the hint points at a block verified before.
+    #[test]
+    fn a_wrong_ordinal_hint_does_not_vouch_for_a_block() {
+        let dir = tempfile::tempdir().unwrap();
+        let fs = crate::fs::RealFs;
+        let path = dir.path().join("t.sst");
+        let mut b = TableBuilder::create(&fs, &path, 128, 10).unwrap();
+        for i in 0..100u32 {
+            b.add(Kind::Put, format!("k{i:05}").as_bytes(), format!("value-{i}").as_bytes()).unwrap();
+        }
+        b.finish().unwrap();
+        let blocks: Vec<Handle> = Table::open(&fs, &path).unwrap().index().iter().map(|e| e.1).collect();
+        let mut bytes = std::fs::read(&path).unwrap();
+        bytes[blocks[1].offset as usize + 3] ^= 0x40;
+        std::fs::write(&path, &bytes).unwrap();
+        let t = Table::open(&fs, &path).unwrap();
+        assert!(t.file.mapped().is_some(), "RealFs maps immutable files");
+        assert!(t.block_ref_at(blocks[0], Some(0), true).unwrap().is_some());
+        assert!(matches!(t.block_ref_at(blocks[1], Some(0), true), Err(Error::Corruption { .. })));
+        assert!(matches!(t.block_ref_at(blocks[1], Some(1), true), Err(Error::Corruption { .. })));
+        assert!(t.block_ref_at(blocks[2], Some(1), true).unwrap().is_some());
     }
 
     #[test]

@@ -627,8 +627,6 @@ impl Inner {
         self.poison.check()
     }
 
-    /// Read and check the entry of version `(seq, loc)` (its checksum too when `verify`:
-    /// a version loaded from a checkpoint); it must be `key`'s.
     /// A version's `size` must be its log entry's length before the version is marked
     /// verified (a checkpoint entry whose size disagrees with the log it names is
     /// corruption, and must never place a value).
@@ -640,6 +638,8 @@ impl Inner {
         }
     }
 
+    /// Read and check the entry of version `(seq, loc)` (its checksum too when `verify`:
+    /// a version loaded from a checkpoint); it must be `key`'s.
     fn entry_value(&self, key: &[u8], seq: u64, loc: u64, verify: bool) -> Result<&[u8]> {
         let e = self.read_entry(seq, loc, verify)?;
         if e.key != key {

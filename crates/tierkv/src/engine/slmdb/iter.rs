@@ -213,6 +213,8 @@ struct TreeCursor {
     /// The distinct files of the worst sub-range of the current query (since the last
     /// seek): §3.3 adds only those, once the query is done.
     worst: Vec<u64>,
+    /// `cur.fills()` at the last settle: a change means a new batch to prefetch from.
+    filled: u64,
 }
 
 impl TreeCursor {
@@ -225,6 +227,7 @@ impl TreeCursor {
             seq: RefCell::default(),
             counted: Cell::new(false),
             worst: Vec::new(),
+            filled: 0,
         }
     }
 
@@ -260,9 +263,12 @@ impl TreeCursor {
     fn settle(&mut self, seek: bool, forward: bool) -> Result<()> {
         let r = self.resolve(seek);
         self.ok = r.is_ok();
+        // A seek or a refill (a new batch) starts the pipeline: every entry up to the
+        // prefetch distance; a step within the batch adds the one at the distance.
+        let fresh = seek || self.cur.fills() != self.filled;
+        self.filled = self.cur.fills();
         if self.ok {
-            // A seek starts the pipeline: every entry up to the prefetch distance.
-            let first = if seek { 1 } else { PREFETCH_AHEAD };
+            let first = if fresh { 1 } else { PREFETCH_AHEAD };
             for d in first..=PREFETCH_AHEAD {
                 self.prefetch(if forward { d } else { -d });
             }
@@ -270,7 +276,8 @@ impl TreeCursor {
         r
     }
 
-    /// Start loading the block of the entry `ahead` places on in the batch: a walk meets a
+    /// Start loading the block of the entry `ahead` places on in the batch (the first bytes
+    /// of the block: one or two lines): a walk meets a
     /// different file's block at nearly every key, and each is a cache miss (its first
     /// line, then each entry header the decode crosses), so the next blocks are requested
     /// while this one is served.

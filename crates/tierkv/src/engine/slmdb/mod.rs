@@ -101,8 +101,8 @@
 //!   keys (keeping only the last block re-verified a block at nearly every key: half of a
 //!   range read's time, measured; the paper's get reads a block per key). Keys a MemTable
 //!   shadows are still resolved by the tree cursor as it steps past them. The cursor
-//!   prefetches the first line of the block named four entries ahead in its batch (a
-//!   seek, the first four), and finds a block's verified bit from its handle through the
+//!   prefetches the first bytes of the block named four entries ahead in its batch (after a
+//!   seek or a refill, of the first four), and finds a block's verified bit from its handle through the
 //!   table's slot table ([`crate::sstable`], "Reading"), not a search. The merge over the
 //!   three sources keeps the tree cursor current after one comparison while its next key
 //!   precedes both MemTables' ([`crate::iter::MergingIterator`]): the tree holds nearly
