@@ -1198,22 +1198,8 @@ mod iter_tests {
     /// verifies regardless of the marks.
     #[test]
     fn mapped_blocks_are_verified_once_and_damage_is_never_marked() {
-        let dir = tempfile::tempdir().unwrap();
-        let fs = crate::fs::RealFs;
-        let path = dir.path().join("t.sst");
-        let mut b = TableBuilder::create(&fs, &path, 128, 10).unwrap();
-        for i in 0..100u32 {
-            b.add(Kind::Put, format!("k{i:05}").as_bytes(), format!("value-{i}").as_bytes()).unwrap();
-        }
-        b.finish().unwrap();
-        let blocks: Vec<Handle> = Table::open(&fs, &path).unwrap().index().iter().map(|e| e.1).collect();
-        assert!(blocks.len() > 4, "the test needs several blocks");
-        // Damage block 2's payload on disk, then open the table mapped.
-        let mut bytes = std::fs::read(&path).unwrap();
-        bytes[blocks[2].offset as usize + 3] ^= 0x40;
-        std::fs::write(&path, &bytes).unwrap();
-        let t = Table::open(&fs, &path).unwrap();
-        assert!(t.file.mapped().is_some(), "RealFs maps immutable files");
+        // Block 2's payload damaged on disk, the table opened mapped.
+        let (_dir, t, blocks) = damaged_mapped_table(2);
         let marked = |t: &Table, i: usize| t.verified[i / 64].load(Ordering::Relaxed) & (1 << (i % 64)) != 0;
         assert!(!marked(&t, 0));
         assert!(t.block_ref(blocks[0], true).unwrap().is_some());
@@ -1230,6 +1216,29 @@ mod iter_tests {
         let odd = Handle { offset: blocks[0].offset, size: blocks[0].size - 1 };
         assert!(t.block_ref(odd, true).is_err());
     }
+}
+
+/// A table of 100 small entries in several blocks, written to a temporary directory, with
+/// data block `damaged`'s payload altered on disk, opened mapped: the directory (keep it
+/// alive), the table and its blocks' handles.
+#[cfg(test)]
+fn damaged_mapped_table(damaged: usize) -> (tempfile::TempDir, Arc<Table>, Vec<Handle>) {
+    let dir = tempfile::tempdir().unwrap();
+    let fs = crate::fs::RealFs;
+    let path = dir.path().join("t.sst");
+    let mut b = TableBuilder::create(&fs, &path, 128, 10).unwrap();
+    for i in 0..100u32 {
+        b.add(Kind::Put, format!("k{i:05}").as_bytes(), format!("value-{i}").as_bytes()).unwrap();
+    }
+    b.finish().unwrap();
+    let blocks: Vec<Handle> = Table::open(&fs, &path).unwrap().index().iter().map(|e| e.1).collect();
+    assert!(blocks.len() > 4, "the test needs several blocks");
+    let mut bytes = std::fs::read(&path).unwrap();
+    bytes[blocks[damaged].offset as usize + 3] ^= 0x40;
+    std::fs::write(&path, &bytes).unwrap();
+    let t = Table::open(&fs, &path).unwrap();
+    assert!(t.file.mapped().is_some(), "RealFs maps immutable files");
+    (dir, t, blocks)
 }
 
 #[cfg(test)]
@@ -1320,20 +1329,7 @@ mod seps_tests {
     /// reported even when the hint points at a block verified before.
     #[test]
     fn a_wrong_ordinal_hint_does_not_vouch_for_a_block() {
-        let dir = tempfile::tempdir().unwrap();
-        let fs = crate::fs::RealFs;
-        let path = dir.path().join("t.sst");
-        let mut b = TableBuilder::create(&fs, &path, 128, 10).unwrap();
-        for i in 0..100u32 {
-            b.add(Kind::Put, format!("k{i:05}").as_bytes(), format!("value-{i}").as_bytes()).unwrap();
-        }
-        b.finish().unwrap();
-        let blocks: Vec<Handle> = Table::open(&fs, &path).unwrap().index().iter().map(|e| e.1).collect();
-        let mut bytes = std::fs::read(&path).unwrap();
-        bytes[blocks[1].offset as usize + 3] ^= 0x40;
-        std::fs::write(&path, &bytes).unwrap();
-        let t = Table::open(&fs, &path).unwrap();
-        assert!(t.file.mapped().is_some(), "RealFs maps immutable files");
+        let (_dir, t, blocks) = damaged_mapped_table(1);
         assert!(t.block_ref_at(blocks[0], Some(0), true).unwrap().is_some());
         assert!(matches!(t.block_ref_at(blocks[1], Some(0), true), Err(Error::Corruption { .. })));
         assert!(matches!(t.block_ref_at(blocks[1], Some(1), true), Err(Error::Corruption { .. })));
