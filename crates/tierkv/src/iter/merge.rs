@@ -344,6 +344,78 @@ mod tests {
         }
     }
 
+    /// A child that counts how often its key is read (Send: an atomic).
+    struct Counting(VecIter, Arc<std::sync::atomic::AtomicUsize>);
+
+    impl InternalIterator for Counting {
+        fn valid(&self) -> bool {
+            self.0.valid()
+        }
+        fn seek(&mut self, key: &[u8]) -> Result<()> {
+            self.0.seek(key)
+        }
+        fn seek_to_first(&mut self) -> Result<()> {
+            self.0.seek_to_first()
+        }
+        fn seek_to_last(&mut self) -> Result<()> {
+            self.0.seek_to_last()
+        }
+        fn next(&mut self) -> Result<()> {
+            self.0.next()
+        }
+        fn prev(&mut self) -> Result<()> {
+            self.0.prev()
+        }
+        fn key(&self) -> &[u8] {
+            self.1.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            self.0.key()
+        }
+        fn value(&self) -> Option<&[u8]> {
+            self.0.value()
+        }
+    }
+
+    use std::sync::Arc;
+
+    /// While one child holds the next keys, steps compare it with the runner-up only: a
+    /// third child beyond the runner-up is not read at each step, in either direction.
+    #[test]
+    fn a_run_from_one_child_reads_only_the_runner_up() {
+        let run: Src = (0..100u32).map(|i| (format!("a{i:03}").into_bytes(), Some(b"v".to_vec()))).collect();
+        // Forward, "m" is the runner-up and "z" beyond it; backward, "5" and "0".
+        let near: Src =
+            [(b"5".to_vec(), Some(b"near".to_vec())), (b"m".to_vec(), Some(b"near".to_vec()))].into_iter().collect();
+        let far: Src =
+            [(b"z".to_vec(), Some(b"far".to_vec())), (b"0".to_vec(), Some(b"far".to_vec()))].into_iter().collect();
+        let reads = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+        let far_it = Counting(VecIter::from_vec(far.clone().into_iter().collect()), reads.clone());
+        let mut it = MergingIterator::new(vec![
+            Box::new(VecIter::from_vec(near.clone().into_iter().collect())) as BoxedIter,
+            Box::new(far_it),
+            Box::new(VecIter::from_vec(run.clone().into_iter().collect())),
+        ]);
+        it.seek(b"a").unwrap();
+        let at_seek = reads.load(std::sync::atomic::Ordering::Relaxed);
+        for (k, _) in run.iter().skip(1) {
+            it.next().unwrap();
+            assert_eq!(it.key(), k.as_slice());
+        }
+        let walked = reads.load(std::sync::atomic::Ordering::Relaxed) - at_seek;
+        assert!(walked <= 2, "the far child's key was read {walked} times over 99 steps");
+        // Backward from the run's last key.
+        it.seek_for_prev(b"a099").unwrap();
+        let at_seek = reads.load(std::sync::atomic::Ordering::Relaxed);
+        for (k, _) in run.iter().rev().skip(1) {
+            it.prev().unwrap();
+            assert_eq!(it.key(), k.as_slice());
+        }
+        let walked = reads.load(std::sync::atomic::Ordering::Relaxed) - at_seek;
+        assert!(walked <= 2, "backward: the far child's key was read {walked} times over 99 steps");
+        // The merge still returns the other children's keys in order.
+        it.next().unwrap();
+        assert_eq!(it.key(), b"a001");
+    }
+
     #[test]
     fn newest_source_wins_ties_in_both_directions() {
         let a: Src = [(b"k".to_vec(), None), (b"m".to_vec(), Some(b"new".to_vec()))].into_iter().collect();
