@@ -10,6 +10,8 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 cargo fmt --all -- --check
 cargo clippy --workspace --all-targets --locked -- -D warnings
+# The engine's docs, private items included, with no broken link.
+RUSTDOCFLAGS="-D warnings" cargo doc -p tierkv --no-deps --document-private-items --locked
 cargo test --workspace --locked
 
 # Python bindings (crates/tierkv-py): build the wheel with maturin (release profile; it

@@ -1,5 +1,5 @@
 //! The engines a benchmark run measures, built by name ([`open`]): every tierkv preset and
-//! the `limit` pseudo-engine live here; the peers (LevelDB, RocksDB) in [`crate::peers`].
+//! the `limit` pseudo-engine live here; the peers (LevelDB, RocksDB) in `crate::peers` (the `peers` feature).
 //! All implement [`crate::api::BenchEngine`].
 
 use std::collections::HashMap;

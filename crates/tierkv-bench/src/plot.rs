@@ -39,7 +39,7 @@ fn register_font() -> Result<(), String> {
 }
 
 /// Paul Tol's "muted" qualitative scheme: nine colours distinguishable with the common
-/// colour-vision deficiencies (https://personal.sron.nl/~pault/#sec:qualitative).
+/// colour-vision deficiencies (<https://personal.sron.nl/~pault/#sec:qualitative>).
 pub const PALETTE: [RGBColor; 9] = [
     RGBColor(51, 34, 136),   // indigo
     RGBColor(136, 204, 238), // cyan

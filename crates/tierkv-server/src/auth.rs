@@ -81,7 +81,7 @@ pub fn denied(ks: &Keyspace, peer: &SocketAddr) -> bool {
 }
 
 impl Keyspace {
-    /// AUTH [username] password.
+    /// AUTH \[username\] password.
     pub(crate) fn auth(&self, s: &mut Session, a: &[Bytes]) -> R {
         match a.len() {
             1 => self.authenticate(s, None, &a[0]).map(|()| Reply::Ok),

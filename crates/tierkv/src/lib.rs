@@ -20,7 +20,7 @@
 //! ```
 //!
 //! Layout: [`pm`] (the PM region and its crash simulator), [`fs`] (the file seam and its
-//! fault-injecting twin), [`format`] (checksums, decoding), [`index`] (shared index
+//! fault-injecting twin), [`format`](mod@format) (checksums, decoding), [`index`] (shared index
 //! structures), [`engine`] (one module per preset), and the API types at the top level.
 //!
 //! Lints: `unwrap`/`expect` are denied in library code; decoding of persistent bytes goes

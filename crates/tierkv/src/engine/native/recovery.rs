@@ -23,7 +23,7 @@
 //!
 //! With an index checkpoint ([`super::checkpoint`]) that passes its checks, step 4 replays
 //! each shard only from the checkpoint's resume point and merges the result with the
-//! checkpoint's entries ([`merge_checkpoint`]); one that fails them is removed and the
+//! checkpoint's entries ([`with_checkpoint`], [`overlay_tail`]); one that fails them is removed and the
 //! logs are replayed whole.
 
 use std::collections::{BTreeSet, HashMap};

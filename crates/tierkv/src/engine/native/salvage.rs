@@ -3,7 +3,7 @@
 //!
 //! The store's whole state is its logs: every intact record is a batch of entries with
 //! sequence numbers, so salvage hands every entry of every verifying record to the sink
-//! with its sequence number as the [`Order`] (sequence numbers are never reused; two
+//! with its sequence number as the [`crate::repair::Order`] (sequence numbers are never reused; two
 //! copies of one number — an entry and the log cleaner's copy of it — carry the same
 //! content). The walk trusts nothing it cannot verify:
 //! - the superblock, when it fails its checks, is reported and the geometry is taken from

@@ -4,7 +4,7 @@
 //! - **Key index tree in DRAM** (§4.2): a B+-tree ([`crate::index::bplus`]) whose leaves —
 //!   the paper's *LeadNodes* — hold keys and *Value_Pointers* (here a [`layout::ValueRef`]:
 //!   PM address + length). Inner nodes route; leaves are linked for interval traversal.
-//! - **Values in PM** (§4.2): a value heap ([`heap`]) in the PM region; a value record is
+//! - **Values in PM** (§4.2): a value heap ([`crate::pm::heap`]) in the PM region; a value record is
 //!   `crc32c | len | bytes`, 64-byte aligned, never modified after it is published. The
 //!   paper's "replace the data in place" update is done out of place (new record, pointer
 //!   swing, old record freed later): an in-place overwrite could be torn by a crash and
