@@ -1359,12 +1359,7 @@ fn walks_read_no_log_entry_for_versions_this_process_wrote_or_verified() {
     // Every key stays in PM (no capacity-tier moves to count around).
     o.native.dram_budget = 0;
     let e = open(&o, &fs, true).unwrap();
-    let mut m = BTreeMap::new();
-    for i in 0..300u32 {
-        let (k, v) = (format!("key{i:04}").into_bytes(), val(0, i as usize, i));
-        e.write(&[put(&k, &v)], Cond::None).unwrap();
-        m.insert(k, v);
-    }
+    let m = put_keys(&e, 300);
     let reads = |e: &Native| e.inner.region.stats().delayed_reads;
     let keys_only = |e: &Native| {
         let mut it = e.iter().unwrap();
@@ -1404,6 +1399,17 @@ fn walks_read_no_log_entry_for_versions_this_process_wrote_or_verified() {
     assert_eq!(reads(&e), before, "the second walk read PM");
 }
 
+/// Put `key0000`, `key0001`, ... (`n` keys, one write each); returns the model.
+fn put_keys(e: &Native, n: u32) -> BTreeMap<Vec<u8>, Vec<u8>> {
+    let mut m = BTreeMap::new();
+    for i in 0..n {
+        let (k, v) = (format!("key{i:04}").into_bytes(), val(0, i as usize, i));
+        e.write(&[put(&k, &v)], Cond::None).unwrap();
+        m.insert(k, v);
+    }
+    m
+}
+
 /// A checkpoint entry whose size disagrees with the log entry it names (its checksums
 /// valid: a writer bug, not media damage) is reported as corruption by reads and walks
 /// alike, and is never marked verified: a walk would otherwise place a value from the
@@ -1414,31 +1420,25 @@ fn a_checkpoint_version_whose_size_disagrees_with_its_log_entry_is_reported_neve
     let mut o = opts(&dev, &fs);
     o.native.dram_budget = 0;
     let e = open(&o, &fs, true).unwrap();
-    let mut m = BTreeMap::new();
-    for i in 0..50u32 {
-        let (k, v) = (format!("key{i:04}").into_bytes(), val(0, i as usize, i));
-        e.write(&[put(&k, &v)], Cond::None).unwrap();
-        m.insert(k, v);
-    }
+    let mut m = put_keys(&e, 50);
+    let (shards, db_id) = (e.inner.shards.len(), e.inner.db_id);
     e.close().unwrap();
     drop(e);
-    // Give key0010's checkpoint entry 8 more bytes than its log entry, checksums rewritten:
-    // an entry is `klen u32 | size u32 | seq u64 | loc u64 | flags u8 | key`.
-    let path = std::path::Path::new("/db").join(super::checkpoint::FILE_NAME);
-    let mut buf = crate::fs::Fs::read_all(&fs, &path).unwrap();
-    let find = |buf: &[u8], k: &[u8]| buf.windows(k.len()).position(|w| w == k).unwrap();
-    let body = find(&buf, b"key0000") - super::checkpoint::ENTRY_FIXED;
-    let at = find(&buf, b"key0010") - super::checkpoint::ENTRY_FIXED + 4;
-    let size = u32::from_le_bytes(buf[at..at + 4].try_into().unwrap());
-    buf[at..at + 4].copy_from_slice(&(size + 8).to_le_bytes());
-    let end = buf.len() - super::checkpoint::TRAILER_LEN;
-    let crc = crate::format::crc::masked(&buf[body..end]);
-    buf[end..end + 4].copy_from_slice(&crc.to_le_bytes());
-    crate::fs::Fs::remove(&fs, &path).unwrap();
-    let mut f = crate::fs::Fs::create(&fs, &path).unwrap();
-    f.append(&buf).unwrap();
-    f.sync().unwrap();
-    drop(f);
+    // Re-encode the checkpoint with key0010's entry 8 bytes longer than its log entry
+    // (checksums valid), through the format's own encoder; same length, written in place.
+    use super::checkpoint::{decode, encode_entry, encode_trailer, FILE_NAME};
+    let path = std::path::Path::new("/db").join(FILE_NAME);
+    let buf = crate::fs::Fs::read_all(&fs, &path).unwrap();
+    let d = decode(&buf, shards, db_id).unwrap();
+    let mut body = Vec::new();
+    for &(k, seq, loc, size, tomb) in &d.entries {
+        encode_entry(&mut body, k, seq, loc, if k == b"key0010" { size + 8 } else { size }, tomb);
+    }
+    let mut out = d.header.encode();
+    out.extend_from_slice(&body);
+    out.extend_from_slice(&encode_trailer(d.entries.len() as u64, crc32c::crc32c(&body)));
+    assert_eq!((out.len(), d.entries.len()), (buf.len(), 50));
+    fs.poke(&path, 0, &out).unwrap();
 
     let e = open(&o, &fs, false).unwrap();
     assert_eq!(design(&e, "recovery_checkpoint_entries"), 50, "the rewritten checkpoint was loaded");

@@ -5,8 +5,8 @@
 use std::cell::{Cell, RefCell};
 use std::collections::{HashMap, HashSet};
 
-/// Table numbers are small integers: hashed with foldhash, not SipHash (SipHash was 7 % of
-/// a range read's samples, measured).
+/// Table numbers are small integers: hashed with foldhash, not SipHash (SipHash hashing
+/// and these maps' inserts were ~7 % of a range read's samples).
 type Fast = foldhash::fast::RandomState;
 use std::ops::Bound;
 use std::sync::Arc;
@@ -263,9 +263,10 @@ impl TreeCursor {
     fn settle(&mut self, seek: bool, forward: bool) -> Result<()> {
         let r = self.resolve(seek);
         self.ok = r.is_ok();
-        // A seek or a refill (a new batch) starts the pipeline: every entry up to the
-        // prefetch distance; a step within the batch adds the one at the distance.
-        let fresh = seek || self.cur.fills() != self.filled;
+        // A new batch (every seek loads one, and a walk refills) starts the pipeline:
+        // every entry up to the prefetch distance; a step within the batch adds the one at
+        // the distance.
+        let fresh = self.cur.fills() != self.filled;
         self.filled = self.cur.fills();
         if self.ok {
             let first = if fresh { 1 } else { PREFETCH_AHEAD };
