@@ -318,30 +318,43 @@ pub struct Entry<'a> {
     pub value: &'a [u8],
 }
 
+/// The entry starting at byte `pos` of a verified block's payload and the offset just
+/// past it; an error names the offset of a malformed entry.
+fn entry_at(payload: &[u8], pos: usize) -> std::result::Result<(Entry<'_>, usize), String> {
+    let mut c = Cursor::new(payload.get(pos..).unwrap_or(&[]));
+    let r = (|| {
+        let kind = match c.u8()? {
+            0 => Kind::Put,
+            1 => Kind::Delete,
+            _ => return None,
+        };
+        let klen = c.u16()? as usize;
+        let vlen = c.u32()? as usize;
+        let key = c.bytes(klen)?;
+        let value = c.bytes(vlen)?;
+        Some(Entry { kind, key, value })
+    })();
+    r.map(|e| (e, pos + c.pos())).ok_or_else(|| format!("malformed entry at block offset {}", pos + c.pos()))
+}
+
 /// Entries of a verified block's payload (checksum already stripped).
 pub fn block_entries(payload: &[u8]) -> impl Iterator<Item = std::result::Result<Entry<'_>, String>> + '_ {
-    let mut c = Cursor::new(payload);
+    let mut pos = 0;
     let mut failed = false;
     std::iter::from_fn(move || {
-        if failed || c.remaining() == 0 {
+        if failed || pos >= payload.len() {
             return None;
         }
-        let r = (|| {
-            let kind = match c.u8()? {
-                0 => Kind::Put,
-                1 => Kind::Delete,
-                _ => return None,
-            };
-            let klen = c.u16()? as usize;
-            let vlen = c.u32()? as usize;
-            let key = c.bytes(klen)?;
-            let value = c.bytes(vlen)?;
-            Some(Entry { kind, key, value })
-        })();
-        if r.is_none() {
-            failed = true;
-        }
-        Some(r.ok_or_else(|| format!("malformed entry at block offset {}", c.pos())))
+        Some(match entry_at(payload, pos) {
+            Ok((e, next)) => {
+                pos = next;
+                Ok(e)
+            }
+            Err(d) => {
+                failed = true;
+                Err(d)
+            }
+        })
     })
 }
 
@@ -865,20 +878,8 @@ enum Payload {
     /// not mapped.
     Owned(Arc<Vec<u8>>),
     /// Verified in place in the table's mapping (`mapped()[start..start + len]`); the
-    /// `Arc<Table>` keeps the file, and so the mapping, alive.
-    Mapped { table: Arc<Table>, start: usize, len: usize },
-}
-
-impl Payload {
-    fn bytes(&self) -> &[u8] {
-        match self {
-            Payload::Empty => &[],
-            Payload::Owned(b) => b,
-            Payload::Mapped { table, start, len } => {
-                table.file.mapped().and_then(|m| m.get(*start..*start + *len)).unwrap_or(&[])
-            }
-        }
-    }
+    /// block's `Arc<Table>` keeps the file, and so the mapping, alive.
+    Mapped { start: usize, len: usize },
 }
 
 /// A verified data block decoded for stepping: its payload and where each entry's key and
@@ -892,15 +893,31 @@ impl Payload {
 /// recommend for scans: a scan's blocks would evict the point reads' working set, and
 /// inserting and evicting them cost a fifth of a range read, measured). A file that is not
 /// mapped is read (and cached when asked) as before.
+///
+/// Entries are decoded as a reader reaches them ([`DecodedBlock::decode_to`],
+/// [`DecodedBlock::lower_bound`]), as LevelDB parses a block while its iterator walks it:
+/// a block holds no offsets of its entries, so each header's place is known only from the
+/// one before it, and with large values each header is a cache line of its own — decoding
+/// all of them at the load was a chain of dependent misses for entries most reads never
+/// reach (a seek usually needs the first few). Each decoded entry starts loading the next
+/// header, so a walk finds it on its way. A malformed entry (a checksummed block written
+/// wrong) is `Corruption` when it is reached, every time it is reached.
 #[derive(Debug, Default)]
 pub struct DecodedBlock {
+    /// The table the block belongs to (`None` when empty): names it in errors, and keeps a
+    /// mapped payload alive.
+    table: Option<Arc<Table>>,
+    /// The block's offset in the file.
+    offset: u64,
     data: Payload,
+    /// The entries decoded so far, in block order.
     ents: Vec<EntryAt>,
+    /// Payload offset of the first entry not decoded yet (the payload's length once all are).
+    next: usize,
 }
 
 impl DecodedBlock {
-    /// Read block `h` of `t` (checksum verified; a cache hit shared when `cached`) and
-    /// decode its entries. A malformed entry is `Corruption` naming the block.
+    /// Read block `h` of `t` (checksum verified; a cache hit shared when `cached`).
     pub fn read(t: &Arc<Table>, h: Handle, cached: bool) -> Result<DecodedBlock> {
         let mut b = DecodedBlock::default();
         b.load(t, h, cached)?;
@@ -916,62 +933,100 @@ impl DecodedBlock {
     /// [`DecodedBlock::load`] of the block with ordinal `ordinal` in `t`'s index, when the
     /// caller knows it (saves a search for its verified bit).
     fn load_at(&mut self, t: &Arc<Table>, h: Handle, ordinal: Option<usize>, cached: bool) -> Result<()> {
-        self.data = Payload::Empty;
-        self.ents.clear();
+        self.clear();
         let hit = match (&t.cache, cached) {
             (Some((id, cache)), true) => cache.cache.get(&(*id, h.offset)),
             _ => None,
         };
-        let data = match hit {
+        self.data = match hit {
             Some(b) => Payload::Owned(b),
             None => match t.block_ref_at(h, ordinal, true)? {
-                Some(p) => Payload::Mapped { table: t.clone(), start: h.offset as usize, len: p.len() },
+                Some(p) => Payload::Mapped { start: h.offset as usize, len: p.len() },
                 None if cached => Payload::Owned(t.read_block_cached(h)?),
                 None => Payload::Owned(Arc::new(t.read_block(h)?)),
             },
         };
-        let bytes = data.bytes();
-        let base = bytes.as_ptr() as usize;
-        let at = |s: &[u8]| ((s.as_ptr() as usize - base) as u32, s.len() as u32);
-        for e in block_entries(bytes) {
-            match e {
-                Ok(e) => self.ents.push(EntryAt { kind: e.kind, key: at(e.key), value: at(e.value) }),
-                Err(d) => {
-                    self.ents.clear();
-                    return Err(Error::corruption(&t.path, h.offset, d));
-                }
-            }
-        }
-        self.data = data;
+        self.table = Some(t.clone());
+        self.offset = h.offset;
         Ok(())
     }
 
     /// Drop the payload (the entry table's allocation is kept).
     pub fn clear(&mut self) {
         self.data = Payload::Empty;
+        self.table = None;
         self.ents.clear();
+        self.next = 0;
     }
 
-    /// Entries in the block.
-    pub fn len(&self) -> usize {
+    fn bytes(&self) -> &[u8] {
+        match &self.data {
+            Payload::Empty => &[],
+            Payload::Owned(b) => b,
+            Payload::Mapped { start, len } => {
+                let map = self.table.as_ref().and_then(|t| t.file.mapped());
+                map.and_then(|m| m.get(*start..*start + *len)).unwrap_or(&[])
+            }
+        }
+    }
+
+    /// Decode one more entry; `false` when every entry is decoded.
+    fn decode_one(&mut self) -> Result<bool> {
+        let bytes = self.bytes();
+        if self.next >= bytes.len() {
+            return Ok(false);
+        }
+        match entry_at(bytes, self.next) {
+            Ok((e, next)) => {
+                let base = bytes.as_ptr() as usize;
+                let at = |s: &[u8]| ((s.as_ptr() as usize - base) as u32, s.len() as u32);
+                let ent = EntryAt { kind: e.kind, key: at(e.key), value: at(e.value) };
+                // The next header (and the start of its key): most likely read next.
+                if let Some(h) = bytes.get(next..(next + 32).min(bytes.len())) {
+                    crate::pm::flush::prefetch(h);
+                }
+                self.ents.push(ent);
+                self.next = next;
+                Ok(true)
+            }
+            Err(d) => {
+                let path = self.table.as_ref().map_or(Path::new(""), |t| t.path.as_path());
+                Err(Error::corruption(path, self.offset, d))
+            }
+        }
+    }
+
+    /// Decode entries up to entry `i`: whether the block has one.
+    pub fn decode_to(&mut self, i: usize) -> Result<bool> {
+        while self.ents.len() <= i {
+            if !self.decode_one()? {
+                return Ok(false);
+            }
+        }
+        Ok(true)
+    }
+
+    /// Decode every entry: how many the block holds.
+    pub fn decode_all(&mut self) -> Result<usize> {
+        while self.decode_one()? {}
+        Ok(self.ents.len())
+    }
+
+    /// Entries decoded so far (entry `i` can be read when `i < decoded()`).
+    pub fn decoded(&self) -> usize {
         self.ents.len()
     }
 
-    /// True when the block holds no entry.
-    pub fn is_empty(&self) -> bool {
-        self.ents.is_empty()
-    }
-
     fn slice(&self, (off, len): (u32, u32)) -> &[u8] {
-        self.data.bytes().get(off as usize..off as usize + len as usize).unwrap_or(&[])
+        self.bytes().get(off as usize..off as usize + len as usize).unwrap_or(&[])
     }
 
-    /// Entry `i`'s key (empty past the end).
+    /// Entry `i`'s key (empty when not decoded).
     pub fn key(&self, i: usize) -> &[u8] {
         self.ents.get(i).map_or(&[], |e| self.slice(e.key))
     }
 
-    /// Entry `i`'s value; `None` for a tombstone or past the end.
+    /// Entry `i`'s value; `None` for a tombstone or an entry not decoded.
     pub fn value(&self, i: usize) -> Option<&[u8]> {
         let e = self.ents.get(i)?;
         match e.kind {
@@ -980,14 +1035,27 @@ impl DecodedBlock {
         }
     }
 
-    /// Entry `i`'s kind.
+    /// Entry `i`'s kind (`None` when not decoded).
     pub fn kind(&self, i: usize) -> Option<Kind> {
         self.ents.get(i).map(|e| e.kind)
     }
 
-    /// Index of the first entry whose key is `>= key` (`len()` when none).
-    pub fn lower_bound(&self, key: &[u8]) -> usize {
-        self.ents.partition_point(|e| self.slice(e.key) < key)
+    /// Index of the first entry whose key is `>= key`, decoding up to it (the block's
+    /// entry count, every entry decoded, when none).
+    pub fn lower_bound(&mut self, key: &[u8]) -> Result<usize> {
+        if self.ents.last().is_some_and(|e| self.slice(e.key) >= key) {
+            return Ok(self.ents.partition_point(|e| self.slice(e.key) < key));
+        }
+        loop {
+            if !self.decode_one()? {
+                return Ok(self.ents.len());
+            }
+            if let Some(e) = self.ents.last() {
+                if self.slice(e.key) >= key {
+                    return Ok(self.ents.len() - 1);
+                }
+            }
+        }
     }
 }
 
@@ -1001,7 +1069,7 @@ pub struct TableIter {
     /// Index of the loaded block (`index().len()` when none).
     block: usize,
     blk: DecodedBlock,
-    /// `blk.len()` when invalid.
+    /// The current entry (decoded); `>= blk.decoded()` when invalid.
     pos: usize,
 }
 
@@ -1029,7 +1097,7 @@ impl TableIter {
         self.block = self.t.index.len();
     }
 
-    /// Load block `b` (decode its entry offsets); invalid past the last block.
+    /// Load block `b` (no entry decoded yet); invalid past the last block.
     fn load(&mut self, b: usize) -> Result<()> {
         self.pos = 0;
         self.block = b;
@@ -1046,11 +1114,20 @@ impl TableIter {
         }
     }
 
+    /// `r`, the iterator invalidated when it is an error.
+    fn or_invalid<T>(&mut self, r: Result<T>) -> Result<T> {
+        if r.is_err() {
+            self.invalidate();
+        }
+        r
+    }
+
     /// Load the first non-empty block at or after `b`, positioned at its first entry.
     fn forward_from(&mut self, mut b: usize) -> Result<()> {
         loop {
             self.load(b)?;
-            if !self.blk.is_empty() || self.block >= self.t.index.len() {
+            let r = self.blk.decode_to(0);
+            if self.or_invalid(r)? || self.block >= self.t.index.len() {
                 return Ok(());
             }
             b += 1;
@@ -1062,7 +1139,8 @@ impl TableIter {
         let mut b = b;
         while let Some(i) = b {
             self.load(i)?;
-            if let Some(last) = self.blk.len().checked_sub(1) {
+            let r = self.blk.decode_all();
+            if let Some(last) = self.or_invalid(r)?.checked_sub(1) {
                 self.pos = last;
                 return Ok(());
             }
@@ -1080,7 +1158,7 @@ impl TableIter {
 
 impl crate::iter::InternalIterator for TableIter {
     fn valid(&self) -> bool {
-        self.pos < self.blk.len()
+        self.pos < self.blk.decoded()
     }
 
     fn seek(&mut self, key: &[u8]) -> Result<()> {
@@ -1089,8 +1167,9 @@ impl crate::iter::InternalIterator for TableIter {
             return Ok(());
         };
         self.forward_from(b)?;
-        self.pos = self.blk.lower_bound(key);
-        if self.pos >= self.blk.len() && self.block < self.t.index.len() {
+        let r = self.blk.lower_bound(key);
+        self.pos = self.or_invalid(r)?;
+        if self.pos >= self.blk.decoded() && self.block < self.t.index.len() {
             // The index's last key said the block holds a key >= `key`; a later block does.
             self.forward_from(self.block + 1)?;
         }
@@ -1107,7 +1186,8 @@ impl crate::iter::InternalIterator for TableIter {
 
     fn next(&mut self) -> Result<()> {
         self.pos += 1;
-        if self.pos >= self.blk.len() {
+        let r = self.blk.decode_to(self.pos);
+        if !self.or_invalid(r)? {
             let b = self.block + 1;
             self.forward_from(b)?;
         }

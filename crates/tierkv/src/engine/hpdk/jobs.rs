@@ -825,6 +825,53 @@ pub(crate) fn open_inner(ctx: &EngineCtx) -> Result<(Inner, Option<Vec<u64>>)> {
 #[cfg(test)]
 mod tests {
     use super::tiled_vlog_pool_size;
+    use crate::engine::Engine;
+
+    /// `close` finds an Immutable MemTable nobody flushed and its workers already stopped
+    /// — the state of a flush worker that saw `stop` before the flush it had just been
+    /// asked for (seen once in the full suite: `iter_concurrency`'s hpdk test hung in
+    /// `close`). `close` flushes it itself, and the reopened store has every key. Before
+    /// the fix `close` waited for the stopped worker for ever; a close that does not
+    /// return within 30 s fails the test (a correct one returns in milliseconds).
+    #[test]
+    fn close_flushes_an_immutable_memtable_its_stopped_workers_left() {
+        use crate::engine::hpdk::Hpdk;
+        use crate::fs::FaultFs;
+        use crate::options::{HpdkOptions, Preset};
+        use crate::pm::sim::SimDevice;
+        let (dev, fs) = (SimDevice::new(), FaultFs::new());
+        let o = crate::testing::sim_options(Preset::Hpdk, &dev, &fs)
+            .hpdk(HpdkOptions { background: true, ..crate::testing::hpdk_small() });
+        let db = std::sync::Arc::new(Hpdk::open(crate::engine::test_ctx(&o, &fs, true, 7)).unwrap());
+        db.stop_workers();
+        let key = |i: u32| format!("k{i:05}").into_bytes();
+        let put = |db: &Hpdk, i: u32| {
+            let op = crate::batch::BatchOp::Put { key: key(i), value: vec![b'v'; 200] };
+            db.write(&[op], crate::engine::Cond::None).unwrap();
+        };
+        let mut i = 0;
+        // Write until a rotation left an Immutable MemTable, and one more key after it.
+        while db.inner.mem.read().imm.is_none() {
+            assert!(i < 10_000, "no rotation");
+            put(&db, i);
+            i += 1;
+        }
+        put(&db, i);
+        let (tx, rx) = std::sync::mpsc::channel();
+        let closer = db.clone();
+        std::thread::spawn(move || {
+            let _ = tx.send(closer.close());
+        });
+        match rx.recv_timeout(std::time::Duration::from_secs(30)) {
+            Ok(r) => r.unwrap(),
+            Err(_) => panic!("close() did not return"),
+        }
+        drop(db);
+        let db = Hpdk::open(crate::engine::test_ctx(&o, &fs, false, 7)).unwrap();
+        for k in 0..=i {
+            assert_eq!(db.get(&key(k)).unwrap().as_deref(), Some(&[b'v'; 200][..]), "key {k}");
+        }
+    }
 
     #[test]
     fn value_pools_tile_a_pm_pool() {

@@ -64,6 +64,10 @@
 //! tree points at the new table) it runs to its commit. A cancelled merge has written
 //! only its merge log, which it removes: the store is as before the merge
 //! (`jobs_cancelled`). Flushes are not cancelled (close flushes the MemTables anyway).
+//! The flush worker returns on `stop` even when a flush was just asked of it, so once the
+//! workers are stopped a rotation (close's own, or a write still running) flushes the
+//! waiting Immutable MemTable itself rather than wait for them (it waited for ever before:
+//! `jobs::tests::close_flushes_an_immutable_memtable_its_stopped_workers_left`).
 //!
 //! # Choices where the paper is silent or we differ
 //! - The value log and the tables share one PM heap ([`crate::pm::heap`]); a two-level
@@ -571,7 +575,9 @@ impl Inner {
                 if self.mem.read().imm.is_none() {
                     break;
                 }
-                if self.opts.background {
+                // Once `close` stopped the workers nobody else flushes (the flush worker
+                // returns on `stop` even with a flush asked for): flush here.
+                if self.opts.background && !self.work.lock().stop {
                     let mut g = self.flushed_mu.lock();
                     if self.mem.read().imm.is_some() {
                         self.signal(|w| w.flush = true);

@@ -4,7 +4,8 @@
 //! - **Maps**: every key has one [`Slot`] (shared through an `Arc`), reachable from two
 //!   maps of the `scc` crate: a `HashIndex` for point reads and writers (a lookup is one
 //!   hash probe, lock-free, ~0.3 µs at 1 M keys here) and a `TreeIndex` (a lock-free B+-tree)
-//!   for ordered iteration. A key's slot goes into the hash when the key is first written,
+//!   for ordered iteration, keyed by [`TreeKey`] (the key with its first 16 bytes inline,
+//!   so a search compares inside the tree's nodes instead of reading each key's heap copy). A key's slot goes into the hash when the key is first written,
 //!   before its first version is linked; its tree insert is *deferred* (below). Overwrites
 //!   touch only the slot. A key leaves the maps only when the capacity tier
 //!   moved its newest version to disk ([`Index::remove`]): the slot is marked *gone*
@@ -407,7 +408,7 @@ struct Stripe(Mutex<()>);
 /// The index.
 pub(crate) struct Index {
     hash: HashIndex<Box<[u8]>, Arc<Slot>, foldhash::fast::RandomState>,
-    tree: TreeIndex<Box<[u8]>, Arc<Slot>>,
+    tree: TreeIndex<TreeKey, Arc<Slot>>,
     /// Creation and removal of a key's slot hold its stripe (by key hash).
     stripes: Box<[Stripe]>,
     hasher: foldhash::fast::FixedState,
@@ -441,7 +442,92 @@ pub(crate) struct Index {
 }
 
 /// An ordered walk of the tree: whole-tree or positioned (see "Range positioning").
-type Walk<'g> = Box<dyn Iterator<Item = (&'g Box<[u8]>, &'g Arc<Slot>)> + 'g>;
+type Walk<'g> = Box<dyn Iterator<Item = (&'g TreeKey, &'g Arc<Slot>)> + 'g>;
+
+/// The first 16 bytes of `key` as two big-endian integers, zero-padded: comparing heads
+/// orders keys as comparing the keys would, up to ties (see [`TreeKey`]).
+fn head(key: &[u8]) -> (u64, u64) {
+    let mut b = [0u8; 16];
+    let n = key.len().min(16);
+    b[..n].copy_from_slice(&key[..n]);
+    let (hi, lo) = b.split_at(8);
+    let word = |s: &[u8]| u64::from_be_bytes(s.try_into().unwrap_or([0; 8]));
+    (word(hi), word(lo))
+}
+
+/// Byte order of two keys given their heads: the heads decide unless they tie; on a tie
+/// two keys of at most 16 bytes differ only in length (the shorter is the other's prefix,
+/// padded with zeros), and longer keys compare in full.
+fn cmp_keys(a: (u64, u64), ak: &[u8], b: (u64, u64), bk: &[u8]) -> std::cmp::Ordering {
+    a.cmp(&b).then_with(|| if ak.len() <= 16 && bk.len() <= 16 { ak.len().cmp(&bk.len()) } else { ak.cmp(bk) })
+}
+
+/// A key of the tree: the key with its [`head`] inline. The tree's searches compare keys
+/// at every node; comparing heads reads the node alone, where comparing the keys read each
+/// key's heap copy — a cache miss per comparison. Measured on this machine (1,000,000
+/// random 16-byte keys, `scc::TreeIndex` alone, three rounds while another benchmark ran):
+/// insert 2.2–2.9 µs per key with the boxed key, 1.3–2.0 µs with the head inline; lookup
+/// 2.0–2.8 vs 1.5–1.6 µs. 16 more bytes per tree entry.
+#[derive(Clone, Debug)]
+pub(crate) struct TreeKey {
+    head: (u64, u64),
+    key: Box<[u8]>,
+}
+
+impl TreeKey {
+    fn new(key: Box<[u8]>) -> TreeKey {
+        TreeKey { head: head(&key), key }
+    }
+
+    /// The key.
+    pub(crate) fn key(&self) -> &[u8] {
+        &self.key
+    }
+}
+
+impl PartialEq for TreeKey {
+    fn eq(&self, o: &TreeKey) -> bool {
+        self.head == o.head && self.key == o.key
+    }
+}
+
+impl Eq for TreeKey {}
+
+impl Ord for TreeKey {
+    fn cmp(&self, o: &TreeKey) -> std::cmp::Ordering {
+        cmp_keys(self.head, &self.key, o.head, &o.key)
+    }
+}
+
+impl PartialOrd for TreeKey {
+    fn partial_cmp(&self, o: &TreeKey) -> Option<std::cmp::Ordering> {
+        Some(self.cmp(o))
+    }
+}
+
+/// A borrowed key to search the tree with (its head computed once per search).
+struct Probe<'a> {
+    head: (u64, u64),
+    key: &'a [u8],
+}
+
+impl<'a> Probe<'a> {
+    fn new(key: &'a [u8]) -> Probe<'a> {
+        Probe { head: head(key), key }
+    }
+}
+
+impl scc::Equivalent<TreeKey> for Probe<'_> {
+    fn equivalent(&self, k: &TreeKey) -> bool {
+        self.head == k.head && *self.key == *k.key
+    }
+}
+
+impl scc::Comparable<TreeKey> for Probe<'_> {
+    fn compare(&self, k: &TreeKey) -> std::cmp::Ordering {
+        cmp_keys(self.head, self.key, k.head, &k.key)
+    }
+}
 
 /// A guard of the maps' memory (readers hold one while they use a slot reference).
 pub(crate) type MapGuard = scc::Guard;
@@ -554,7 +640,7 @@ impl Index {
                     }
                 }
                 let slot = Arc::new(Slot::loaded(e.seq, e.loc, e.size, e.tomb, true));
-                let _ = self.tree.insert_sync(key.into(), slot.clone());
+                let _ = self.tree.insert_sync(TreeKey::new(key.into()), slot.clone());
                 let _ = self.hash.insert_sync(key.into(), slot);
                 made += 1;
             }
@@ -635,7 +721,7 @@ impl Index {
                 let _stripe = self.stripe(&key).lock();
                 // A slot removed while pending stays out (removal holds the stripe).
                 if !slot.gone.load(Ordering::Acquire) {
-                    let r = self.tree.insert_sync(key, slot);
+                    let r = self.tree.insert_sync(TreeKey::new(key), slot);
                     debug_assert!(r.is_ok(), "a key had two live slots");
                 }
             }
@@ -751,15 +837,17 @@ impl Index {
         self.wait_loaded()?;
         self.drain_for_walk();
         let from_edge = match from {
-            Bound::Included(k) | Bound::Excluded(k) => self.tree.iter(guard).next().is_none_or(|(min, _)| k <= &**min),
+            Bound::Included(k) | Bound::Excluded(k) => {
+                self.tree.iter(guard).next().is_none_or(|(min, _)| k <= min.key())
+            }
             Bound::Unbounded => true,
         };
         let walk: Walk<'g> = if from_edge {
             Box::new(self.tree.iter(guard))
         } else {
-            Box::new(self.tree.range::<[u8], _>((from, Bound::Unbounded), guard))
+            Box::new(self.tree.range::<Probe<'_>, _>((from.map(Probe::new), Bound::Unbounded), guard))
         };
-        Ok(walk.map(|(k, s)| (&**k, s)).skip_while(move |(k, _)| match from {
+        Ok(walk.map(|(k, s)| (k.key(), s)).skip_while(move |(k, _)| match from {
             Bound::Included(f) => *k < f,
             Bound::Excluded(f) => *k <= f,
             Bound::Unbounded => false,
@@ -776,16 +864,16 @@ impl Index {
         self.drain_for_walk();
         let from_edge = match to {
             Bound::Included(k) | Bound::Excluded(k) => {
-                self.tree.iter(guard).next_back().is_none_or(|(max, _)| k >= &**max)
+                self.tree.iter(guard).next_back().is_none_or(|(max, _)| k >= max.key())
             }
             Bound::Unbounded => true,
         };
         let walk: Walk<'g> = if from_edge {
             Box::new(self.tree.iter(guard).rev())
         } else {
-            Box::new(self.tree.range::<[u8], _>((Bound::Unbounded, to), guard).rev())
+            Box::new(self.tree.range::<Probe<'_>, _>((Bound::Unbounded, to.map(Probe::new)), guard).rev())
         };
-        Ok(walk.map(|(k, s)| (&**k, s)).skip_while(move |(k, _)| match to {
+        Ok(walk.map(|(k, s)| (k.key(), s)).skip_while(move |(k, _)| match to {
             Bound::Included(t) => *k > t,
             Bound::Excluded(t) => *k >= t,
             Bound::Unbounded => false,
@@ -830,7 +918,7 @@ impl Index {
         // lets the stripe go), so the insert succeeds and the deferred one will.
         if self.behind.load(Ordering::Relaxed) {
             // The inserter is behind (more writers than cores): insert as the writer.
-            let _ = self.tree.insert_sync(key.into(), mine.clone());
+            let _ = self.tree.insert_sync(TreeKey::new(key.into()), mine.clone());
             let _ = self.hash.insert_sync(key.into(), mine.clone());
         } else {
             // Pending first, hash second: other writers find the slot through the hash
@@ -862,7 +950,7 @@ impl Index {
         let out = (head.loc(), head.size, head.tomb);
         slot.gone.store(true, Ordering::Release);
         self.hash.remove_if_sync(key, |s| Arc::ptr_eq(s, &slot));
-        self.tree.remove_if_sync(key, |s| Arc::ptr_eq(s, &slot));
+        self.tree.remove_if_sync(&Probe::new(key), |s| Arc::ptr_eq(s, &slot));
         Some(out)
     }
 
@@ -895,7 +983,7 @@ impl Index {
         std::thread::scope(|s| {
             s.spawn(|| {
                 for (e, slot) in entries.iter().zip(&slots) {
-                    let _ = self.tree.insert_sync(e.0.into(), slot.clone());
+                    let _ = self.tree.insert_sync(TreeKey::new(e.0.into()), slot.clone());
                 }
             });
             for (e, slot) in entries.iter().zip(&slots) {
@@ -1135,6 +1223,64 @@ mod tests {
             for (s, kind) in &starts {
                 let sk = s.to_be_bytes();
                 let b = bound(*kind, &sk);
+                let want: Vec<&Vec<u8>> = model.range::<[u8], _>((b, Bound::Unbounded)).collect();
+                let got: Vec<&[u8]> = ix.ascending(b, &mg).unwrap().map(|(k, _)| k).collect();
+                proptest::prop_assert_eq!(got.len(), want.len());
+                proptest::prop_assert!(got.iter().zip(&want).all(|(g, w)| *g == &w[..]));
+                let want: Vec<&Vec<u8>> = model.range::<[u8], _>((Bound::Unbounded, b)).rev().collect();
+                let got: Vec<&[u8]> = ix.descending(b, &mg).unwrap().map(|(k, _)| k).collect();
+                proptest::prop_assert_eq!(got.len(), want.len());
+                proptest::prop_assert!(got.iter().zip(&want).all(|(g, w)| *g == &w[..]));
+            }
+        }
+    }
+
+    /// Keys whose heads tie: up to 16 bytes of one shared prefix, then up to 8 bytes from
+    /// {0x00, 0x01, 0xff} (a key and the same key with zeros appended; keys sharing 16
+    /// bytes and differing after them).
+    fn tie_keys() -> impl proptest::strategy::Strategy<Value = Vec<u8>> {
+        use proptest::prelude::*;
+        let tail = proptest::collection::vec(prop_oneof![Just(0u8), Just(1u8), Just(0xffu8)], 0..8);
+        (prop_oneof![Just(16usize), 0usize..=16], tail).prop_map(|(n, tail)| {
+            let mut k = b"sixteen-byte-pfx"[..n].to_vec();
+            k.extend(tail);
+            k
+        })
+    }
+
+    proptest::proptest! {
+        /// The tree key orders keys as their bytes do (heads that tie included).
+        #[test]
+        fn tree_keys_order_as_bytes(a in tie_keys(), b in tie_keys()) {
+            let (ta, tb) = (TreeKey::new(a.clone().into()), TreeKey::new(b.clone().into()));
+            proptest::prop_assert_eq!(ta.cmp(&tb), a.cmp(&b));
+            proptest::prop_assert_eq!(ta == tb, a == b);
+            proptest::prop_assert_eq!(scc::Comparable::compare(&Probe::new(&a), &tb), a.cmp(&b));
+            proptest::prop_assert_eq!(scc::Equivalent::equivalent(&Probe::new(&a), &tb), a == b);
+        }
+
+        /// Ordered walks over keys whose heads tie match a `BTreeSet`, from any start, after
+        /// removals.
+        #[test]
+        fn ordered_walks_over_tied_heads_match_a_model(
+            keys in proptest::collection::vec(tie_keys(), 0..200),
+            gone in proptest::collection::vec(tie_keys(), 0..50),
+            starts in proptest::collection::vec((tie_keys(), 0u8..3), 1..10),
+        ) {
+            let ix = Index::new();
+            let mut model = std::collections::BTreeSet::new();
+            for k in &keys {
+                ix.link(k, v(1), 0);
+                model.insert(k.clone());
+            }
+            for k in &gone {
+                if model.remove(k) {
+                    proptest::prop_assert!(ix.remove(k, 1).is_some());
+                }
+            }
+            let mg = MapGuard::new();
+            for (s, kind) in &starts {
+                let b = bound(*kind, s);
                 let want: Vec<&Vec<u8>> = model.range::<[u8], _>((b, Bound::Unbounded)).collect();
                 let got: Vec<&[u8]> = ix.ascending(b, &mg).unwrap().map(|(k, _)| k).collect();
                 proptest::prop_assert_eq!(got.len(), want.len());

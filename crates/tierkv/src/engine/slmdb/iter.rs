@@ -186,8 +186,8 @@ struct Kept {
     offset: u64,
     table: Arc<Table>,
     block: DecodedBlock,
-    /// Index of the entry last served from it.
-    at: usize,
+    /// Index of the entry last served from it (`None` before the first).
+    at: Option<usize>,
 }
 
 /// The B+-tree in key order, each entry's value read from the SSTable block its location
@@ -318,23 +318,36 @@ impl TreeCursor {
                     DecodedBlock::default()
                 };
                 block.load(&t, Handle { offset: loc.offset, size: loc.size }, true)?;
-                self.blocks.insert(0, Kept { file: loc.file, offset: loc.offset, table: t, block, at: 0 });
+                self.blocks.insert(0, Kept { file: loc.file, offset: loc.offset, table: t, block, at: None });
             }
         }
         let Some(k) = self.blocks.first_mut() else { return Ok(()) };
-        let (b, at) = (&k.block, k.at);
         let key = self.cur.key();
-        // A walk steps to a neighbour of the last entry; a seek searches the block.
-        let i = [at.wrapping_add(1), at.wrapping_sub(1), at]
-            .into_iter()
-            .find(|&i| i < b.len() && b.key(i) == key)
-            .unwrap_or_else(|| b.lower_bound(key));
-        if b.key(i) != key || i >= b.len() || b.kind(i) != Some(Kind::Put) {
+        let found = match find_entry(&mut k.block, k.at, key)? {
+            Some(i) if k.block.kind(i) == Some(Kind::Put) => Some(i),
+            _ => None,
+        };
+        let Some(i) = found else {
             return Err(Error::corruption(k.table.path(), loc.offset, "the B+-tree points at a block without the key"));
-        }
-        k.at = i;
+        };
+        k.at = Some(i);
         Ok(())
     }
+}
+
+/// The entry of `b` holding `key`, if any. A walk steps to a neighbour of the entry last
+/// served (`at`): those are tried first (decoding at most one more entry); a seek searches
+/// the block.
+fn find_entry(b: &mut DecodedBlock, at: Option<usize>, key: &[u8]) -> Result<Option<usize>> {
+    if let Some(at) = at {
+        for i in [Some(at + 1), at.checked_sub(1), Some(at)].into_iter().flatten() {
+            if b.decode_to(i)? && b.key(i) == key {
+                return Ok(Some(i));
+            }
+        }
+    }
+    let i = b.lower_bound(key)?;
+    Ok((i < b.decoded() && b.key(i) == key).then_some(i))
 }
 
 impl Drop for TreeCursor {
@@ -389,7 +402,7 @@ impl InternalIterator for TreeCursor {
         if !self.valid() {
             return None;
         }
-        let v = self.blocks.first().and_then(|k| k.block.value(k.at));
+        let v = self.blocks.first().and_then(|k| k.at.and_then(|i| k.block.value(i)));
         // The merge asks only the source whose entry it serves: count that entry's file once.
         if !self.counted.get() && self.inner().opts.enable_seq_degree {
             if let (Some(_), Some(loc)) = (v, self.cur.val()) {

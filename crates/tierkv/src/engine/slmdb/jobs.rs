@@ -934,6 +934,47 @@ impl Inner {
 #[cfg(test)]
 #[allow(clippy::unwrap_used)]
 mod tests {
+    /// A write still running when `close` stopped the worker, that needs a rotation while
+    /// an Immutable MemTable waits for its flush: nobody else will flush it, so the write
+    /// flushes it itself (or fails) — it never waits for ever. Before the fix it did; a
+    /// write that does not return within 30 s fails the test.
+    #[test]
+    fn a_write_after_the_worker_stopped_does_not_wait_for_it() {
+        use std::sync::Arc;
+
+        use crate::engine::{Cond, Engine};
+        let (dev, fs) = (crate::pm::sim::SimDevice::new(), crate::fs::FaultFs::new());
+        let o = crate::testing::sim_options(crate::options::Preset::Slmdb, &dev, &fs)
+            .slmdb(crate::options::SlmdbOptions { background: true, ..crate::testing::slmdb_small() });
+        let db = Arc::new(super::super::Slmdb::open(crate::engine::test_ctx(&o, &fs, true, 5)).unwrap());
+        db.stop_worker();
+        let put = |db: &super::super::Slmdb, i: u32| {
+            let op = crate::batch::BatchOp::Put { key: format!("k{i:05}").into_bytes(), value: vec![b'v'; 200] };
+            db.write(&[op], Cond::None)
+        };
+        let mut i = 0;
+        while db.inner.mem.read().imm.is_none() {
+            assert!(i < 10_000, "no rotation");
+            put(&db, i).unwrap();
+            i += 1;
+        }
+        // Fill the new MemTable too: the write that needs the next rotation meets the
+        // Immutable MemTable the stopped worker never flushed.
+        let (tx, rx) = std::sync::mpsc::channel();
+        let writer = db.clone();
+        std::thread::spawn(move || {
+            let active = writer.inner.mem.read().active.clone();
+            let r = (i..i + 10_000)
+                .map(|k| put(&writer, k))
+                .find(|r| r.is_err() || !Arc::ptr_eq(&writer.inner.mem.read().active, &active));
+            let _ = tx.send(r.is_some());
+        });
+        match rx.recv_timeout(std::time::Duration::from_secs(30)) {
+            Ok(rotated) => assert!(rotated, "no second rotation"),
+            Err(_) => panic!("the write waited for the stopped worker"),
+        }
+    }
+
     use super::*;
 
     fn meta(a: &str, b: &str) -> FileMeta {

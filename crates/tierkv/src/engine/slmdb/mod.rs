@@ -651,7 +651,9 @@ impl Inner {
             if self.mem.read().imm.is_none() {
                 break;
             }
-            if self.opts.background {
+            // Once `close` stopped the worker nobody else flushes: a write still running
+            // then flushes here instead of waiting for ever.
+            if self.opts.background && !self.work.lock().stop {
                 let mut g = self.flushed_mu.lock();
                 if self.mem.read().imm.is_some() {
                     self.work.lock().flush = true;
