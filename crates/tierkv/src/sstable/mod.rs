@@ -882,8 +882,8 @@ enum Payload {
     Mapped { start: usize, len: usize },
 }
 
-/// A verified data block decoded for stepping: its payload and where each entry's key and
-/// value are. Keys and values borrow from it; holding it pins the block.
+/// A verified data block decoded for stepping: its payload and where each decoded entry's
+/// key and value are. Keys and values borrow from it; holding it pins the block.
 ///
 /// Where the payload comes from ([`DecodedBlock::load`]): a block cache hit is shared with
 /// the cache (verified when it was cached); otherwise a mapped table file's block is
@@ -899,7 +899,9 @@ enum Payload {
 /// a block holds no offsets of its entries, so each header's place is known only from the
 /// one before it, and with large values each header is a cache line of its own — decoding
 /// all of them at the load was a chain of dependent misses for entries most reads never
-/// reach (a seek usually needs the first few). Each decoded entry starts loading the next
+/// reach (with 1 KiB values a block holds ~4 entries and a seek needs half of them on
+/// average, slmdb's cursor often one; with small values a seek still decodes about half
+/// the block, as LevelDB's linear scan from a restart point does). Each decoded entry starts loading the next
 /// header, so a walk finds it on its way. A malformed entry (a checksummed block written
 /// wrong) is `Corruption` when it is reached, every time it is reached.
 #[derive(Debug, Default)]
@@ -1266,6 +1268,54 @@ mod iter_tests {
         }
         it.seek(b"zzz").unwrap();
         assert!(!it.valid());
+    }
+
+    /// A checksummed block holding a malformed entry (a writer bug, not media damage):
+    /// entries are decoded as moves reach them, so a seek that lands before it serves
+    /// entries, and every move that reaches it — a step, a seek past it, a backward move
+    /// into its block — is `Corruption` and leaves the iterator invalid, every time.
+    #[test]
+    fn a_malformed_entry_is_reported_when_a_move_reaches_it() {
+        let dir = tempfile::tempdir().unwrap();
+        let fs = crate::fs::RealFs;
+        let path = dir.path().join("t.sst");
+        let mut b = TableBuilder::create(&fs, &path, 128, 10).unwrap();
+        for i in 0..100u32 {
+            b.add(Kind::Put, format!("k{i:05}").as_bytes(), format!("value-{i}").as_bytes()).unwrap();
+        }
+        b.finish().unwrap();
+        let h = Table::open(&fs, &path).unwrap().index()[2].1;
+        let mut bytes = std::fs::read(&path).unwrap();
+        let start = h.offset as usize;
+        let end = start + h.size as usize - 4;
+        let payload = &mut bytes[start..end];
+        let (first, second) = entry_at(payload, 0).map(|(e, next)| (e.key.to_vec(), next)).unwrap();
+        let after = entry_at(payload, second).map(|(e, _)| e.key.to_vec()).unwrap();
+        payload[second] = 7; // not a kind
+        let c = crc::masked(payload);
+        bytes[end..end + 4].copy_from_slice(&c.to_le_bytes());
+        std::fs::write(&path, &bytes).unwrap();
+        let t = Table::open(&fs, &path).unwrap();
+        assert!(t.file.mapped().is_some(), "RealFs maps immutable files");
+        let corrupt = |r: Result<()>| matches!(r, Err(Error::Corruption { .. }));
+        let mut it = TableIter::new(t, false);
+        for _ in 0..2 {
+            it.seek(&first).unwrap();
+            assert_eq!(it.key(), first.as_slice(), "the entry before the malformed one is served");
+            assert!(corrupt(it.next()));
+            assert!(!it.valid());
+        }
+        assert!(corrupt(it.seek(&after)), "a seek that must decode the entry");
+        assert!(!it.valid());
+        it.seek_to_last().unwrap();
+        let mut r = Ok(());
+        while it.valid() && r.is_ok() {
+            r = it.prev();
+        }
+        assert!(corrupt(r), "a backward walk into the block");
+        assert!(!it.valid());
+        it.seek_to_first().unwrap();
+        assert_eq!(it.key(), b"k00000", "other blocks still read");
     }
 
     /// A mapped table verifies a block at its first in-place read and marks it; a damaged

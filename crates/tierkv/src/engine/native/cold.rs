@@ -46,7 +46,7 @@
 //! for it (step 3). Iterators merge the index cursor (newest) with the pinned tables.
 //!
 //! # Costs
-//! A PM-resident key costs its index slot in DRAM (about 276 bytes + the key for 16-byte
+//! A PM-resident key costs its index slot in DRAM (about 292 bytes + the key for 16-byte
 //! keys: an estimate from the parts, `PER_SLOT_BYTES`, not measured in isolation). A disk-resident key costs no slot: its share of a table's index
 //! block (one entry per 4 KiB block) and 10 bits of bloom filter, 15.3 bytes measured for
 //! 1 KiB values and 16-byte keys ([`TablesView::dram_bytes`] counts it), plus a moved entry

@@ -149,9 +149,10 @@ const G_RELOCATED_BYTES: usize = 2;
 const G_DROPPED: usize = 3;
 const G_CKPT_VERIFIED: usize = 4;
 /// DRAM per index slot, measured for 16-byte keys: an entry in each of the two maps (~90
-/// bytes each with the boxed key), the slot (mutex, head, CLOCK bit, in an `Arc`) and one
-/// version (seq, loc, size, gate, next, flags).
-const PER_SLOT_BYTES: u64 = 2 * 90 + 32 + 48;
+/// bytes each with the boxed key; the tree's key carries 16 more bytes, its head: see
+/// [`index::TreeKey`]), the slot (mutex, head, CLOCK bit, in an `Arc`) and one version
+/// (seq, loc, size, gate, next, flags).
+const PER_SLOT_BYTES: u64 = 90 + (90 + 16) + 32 + 48;
 /// A sealed segment is cleaned when at least this share of its bytes is dead.
 const CLEAN_DEAD_RATIO: f64 = 0.5;
 

@@ -959,19 +959,31 @@ mod tests {
             i += 1;
         }
         // Fill the new MemTable too: the write that needs the next rotation meets the
-        // Immutable MemTable the stopped worker never flushed.
+        // Immutable MemTable the stopped worker never flushed. Every write must succeed.
         let (tx, rx) = std::sync::mpsc::channel();
         let writer = db.clone();
         std::thread::spawn(move || {
             let active = writer.inner.mem.read().active.clone();
-            let r = (i..i + 10_000)
-                .map(|k| put(&writer, k))
-                .find(|r| r.is_err() || !Arc::ptr_eq(&writer.inner.mem.read().active, &active));
-            let _ = tx.send(r.is_some());
+            let mut r = Err("no second rotation".to_string());
+            for k in i..i + 10_000 {
+                if let Err(e) = put(&writer, k) {
+                    r = Err(format!("put {k}: {e}"));
+                    break;
+                }
+                if !Arc::ptr_eq(&writer.inner.mem.read().active, &active) {
+                    r = Ok(k);
+                    break;
+                }
+            }
+            let _ = tx.send(r);
         });
-        match rx.recv_timeout(std::time::Duration::from_secs(30)) {
-            Ok(rotated) => assert!(rotated, "no second rotation"),
+        let last = match rx.recv_timeout(std::time::Duration::from_secs(30)) {
+            Ok(r) => r.unwrap(),
             Err(_) => panic!("the write waited for the stopped worker"),
+        };
+        for k in 0..=last {
+            let got = db.get(format!("k{k:05}").as_bytes()).unwrap();
+            assert_eq!(got.as_deref(), Some(&[b'v'; 200][..]), "key {k}");
         }
     }
 

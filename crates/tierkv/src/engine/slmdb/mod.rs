@@ -53,8 +53,12 @@
 //! # Shutdown
 //! `close()` and drop set the store's [`crate::jobs::Cancel`] before joining the worker. A
 //! compaction checks it before each output file and every 256 merged entries (the flush
-//! in its middle and flushes themselves are not cancelled: one MemTable, and close needs
-//! it flushed anyway). A cancelled compaction stops with its shipped outputs applied to the
+//! in its middle and flushes themselves are not cancelled: a flush is one MemTable, and
+//! close leaves both MemTables in PM rather than flush them). A write still running when
+//! the worker stopped that needs a rotation flushes the waiting Immutable MemTable itself
+//! (it waited for ever before: `jobs::tests::a_write_after_the_worker_stopped_does_not_wait_for_it`);
+//! that flush may land after close's final PM sync — such a write is not promised (see
+//! `Db::close`). A cancelled compaction stops with its shipped outputs applied to the
 //! tree and logged; it then does what recovery does after a crash, without the restart:
 //! keys moved into its outputs point back at their blocks in the inputs, the inputs lose
 //! the live keys flushes moved on meanwhile (one MANIFEST edit), the compaction log is
