@@ -95,7 +95,8 @@
 //! compaction reaches the partition's oldest table); a batch is one write-buffer record in
 //! the first key's partition's segment; a write larger than a segment gets a segment of its
 //! own size; writers wait when more than [`store::MAX_PENDING_FLUSHES`] leaves are queued
-//! for flushing; a partition that has linked leaves never splits, so a hot key range grows a
+//! for flushing (once `close` stopped the flush thread, such a write fails with `Closed`
+//! instead); a partition that has linked leaves never splits, so a hot key range grows a
 //! longer chain (compaction keeps it at about CS × log_CS(N) leaves; `chain_length_max` in
 //! stats shows it).
 
@@ -314,5 +315,43 @@ impl Engine for Lightkv {
         self.store.write_image()?;
         self.store.region().sync_all()?;
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod close_tests {
+    #![allow(clippy::unwrap_used, clippy::expect_used)]
+    use std::sync::Arc;
+
+    use super::Lightkv;
+    use crate::batch::BatchOp;
+    use crate::engine::{Cond, Engine};
+    use crate::error::Error;
+
+    /// A write still running when `close` stopped the workers, with the flush queue full:
+    /// nothing drains it any more, so the write fails with `Closed` instead of waiting for
+    /// ever (as it did before). A write that does not return within 30 s fails the test.
+    #[test]
+    fn a_write_with_the_flush_queue_full_after_close_fails_instead_of_waiting() {
+        let (dev, fs) = (crate::pm::sim::SimDevice::new(), crate::fs::FaultFs::new());
+        let o = crate::testing::sim_options(crate::Preset::Lightkv, &dev, &fs)
+            .lightkv(crate::options::LightkvOptions { background: true, ..crate::testing::lightkv_small() });
+        let db = Arc::new(Lightkv::open(crate::engine::test_ctx(&o, &fs, true, 9)).unwrap());
+        db.stop_workers();
+        let (tx, rx) = std::sync::mpsc::channel();
+        let writer = db.clone();
+        std::thread::spawn(move || {
+            let r = (0..200_000u32).find_map(|i| {
+                let op = BatchOp::Put { key: format!("k{i:06}").into_bytes(), value: vec![b'v'; 200] };
+                writer.write(&[op], Cond::None).err().map(|e| (i, e))
+            });
+            let _ = tx.send(r);
+        });
+        match rx.recv_timeout(std::time::Duration::from_secs(30)) {
+            Ok(Some((_, Error::Closed))) => {}
+            Ok(other) => panic!("expected a Closed error once the queue filled: {other:?}"),
+            Err(_) => panic!("the write waited for the stopped flush thread"),
+        }
+        assert!(db.store.pending_flushes() >= super::store::MAX_PENDING_FLUSHES);
     }
 }

@@ -52,6 +52,11 @@ impl PwbStore {
         let mut stalled = false;
         while self.pending_flushes() >= MAX_PENDING_FLUSHES {
             self.poisoned.check()?;
+            // `close` stopped the flush thread: nothing drains the queue any more, and a
+            // write still running then fails (it waited for ever before).
+            if self.work.lock().stop {
+                return Err(crate::error::Error::Closed);
+            }
             if !stalled {
                 stalled = true;
                 self.stats.lock().write_stalls += 1;
