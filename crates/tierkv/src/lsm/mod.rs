@@ -55,7 +55,10 @@
 //! worker. A compaction checks it before each output table and every 256 merged entries;
 //! nothing names the outputs before the MANIFEST edit, so a cancelled one deletes them,
 //! restores the level's compaction pointer and leaves the version untouched. Flushes are
-//! not cancelled (close flushes the MemTable anyway).
+//! not cancelled (close flushes the MemTable anyway). Once stopped, a write still running
+//! no longer waits for the worker: a rotation that meets an Immutable MemTable flushes it
+//! itself, and level 0's stop-writes depth no longer stalls it (it waited for ever before:
+//! `tests::writes_after_the_background_thread_stopped_flush_themselves`).
 //!
 //! # Recovery
 //! The MANIFEST gives the tables (with levels) and the last flushed WAL generation; newer
@@ -713,7 +716,8 @@ impl Lsm {
     fn make_room(&self, w: &mut Writer) -> Result<()> {
         loop {
             let l0 = self.current.read().levels[0].len();
-            if self.opts.background && l0 >= self.opts.l0_stop_writes {
+            // Once stopped, nothing compacts level 0: the write goes on past the limit.
+            if self.opts.background && l0 >= self.opts.l0_stop_writes && !self.stopped() {
                 self.counters.write_stalls.fetch_add(1, Ordering::Relaxed);
                 self.wait_background()?;
                 continue;
@@ -723,6 +727,11 @@ impl Lsm {
             }
             return self.rotate(w);
         }
+    }
+
+    /// The background thread was told to stop ([`Lsm::stop`], close, drop).
+    fn stopped(&self) -> bool {
+        self.work.lock().stop
     }
 
     fn wait_background(&self) -> Result<()> {
@@ -739,7 +748,13 @@ impl Lsm {
             if self.opts.background {
                 self.counters.write_stalls.fetch_add(1, Ordering::Relaxed);
                 while self.mem.read().imm.is_some() {
-                    self.wait_background()?;
+                    // Once stopped, the background thread flushes nothing: flush here
+                    // rather than wait for ever.
+                    if self.stopped() {
+                        self.flush_imm()?;
+                    } else {
+                        self.wait_background()?;
+                    }
                 }
             } else {
                 self.flush_imm()?;
@@ -1380,6 +1395,40 @@ mod tests {
         }
         let (l, b) = Lsm::open(cfs, d, small(), fresh, Arc::new(Poison::default()), Arc::default(), &|| true).unwrap();
         (Arc::new(l), b)
+    }
+
+    /// Writes still running after the background thread stopped (close, drop, an owner's
+    /// `stop`): a rotation that meets an Immutable MemTable flushes it itself, and level 0
+    /// past its stop-writes depth no longer stalls them — they waited for ever before. A
+    /// writer that does not finish within 30 s fails the test.
+    #[test]
+    fn writes_after_the_background_thread_stopped_flush_themselves() {
+        let fs = FaultFs::new();
+        let cfs = CountingFs::new(Arc::new(fs.clone()));
+        let d = Path::new("/lsm");
+        cfs.create_dir_all(d).unwrap();
+        let opts = LsmOptions { background: true, l0_stop_writes: 2, ..small() };
+        let (l, _) = Lsm::open(cfs, d, opts, true, Arc::new(Poison::default()), Arc::default(), &|| true).unwrap();
+        let l = Arc::new(l);
+        l.stop();
+        let (tx, rx) = std::sync::mpsc::channel();
+        let writer = l.clone();
+        std::thread::spawn(move || {
+            let r = (0..2000u64).try_for_each(|i| {
+                let k = format!("k{i:05}").into_bytes();
+                writer.write(i + 1, &[(k.as_slice(), Some(&[b'v'; 100][..]))], false)
+            });
+            let _ = tx.send(r);
+        });
+        match rx.recv_timeout(std::time::Duration::from_secs(30)) {
+            Ok(r) => r.unwrap(),
+            Err(_) => panic!("a write waited for the stopped background thread"),
+        }
+        assert!(l.current.read().levels[0].len() >= 2, "level 0 passed its stop-writes depth");
+        for i in 0..2000u64 {
+            let k = format!("k{i:05}").into_bytes();
+            assert_eq!(l.get(&k).unwrap().flatten().as_deref(), Some(&[b'v'; 100][..]), "key {i}");
+        }
     }
 
     fn verify(l: &Lsm, model: &BTreeMap<Vec<u8>, Vec<u8>>, rng: &mut rand::rngs::StdRng) {
