@@ -1276,27 +1276,19 @@ mod iter_tests {
     /// into its block — is `Corruption` and leaves the iterator invalid, every time.
     #[test]
     fn a_malformed_entry_is_reported_when_a_move_reaches_it() {
-        let dir = tempfile::tempdir().unwrap();
-        let fs = crate::fs::RealFs;
-        let path = dir.path().join("t.sst");
-        let mut b = TableBuilder::create(&fs, &path, 128, 10).unwrap();
-        for i in 0..100u32 {
-            b.add(Kind::Put, format!("k{i:05}").as_bytes(), format!("value-{i}").as_bytes()).unwrap();
-        }
-        b.finish().unwrap();
-        let h = Table::open(&fs, &path).unwrap().index()[2].1;
-        let mut bytes = std::fs::read(&path).unwrap();
-        let start = h.offset as usize;
-        let end = start + h.size as usize - 4;
-        let payload = &mut bytes[start..end];
-        let (first, second) = entry_at(payload, 0).map(|(e, next)| (e.key.to_vec(), next)).unwrap();
-        let after = entry_at(payload, second).map(|(e, _)| e.key.to_vec()).unwrap();
-        payload[second] = 7; // not a kind
-        let c = crc::masked(payload);
-        bytes[end..end + 4].copy_from_slice(&c.to_le_bytes());
-        std::fs::write(&path, &bytes).unwrap();
-        let t = Table::open(&fs, &path).unwrap();
-        assert!(t.file.mapped().is_some(), "RealFs maps immutable files");
+        let mut keys = None;
+        let (_dir, t, _) = edited_mapped_table(|bytes, blocks| {
+            let start = blocks[2].offset as usize;
+            let end = start + blocks[2].size as usize - 4;
+            let payload = &mut bytes[start..end];
+            let (first, second) = entry_at(payload, 0).map(|(e, next)| (e.key.to_vec(), next)).unwrap();
+            let after = entry_at(payload, second).map(|(e, _)| e.key.to_vec()).unwrap();
+            payload[second] = 7; // not a kind
+            let c = crc::masked(payload);
+            bytes[end..end + 4].copy_from_slice(&c.to_le_bytes());
+            keys = Some((first, after));
+        });
+        let (first, after) = keys.unwrap();
         let corrupt = |r: Result<()>| matches!(r, Err(Error::Corruption { .. }));
         let mut it = TableIter::new(t, false);
         for _ in 0..2 {
@@ -1348,6 +1340,13 @@ mod iter_tests {
 /// alive), the table and its blocks' handles.
 #[cfg(test)]
 fn damaged_mapped_table(damaged: usize) -> (tempfile::TempDir, Arc<Table>, Vec<Handle>) {
+    edited_mapped_table(|bytes, blocks| bytes[blocks[damaged].offset as usize + 3] ^= 0x40)
+}
+
+/// The table of [`damaged_mapped_table`], its file's bytes changed by `edit` (given the
+/// blocks' handles) before it is opened mapped.
+#[cfg(test)]
+fn edited_mapped_table(edit: impl FnOnce(&mut Vec<u8>, &[Handle])) -> (tempfile::TempDir, Arc<Table>, Vec<Handle>) {
     let dir = tempfile::tempdir().unwrap();
     let fs = crate::fs::RealFs;
     let path = dir.path().join("t.sst");
@@ -1359,7 +1358,7 @@ fn damaged_mapped_table(damaged: usize) -> (tempfile::TempDir, Arc<Table>, Vec<H
     let blocks: Vec<Handle> = Table::open(&fs, &path).unwrap().index().iter().map(|e| e.1).collect();
     assert!(blocks.len() > 4, "the test needs several blocks");
     let mut bytes = std::fs::read(&path).unwrap();
-    bytes[blocks[damaged].offset as usize + 3] ^= 0x40;
+    edit(&mut bytes, &blocks);
     std::fs::write(&path, &bytes).unwrap();
     let t = Table::open(&fs, &path).unwrap();
     assert!(t.file.mapped().is_some(), "RealFs maps immutable files");
