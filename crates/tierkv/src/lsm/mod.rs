@@ -55,9 +55,10 @@
 //! worker. A compaction checks it before each output table and every 256 merged entries;
 //! nothing names the outputs before the MANIFEST edit, so a cancelled one deletes them,
 //! restores the level's compaction pointer and leaves the version untouched. Flushes are
-//! not cancelled (close flushes the MemTable anyway). Once stopped, a write still running
-//! no longer waits for the worker: a rotation that meets an Immutable MemTable flushes it
-//! itself, and level 0's stop-writes depth no longer stalls it (it waited for ever before:
+//! not cancelled (close flushes the MemTable anyway). Once stopped, a write or flush still
+//! running no longer waits for the worker: an Immutable MemTable it would wait for is
+//! flushed in its own thread (poison checked first, a failure poisons, as the worker's),
+//! and level 0's stop-writes depth no longer stalls writes (it waited for ever before:
 //! `tests::writes_after_the_background_thread_stopped_flush_themselves`).
 //!
 //! # Recovery
@@ -734,6 +735,19 @@ impl Lsm {
         self.work.lock().stop
     }
 
+    /// Wait for the background thread to flush the Immutable MemTable — or, once it is
+    /// stopped and will flush nothing, flush it here, as the thread would (a poisoned tree
+    /// refuses; a failure poisons it).
+    fn wait_or_flush(&self) -> Result<()> {
+        if !self.stopped() {
+            return self.wait_background();
+        }
+        self.poison.check()?;
+        let r = self.flush_imm();
+        self.cancel.poison_failure(&self.poison, "LSM flush after stop", &r);
+        r
+    }
+
     fn wait_background(&self) -> Result<()> {
         let mut g = self.done_mu.lock();
         self.signal();
@@ -750,11 +764,7 @@ impl Lsm {
                 while self.mem.read().imm.is_some() {
                     // Once stopped, the background thread flushes nothing: flush here
                     // rather than wait for ever.
-                    if self.stopped() {
-                        self.flush_imm()?;
-                    } else {
-                        self.wait_background()?;
-                    }
+                    self.wait_or_flush()?;
                 }
             } else {
                 self.flush_imm()?;
@@ -912,7 +922,7 @@ impl Lsm {
         }
         if self.opts.background {
             while self.mem.read().imm.is_some() {
-                self.wait_background()?;
+                self.wait_or_flush()?;
             }
         } else {
             self.flush_imm()?;
@@ -1397,10 +1407,11 @@ mod tests {
         (Arc::new(l), b)
     }
 
-    /// Writes still running after the background thread stopped (close, drop, an owner's
-    /// `stop`): a rotation that meets an Immutable MemTable flushes it itself, and level 0
-    /// past its stop-writes depth no longer stalls them — they waited for ever before. A
-    /// writer that does not finish within 30 s fails the test.
+    /// Writes and flushes still running after the background thread stopped (close, drop,
+    /// an owner's `stop`): a rotation that meets an Immutable MemTable flushes it itself,
+    /// level 0 past its stop-writes depth no longer stalls writes, and `flush` flushes
+    /// rather than wait — they waited for ever before. One that does not finish within
+    /// 30 s fails the test.
     #[test]
     fn writes_after_the_background_thread_stopped_flush_themselves() {
         let fs = FaultFs::new();
@@ -1410,6 +1421,7 @@ mod tests {
         let opts = LsmOptions { background: true, l0_stop_writes: 2, ..small() };
         let (l, _) = Lsm::open(cfs, d, opts, true, Arc::new(Poison::default()), Arc::default(), &|| true).unwrap();
         let l = Arc::new(l);
+        l.finish_recovery(Vec::new()).unwrap();
         l.stop();
         let (tx, rx) = std::sync::mpsc::channel();
         let writer = l.clone();
@@ -1424,7 +1436,20 @@ mod tests {
             Ok(r) => r.unwrap(),
             Err(_) => panic!("a write waited for the stopped background thread"),
         }
-        assert!(l.current.read().levels[0].len() >= 2, "level 0 passed its stop-writes depth");
+        assert!(l.current.read().levels[0].len() > 2, "level 0 passed its stop-writes depth");
+        // A flush (as `Db::flush` or `compact` in flight during a close) does not wait either.
+        let k = b"last".to_vec();
+        l.write(2001, &[(k.as_slice(), Some(&b"v"[..]))], false).unwrap();
+        let (tx, rx) = std::sync::mpsc::channel();
+        let flusher = l.clone();
+        std::thread::spawn(move || {
+            let _ = tx.send(flusher.flush(false));
+        });
+        match rx.recv_timeout(std::time::Duration::from_secs(30)) {
+            Ok(r) => r.unwrap(),
+            Err(_) => panic!("a flush waited for the stopped background thread"),
+        }
+        assert!(l.mem.read().imm.is_none());
         for i in 0..2000u64 {
             let k = format!("k{i:05}").into_bytes();
             assert_eq!(l.get(&k).unwrap().flatten().as_deref(), Some(&[b'v'; 100][..]), "key {i}");
