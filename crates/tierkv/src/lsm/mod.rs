@@ -1423,32 +1423,20 @@ mod tests {
         let l = Arc::new(l);
         l.finish_recovery(Vec::new()).unwrap();
         l.stop();
-        let (tx, rx) = std::sync::mpsc::channel();
         let writer = l.clone();
-        std::thread::spawn(move || {
-            let r = (0..2000u64).try_for_each(|i| {
+        crate::testing::returns("writes after the stop", move || {
+            (0..2000u64).try_for_each(|i| {
                 let k = format!("k{i:05}").into_bytes();
                 writer.write(i + 1, &[(k.as_slice(), Some(&[b'v'; 100][..]))], false)
-            });
-            let _ = tx.send(r);
-        });
-        match rx.recv_timeout(std::time::Duration::from_secs(30)) {
-            Ok(r) => r.unwrap(),
-            Err(_) => panic!("a write waited for the stopped background thread"),
-        }
+            })
+        })
+        .unwrap();
         assert!(l.current.read().levels[0].len() > 2, "level 0 passed its stop-writes depth");
         // A flush (as `Db::flush` or `compact` in flight during a close) does not wait either.
         let k = b"last".to_vec();
         l.write(2001, &[(k.as_slice(), Some(&b"v"[..]))], false).unwrap();
-        let (tx, rx) = std::sync::mpsc::channel();
         let flusher = l.clone();
-        std::thread::spawn(move || {
-            let _ = tx.send(flusher.flush(false));
-        });
-        match rx.recv_timeout(std::time::Duration::from_secs(30)) {
-            Ok(r) => r.unwrap(),
-            Err(_) => panic!("a flush waited for the stopped background thread"),
-        }
+        crate::testing::returns("a flush after the stop", move || flusher.flush(false)).unwrap();
         assert!(l.mem.read().imm.is_none());
         for i in 0..2000u64 {
             let k = format!("k{i:05}").into_bytes();

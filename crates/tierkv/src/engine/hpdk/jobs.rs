@@ -857,15 +857,8 @@ mod tests {
             i += 1;
         }
         put(&db, i);
-        let (tx, rx) = std::sync::mpsc::channel();
         let closer = db.clone();
-        std::thread::spawn(move || {
-            let _ = tx.send(closer.close());
-        });
-        match rx.recv_timeout(std::time::Duration::from_secs(30)) {
-            Ok(r) => r.unwrap(),
-            Err(_) => panic!("close() did not return"),
-        }
+        crate::testing::returns("close()", move || closer.close()).unwrap();
         drop(db);
         let db = Hpdk::open(crate::engine::test_ctx(&o, &fs, false, 7)).unwrap();
         for k in 0..=i {

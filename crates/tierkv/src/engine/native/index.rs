@@ -450,9 +450,8 @@ fn head(key: &[u8]) -> (u64, u64) {
     let mut b = [0u8; 16];
     let n = key.len().min(16);
     b[..n].copy_from_slice(&key[..n]);
-    let (hi, lo) = b.split_at(8);
-    let word = |s: &[u8]| u64::from_be_bytes(s.try_into().unwrap_or([0; 8]));
-    (word(hi), word(lo))
+    let v = u128::from_be_bytes(b);
+    ((v >> 64) as u64, v as u64)
 }
 
 /// Byte order of two keys given their heads: the heads decide unless they tie; on a tie

@@ -960,9 +960,8 @@ mod tests {
         }
         // Fill the new MemTable too: the write that needs the next rotation meets the
         // Immutable MemTable the stopped worker never flushed. Every write must succeed.
-        let (tx, rx) = std::sync::mpsc::channel();
         let writer = db.clone();
-        std::thread::spawn(move || {
+        let last = crate::testing::returns("a write needing a rotation", move || {
             let active = writer.inner.mem.read().active.clone();
             let mut r = Err("no second rotation".to_string());
             for k in i..i + 10_000 {
@@ -975,12 +974,9 @@ mod tests {
                     break;
                 }
             }
-            let _ = tx.send(r);
-        });
-        let last = match rx.recv_timeout(std::time::Duration::from_secs(30)) {
-            Ok(r) => r.unwrap(),
-            Err(_) => panic!("the write waited for the stopped worker"),
-        };
+            r
+        })
+        .unwrap();
         for k in 0..=last {
             let got = db.get(format!("k{k:05}").as_bytes()).unwrap();
             assert_eq!(got.as_deref(), Some(&[b'v'; 200][..]), "key {k}");

@@ -75,8 +75,9 @@
 //! - Writers are serialised by one lock (the paper's MemTable takes one writer at a time,
 //!   as LevelDB's). It is a `std::sync::Mutex` (a futex: a short spin, then sleep), not
 //!   `parking_lot`'s, whose waiters spin and then call `sched_yield` before they sleep: with
-//!   8 writers on this 2-core machine those yields and the task switches were ~17 % of the
-//!   samples and fillrandom fell below one writer's. Measured (`tierkv bench --engines slmdb
+//!   8 writers on this 2-core machine task switches, yields, the scheduler's spin unlocks
+//!   and `lock_slow` were ~14 % of the samples (flat profile: 6.5 + 5.6 + 1.5 + 0.9 %) and
+//!   fillrandom fell below one writer's. Measured (`tierkv bench --engines slmdb
 //!   --threads 1,2,4,8 --workloads fillrandom --num 200000`, three interleaved pairs, 2 / 4
 //!   / 8 threads relative to 1): `parking_lot` 0.95 / 0.94 / 0.90, 1.05 / 0.90 / 0.94, 0.81 /
 //!   0.81 / 0.83; `std` 0.76 / 1.06 / 1.24, 0.87 / 1.28 / 1.23, 1.02 / 0.91 / 1.22 (8
