@@ -22,6 +22,22 @@
 //!   nothing overlapping below is a trivial move (a MANIFEST edit, no I/O). Outputs are cut
 //!   at `target_file_size`; a tombstone is dropped when no deeper level holds its key's
 //!   range. The MANIFEST edit (inputs removed, outputs added at n+1) is the commit point.
+//! - **Seek compaction** (LevelDB's `allowed_seeks`): a table allows `size / 16 KiB` seeks
+//!   (at least 100). A point read that searches a second table (its key range holds the
+//!   key; a bloom filter's "no" counts as a search, as in LevelDB) charges one to the first
+//!   table it searched; a range read samples about one returned key per MiB
+//!   ([`ReadSampler`]) and charges the first of the tables holding it when two or more
+//!   do. A table whose allowance is spent is compacted into the next level (level 0: all
+//!   of it, as above) when no level's score is ≥ 1 (`seek_compactions`). This is what moves
+//!   a read-mostly store's level 0 and upper levels down once writes stop; without it their
+//!   tables stayed until the next write-driven compaction, and every read merged or probed
+//!   them: after 500,000 random 1 KiB puts, `hoakv`'s range reads merged three 62 MB level-0
+//!   tables over levels 1–3 (50 seek compactions during the next 500,000 point reads
+//!   left levels 2 and 3 only; see `docs/design/read-path.md`, "Seek compaction"). The
+//!   allowances live in DRAM only (reset at open, and for a table a trivial move carries
+//!   down), as LevelDB's. Charging is one relaxed atomic subtraction on the table; the
+//!   read that spends an allowance wakes the compaction thread ([`Lsm::wake_for_seeks`];
+//!   with `background` off, the next write's compactions pick it up).
 //! - **Reads**: MemTable → Immutable MemTable → level 0 newest first → one table per level
 //!   (binary search on the largest keys); bloom filters (10 bits/key) and a block cache.
 //!   Range reads: [`Lsm::iter`] (below).
@@ -77,7 +93,7 @@ pub mod wal;
 
 use std::ops::Bound;
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicI64, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::thread::JoinHandle;
 
@@ -159,15 +175,72 @@ struct TFile {
     number: u64,
     meta: FileMeta,
     table: Arc<Table>,
+    /// LevelDB's seek allowance: reads charged to this table (see "Seek compaction" in the
+    /// module docs) before it is due for compaction. Starts at one per `SEEK_BYTES` of
+    /// table, at least `MIN_SEEKS`; a table made by a trivial move starts afresh.
+    allowed_seeks: AtomicI64,
+}
+
+/// Bytes of table per allowed seek (LevelDB's 16 KiB). LevelDB's argument: a seek costs
+/// about 10 ms, and compacting 1 MiB does about 25 MiB of I/O (the next level's
+/// overlapping tables read and rewritten) at 100 MB/s, so a seek costs what compacting
+/// ~40 KiB does; allowing one per 16 KiB errs towards compacting.
+const SEEK_BYTES: u64 = 16 << 10;
+/// Least allowed seeks of a table (LevelDB: 100).
+const MIN_SEEKS: u64 = 100;
+
+impl TFile {
+    fn new(number: u64, meta: FileMeta, table: Arc<Table>) -> Arc<TFile> {
+        let allowed = (meta.size / SEEK_BYTES).max(MIN_SEEKS);
+        Arc::new(TFile { number, meta, table, allowed_seeks: AtomicI64::new(allowed as i64) })
+    }
+}
+
+/// The table whose seek allowance ran out, shared by every version of one tree.
+#[derive(Debug, Default)]
+struct SeekDue {
+    /// `level << 56 | number` of the table due, 0 for none (table numbers start at 1).
+    due: AtomicU64,
+    /// Set when `due` is: the next [`Lsm::wake_for_seeks`] signals the compaction thread.
+    fresh: AtomicBool,
 }
 
 /// The tables readers see: level 0 newest first, levels 1.. by smallest key.
 #[derive(Debug, Default, Clone)]
 struct Levels {
     levels: Vec<Vec<Arc<TFile>>>,
+    /// Shared by the versions (a clone keeps it): the seek compaction due, if any.
+    seek: Arc<SeekDue>,
 }
 
 impl Levels {
+    /// Every table whose key range holds `key`, in the order a point read searches them:
+    /// level 0 newest first, then the one table per deeper level.
+    fn holding<'a>(&'a self, key: &'a [u8]) -> impl Iterator<Item = (usize, &'a Arc<TFile>)> + 'a {
+        let l0 = self.levels.first().into_iter().flatten().map(|f| (0, f));
+        let l0 = l0.filter(move |(_, f)| key >= f.meta.smallest.as_slice() && key <= f.meta.largest.as_slice());
+        let deeper = self.levels.iter().enumerate().skip(1).filter_map(move |(l, lvl)| {
+            let i = lvl.partition_point(|f| f.meta.largest.as_slice() < key);
+            lvl.get(i).filter(|f| f.meta.smallest.as_slice() <= key).map(|f| (l, f))
+        });
+        l0.chain(deeper)
+    }
+
+    /// Charge one seek to table `f` of level `l`; once its allowance is spent it becomes
+    /// the seek compaction due (unless another table already is: it tries again at its
+    /// next charges, as LevelDB's). It tries for its first `MIN_SEEKS` charges past the
+    /// allowance only, so reads through a view pinning a table that compactions already
+    /// removed (a snapshot) cannot keep waking the compaction thread for nothing.
+    fn charge(&self, l: usize, f: &TFile) {
+        let before = f.allowed_seeks.fetch_sub(1, Ordering::Relaxed);
+        if (1 - MIN_SEEKS as i64..=1).contains(&before) && self.seek.due.load(Ordering::Relaxed) == 0 {
+            let packed = (l as u64) << 56 | f.number;
+            if self.seek.due.compare_exchange(0, packed, Ordering::AcqRel, Ordering::Relaxed).is_ok() {
+                self.seek.fresh.store(true, Ordering::Release);
+            }
+        }
+    }
+
     fn bytes(&self, l: usize) -> u64 {
         self.levels.get(l).map_or(0, |v| v.iter().map(|f| f.meta.size).sum())
     }
@@ -223,6 +296,9 @@ pub struct LsmCounters {
     pub write_stalls: AtomicU64,
     /// Entries written by [`Lsm::ingest`].
     pub ingested: AtomicU64,
+    /// Compactions picked because a table's seek allowance ran out (counted in
+    /// `compactions` too when they run).
+    pub seek_compactions: AtomicU64,
 }
 
 /// A picked compaction.
@@ -259,6 +335,8 @@ pub struct Lsm {
     commits: crate::group::Queue<Record>,
     mem: RwLock<MemState>,
     current: RwLock<Arc<Levels>>,
+    /// The versions' shared seek-compaction state (read without the `current` lock).
+    seek: Arc<SeekDue>,
     version: Mutex<VersionState>,
     cache: Arc<BlockCache>,
     /// Serialises flushes and compactions (one background job at a time, as LevelDB).
@@ -301,26 +379,34 @@ pub struct TablesView(Arc<Levels>);
 impl TablesView {
     /// The newest entry of `key` in the view's tables: `Some(None)` for a tombstone,
     /// `None` when absent. Bloom filters first; at most one table per level ≥ 1.
+    ///
+    /// A read that searches a second table charges one seek to the first it searched
+    /// (LevelDB's rule; "Seek compaction" in the module docs).
     pub fn get(&self, key: &[u8]) -> Result<Option<Option<Vec<u8>>>> {
         let cur = &self.0;
-        for f in cur.levels.first().into_iter().flatten() {
-            if key >= f.meta.smallest.as_slice() && key <= f.meta.largest.as_slice() {
-                if let Some(e) = f.table.get_cached(key)? {
-                    return Ok(Some(kind_value(e)));
-                }
+        let mut first = None;
+        for (n, (l, f)) in cur.holding(key).enumerate() {
+            if n == 0 {
+                first = Some((l, f));
+            } else if let (1, Some((l0, f0))) = (n, first) {
+                cur.charge(l0, f0);
             }
-        }
-        for lvl in cur.levels.iter().skip(1) {
-            let i = lvl.partition_point(|f| f.meta.largest.as_slice() < key);
-            if let Some(f) = lvl.get(i) {
-                if f.meta.smallest.as_slice() <= key {
-                    if let Some(e) = f.table.get_cached(key)? {
-                        return Ok(Some(kind_value(e)));
-                    }
-                }
+            if let Some(e) = f.table.get_cached(key)? {
+                return Ok(Some(kind_value(e)));
             }
         }
         Ok(None)
+    }
+
+    /// LevelDB's read sampling for range reads (`Version::RecordReadSample`): when two or
+    /// more tables hold `key` in their ranges, charge a seek to the first. An iterator
+    /// calls it about once per MiB it returns ([`ReadSampler`]).
+    pub fn record_read_sample(&self, key: &[u8]) {
+        let cur = &self.0;
+        let mut tables = cur.holding(key);
+        if let (Some((l, f)), Some(_)) = (tables.next(), tables.next()) {
+            cur.charge(l, f);
+        }
     }
 
     /// The tables named by the MANIFEST in `dir`, opened read-only (tools that salvage a
@@ -330,13 +416,13 @@ impl TablesView {
         let (version, _, _) = Manifest::recover(fs, dir)?;
         let cache = BlockCache::new(1 << 20);
         let levels_n = version.files.values().map(|m| m.level as usize + 1).max().unwrap_or(0).max(2);
-        let mut levels = Levels { levels: vec![Vec::new(); levels_n] };
+        let mut levels = Levels { levels: vec![Vec::new(); levels_n], seek: Arc::default() };
         for (&n, m) in &version.files {
             let path = dir.join(table_name(n));
             match Table::open_cached(fs, &path, n, &cache) {
                 Ok(table) => {
                     if let Some(l) = levels.levels.get_mut(m.level as usize) {
-                        l.push(Arc::new(TFile { number: n, meta: m.clone(), table }));
+                        l.push(TFile::new(n, m.clone(), table));
                     }
                 }
                 Err(e) => lost(&path, e.to_string()),
@@ -389,6 +475,46 @@ impl TablesView {
     }
 }
 
+/// Decides when a range read samples the key it returned (LevelDB's `DBIter`): about
+/// once per MiB of keys and values, at a random period in [0, 2 MiB) so that scans of
+/// one shape do not always sample the same keys. The owner then calls
+/// [`Lsm::record_read_sample`].
+#[derive(Debug)]
+pub struct ReadSampler {
+    left: i64,
+    rng: rand::rngs::SmallRng,
+}
+
+/// Mean bytes returned between two read samples (LevelDB's `kReadBytesPeriod`).
+const READ_SAMPLE_BYTES: u64 = 1 << 20;
+
+impl Default for ReadSampler {
+    fn default() -> Self {
+        use rand::{Rng, SeedableRng};
+        // Seeded from the thread's generator (seeded once per thread): no system call per
+        // iterator.
+        let mut rng = rand::rngs::SmallRng::from_rng(&mut rand::rng());
+        let left = rng.random_range(0..2 * READ_SAMPLE_BYTES) as i64;
+        ReadSampler { left, rng }
+    }
+}
+
+impl ReadSampler {
+    /// Count an entry of `bytes` (key and value) returned; true when its key is to be
+    /// sampled.
+    pub fn returned(&mut self, bytes: usize) -> bool {
+        use rand::Rng;
+        self.left -= bytes as i64;
+        if self.left >= 0 {
+            return false;
+        }
+        while self.left < 0 {
+            self.left += self.rng.random_range(0..2 * READ_SAMPLE_BYTES) as i64;
+        }
+        true
+    }
+}
+
 /// File name of table `n`.
 pub fn table_name(n: u64) -> String {
     format!("{n:06}.sst")
@@ -437,7 +563,7 @@ impl Lsm {
             (v, m)
         };
         let cache = BlockCache::new(opts.block_cache_size);
-        let mut levels = Levels { levels: vec![Vec::new(); opts.max_levels.max(2)] };
+        let mut levels = Levels { levels: vec![Vec::new(); opts.max_levels.max(2)], seek: Arc::default() };
         for (&n, m) in &version.files {
             let l = m.level as usize;
             if l >= levels.levels.len() {
@@ -452,7 +578,7 @@ impl Lsm {
                 return Err(Error::corruption(&path, 0, "a table the MANIFEST names is missing"));
             }
             let table = Table::open_cached(&fs, &path, n, &cache)?;
-            levels.levels[l].push(Arc::new(TFile { number: n, meta: m.clone(), table }));
+            levels.levels[l].push(TFile::new(n, m.clone(), table));
         }
         sort_levels(&mut levels);
         // Leftover tables and WALs.
@@ -499,6 +625,7 @@ impl Lsm {
             writer: Mutex::new(Writer { wal: wal_file, gen }),
             commits: crate::group::Queue::default(),
             mem: RwLock::new(MemState { active: Arc::new(Mem::new(gen)), imm: None }),
+            seek: levels.seek.clone(),
             current: RwLock::new(Arc::new(levels)),
             version: Mutex::new(VersionState { version, manifest }),
             cache,
@@ -809,7 +936,27 @@ impl Lsm {
                 return Ok(Some(v));
             }
         }
-        self.tables().get(key)
+        let r = self.tables().get(key);
+        self.wake_for_seeks();
+        r
+    }
+
+    /// Charge a range read's sampled key to the current version's tables
+    /// ([`TablesView::record_read_sample`]) and wake the compaction thread if a table's
+    /// allowance ran out.
+    pub fn record_read_sample(&self, key: &[u8]) {
+        self.tables().record_read_sample(key);
+        self.wake_for_seeks();
+    }
+
+    /// Wake the compaction thread when a read ran a table's seek allowance out (reads
+    /// through a [`TablesView`] charge it; their owner calls this after them). One
+    /// relaxed load when nothing is due.
+    pub fn wake_for_seeks(&self) {
+        let seek = &self.seek;
+        if seek.fresh.load(Ordering::Relaxed) && seek.fresh.swap(false, Ordering::AcqRel) && self.opts.background {
+            self.signal();
+        }
     }
 
     /// The tables of the current version, pinned (see [`TablesView`]).
@@ -992,7 +1139,7 @@ impl Lsm {
 
     fn open_table(&self, n: u64, meta: FileMeta) -> Result<Arc<TFile>> {
         let table = Table::open_cached(&self.fs, &self.dir.join(table_name(n)), n, &self.cache)?;
-        Ok(Arc::new(TFile { number: n, meta, table }))
+        Ok(TFile::new(n, meta, table))
     }
 
     /// Flush the Immutable MemTable (if any) to a level-0 table.
@@ -1058,7 +1205,7 @@ impl Lsm {
                 best = Some((score, l));
             }
         }
-        let (_, l) = best?;
+        let Some((_, l)) = best else { return self.pick_seek(cur) };
         let inputs = if l == 0 {
             cur.levels[0].clone()
         } else {
@@ -1069,6 +1216,24 @@ impl Lsm {
         };
         let (lo, hi) = range_of(&inputs);
         let below = cur.overlapping(l + 1, &lo, &hi);
+        Some(Job { level: l, inputs, below })
+    }
+
+    /// LevelDB's seek compaction, when no level's score is ≥ 1: the table whose seek
+    /// allowance ran out, with the overlapping tables of the next level (level 0: all
+    /// its tables, as a score-picked level-0 compaction). Nothing when that table is gone
+    /// (compacted since) or in the last level.
+    fn pick_seek(&self, cur: &Levels) -> Option<Job> {
+        let packed = cur.seek.due.swap(0, Ordering::AcqRel);
+        let (l, n) = ((packed >> 56) as usize, packed & ((1 << 56) - 1));
+        if packed == 0 || l + 1 >= cur.levels.len() {
+            return None;
+        }
+        let f = cur.levels[l].iter().find(|f| f.number == n)?;
+        let inputs = if l == 0 { cur.levels[0].clone() } else { vec![f.clone()] };
+        let (lo, hi) = range_of(&inputs);
+        let below = cur.overlapping(l + 1, &lo, &hi);
+        self.counters.seek_compactions.fetch_add(1, Ordering::Relaxed);
         Some(Job { level: l, inputs, below })
     }
 
@@ -1117,7 +1282,7 @@ impl Lsm {
             self.commit(vec![Edit::RemoveFile(f.number), Edit::AddFile(f.number, meta.clone())])?;
             let mut levels = (**self.current.read()).clone();
             levels.levels[job.level].retain(|x| x.number != f.number);
-            levels.levels[out_level].push(Arc::new(TFile { number: f.number, meta, table: f.table.clone() }));
+            levels.levels[out_level].push(TFile::new(f.number, meta, f.table.clone()));
             sort_levels(&mut levels);
             *self.current.write() = Arc::new(levels);
             self.counters.trivial_moves.fetch_add(1, Ordering::Relaxed);
@@ -1442,6 +1607,101 @@ mod tests {
             let k = format!("k{i:05}").into_bytes();
             assert_eq!(l.get(&k).unwrap().flatten().as_deref(), Some(&[b'v'; 100][..]), "key {i}");
         }
+    }
+
+    /// Two overlapping level-0 tables (even keys, then odd keys over the same range) and
+    /// a third alone in its range (`z…`), level 0 kept below its compaction trigger.
+    fn seek_tree() -> (Arc<Lsm>, BTreeMap<Vec<u8>, Vec<u8>>) {
+        let fs = FaultFs::new();
+        let cfs = CountingFs::new(Arc::new(fs.clone()));
+        let d = Path::new("/lsm");
+        cfs.create_dir_all(d).unwrap();
+        let opts = LsmOptions { l0_compaction_trigger: 100, l0_stop_writes: 200, memtable_size: 1 << 20, ..small() };
+        let (l, _) = Lsm::open(cfs, d, opts, true, Arc::new(Poison::default()), Arc::default(), &|| true).unwrap();
+        let l = Arc::new(l);
+        l.finish_recovery(Vec::new()).unwrap();
+        let mut model = BTreeMap::new();
+        let mut seq = 0;
+        for keys in [
+            (0..1000).step_by(2).map(|i| format!("k{i:05}")).collect::<Vec<_>>(),
+            (1..1000).step_by(2).map(|i| format!("k{i:05}")).collect(),
+            (0..50).map(|i| format!("z{i:05}")).collect(),
+        ] {
+            for k in keys {
+                seq += 1;
+                l.write(seq, &[(k.as_bytes(), Some(&[b'v'; 40][..]))], false).unwrap();
+                model.insert(k.into_bytes(), vec![b'v'; 40]);
+            }
+            l.flush(false).unwrap();
+        }
+        assert_eq!(l.level_shape()[0].0, 3);
+        (l, model)
+    }
+
+    fn l0_numbers(l: &Lsm) -> Vec<u64> {
+        l.current.read().levels[0].iter().map(|f| f.number).collect()
+    }
+
+    /// LevelDB's seek compaction: a point read that searches a second table charges a
+    /// seek to the first one it searched (level 0 newest first); a table whose allowance
+    /// (100 for a small table) is spent is compacted once no level's score asks for a
+    /// compaction, and the reads then search one table. A read found in the first table
+    /// it searches charges nothing.
+    #[test]
+    fn a_table_reads_search_past_is_compacted_once_its_seek_allowance_is_spent() {
+        let (l, model) = seek_tree();
+        let [_, newer, _] = l0_numbers(&l)[..] else { panic!("three tables") };
+        // Odd keys are found in the newer k-table, the first searched: no charge at all.
+        for i in 0..500 {
+            assert!(l.get(format!("k{:05}", i % 500 * 2 + 1).as_bytes()).unwrap().is_some());
+        }
+        // Even keys: the newer k-table is searched first, then the older one: one seek each
+        // (k00000 lies below the newer table's range: it searches one table, no charge).
+        for i in 0..100 {
+            assert!(l.get(format!("k{:05}", i * 2).as_bytes()).unwrap().is_some());
+        }
+        l.flush(true).unwrap();
+        assert_eq!(l.counters.compactions.load(Ordering::Relaxed), 0, "99 seeks do not spend 100");
+        let f = l.current.read().levels[0].iter().find(|f| f.number == newer).cloned().unwrap();
+        assert_eq!(f.allowed_seeks.load(Ordering::Relaxed), 1);
+        assert!(l.get(b"k00200").unwrap().is_some());
+        assert_eq!(l.current.read().seek.due.load(Ordering::Relaxed), newer, "level 0, table {newer} due");
+        l.flush(true).unwrap();
+        assert_eq!(l.counters.seek_compactions.load(Ordering::Relaxed), 1);
+        assert!(l.counters.compactions.load(Ordering::Relaxed) >= 1);
+        assert!(l0_numbers(&l).is_empty(), "level 0 (all of it, as LevelDB) compacted into level 1");
+        for (k, v) in &model {
+            assert_eq!(l.get(k).unwrap().flatten().as_ref(), Some(v));
+        }
+        assert!(l.check().unwrap().is_empty());
+    }
+
+    /// Range reads charge seeks through read samples: a sampled key held by two or more
+    /// tables' ranges charges the first (newest); a key only one table holds charges
+    /// nothing. A hundred samples spend a small table's allowance and compact it.
+    #[test]
+    fn read_samples_of_keys_two_tables_hold_lead_to_a_seek_compaction() {
+        let (l, _) = seek_tree();
+        for _ in 0..1000 {
+            l.record_read_sample(b"z00007"); // only the z-table holds it
+        }
+        l.flush(true).unwrap();
+        assert_eq!(l.counters.compactions.load(Ordering::Relaxed), 0);
+        for _ in 0..100 {
+            l.record_read_sample(b"k00010"); // both k-tables hold it in their ranges
+        }
+        l.flush(true).unwrap();
+        assert_eq!(l.counters.seek_compactions.load(Ordering::Relaxed), 1);
+        assert!(l0_numbers(&l).is_empty());
+    }
+
+    /// The sampler picks about one entry per MiB returned: 64 MiB of 1 KiB entries give
+    /// about 64 samples (the period is uniform in [0, 2 MiB): 64 ± 5 or so).
+    #[test]
+    fn the_read_sampler_samples_about_once_per_mib() {
+        let mut s = ReadSampler::default();
+        let n = (0..65_536).filter(|_| s.returned(1024)).count();
+        assert!((40..=90).contains(&n), "{n} samples");
     }
 
     fn verify(l: &Lsm, model: &BTreeMap<Vec<u8>, Vec<u8>>, rng: &mut rand::rngs::StdRng) {

@@ -12,6 +12,7 @@ use super::Inner;
 use crate::error::{Error, Result};
 use crate::fs::FsFile;
 use crate::iter::{BoxedIter, InternalIterator, MergingIterator};
+use crate::lsm::ReadSampler;
 
 /// Hot keys copied per HotStore lock by a seek.
 const FIRST_BATCH: usize = 16;
@@ -247,6 +248,8 @@ pub(super) struct HoaIter {
     files: HashMap<u64, Arc<dyn FsFile>>,
     /// The key before the last step (a rebuild resumes after it).
     last: Vec<u8>,
+    /// LevelDB's read sampling of the ColdStore's tables (seek compaction).
+    sampler: ReadSampler,
 }
 
 impl std::fmt::Debug for HoaIter {
@@ -282,6 +285,7 @@ impl HoaIter {
             vrange: 0..0,
             files: HashMap::new(),
             last: Vec::new(),
+            sampler: ReadSampler::default(),
         }
     }
 
@@ -311,11 +315,15 @@ impl HoaIter {
         if !self.merge.valid() {
             return Ok(());
         }
+        let key = self.merge.key();
+        // Every entry the walk stops at counts, tombstones included (LevelDB's `DBIter`).
+        if self.sampler.returned(key.len() + self.merge.value().map_or(0, <[u8]>::len)) {
+            self.inner.lsm.record_read_sample(key);
+        }
         let Some(raw) = self.merge.value() else {
             self.val = Val::Tomb;
             return Ok(());
         };
-        let key = self.merge.key();
         if self.merge.current_child() == Some(HOT_CHILD) {
             // A hot entry: copy its current value (verified) under the HotStore lock. A key
             // that left the HotStore since the batch was copied may have moved to a

@@ -17,7 +17,11 @@
 //!   goes only to the HotStore). When the HotStore has no room, the coldest hot keys are
 //!   demoted first (below).
 //! - **ColdStore** — [`crate::lsm`]: WAL + MemTable + a LevelDB-style leveled LSM on the
-//!   shared SSTable format and MANIFEST.
+//!   shared SSTable format and MANIFEST. HoaKV is built on LevelDB (§1: "We implemented a
+//!   HoaKV prototype on LevelDB"), so the ColdStore compacts as LevelDB does, seek
+//!   compaction included: point reads that search past a table, and about one key per MiB
+//!   a range read returns (`HoaIter`'s `ReadSampler`), spend its seek allowance
+//!   (`seek_compactions` in the design figures).
 //! - **Partial KV separation** (§3.4, Algorithm 2): an LSM value is tagged; values longer
 //!   than `value_size` are appended to the cold vlog and the LSM keeps a pointer, shorter
 //!   ones stay inline ([`layout`]).
@@ -1096,6 +1100,7 @@ impl Inner {
             ("recovered_duplicate_slots".into(), dup),
             ("flushes".into(), r(&l.flushes)),
             ("compactions".into(), r(&l.compactions)),
+            ("seek_compactions".into(), r(&l.seek_compactions)),
             ("trivial_moves".into(), r(&l.trivial_moves)),
             ("compaction_read_bytes".into(), r(&l.compact_read)),
             ("compaction_written_bytes".into(), r(&l.compact_written)),

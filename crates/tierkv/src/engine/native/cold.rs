@@ -228,7 +228,11 @@ impl Cold {
         }
         self.disk_reads.fetch_add(1, Ordering::Relaxed);
         match view {
-            Some(v) => v.get(key),
+            Some(v) => {
+                let r = v.get(key);
+                self.lsm.wake_for_seeks(); // the read may have spent a table's seek allowance
+                r
+            }
             None => self.lsm.get(key),
         }
     }
