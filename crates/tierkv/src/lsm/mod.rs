@@ -23,21 +23,26 @@
 //!   at `target_file_size`; a tombstone is dropped when no deeper level holds its key's
 //!   range. The MANIFEST edit (inputs removed, outputs added at n+1) is the commit point.
 //! - **Seek compaction** (LevelDB's `allowed_seeks`): a table allows `size / 16 KiB` seeks
-//!   (at least 100). A point read that searches a second table (its key range holds the
-//!   key; a bloom filter's "no" counts as a search, as in LevelDB) charges one to the first
-//!   table it searched; a range read samples about one returned key per MiB
-//!   ([`ReadSampler`]) and charges the first of the tables holding it when two or more
-//!   do. A table whose allowance is spent is compacted into the next level (level 0: all
-//!   of it, as above) when no level's score is ≥ 1 (`seek_compactions`). This is what moves
-//!   a read-mostly store's level 0 and upper levels down once writes stop; without it their
-//!   tables stayed until the next write-driven compaction, and every read merged or probed
-//!   them: after 500,000 random 1 KiB puts, `hoakv`'s range reads merged three 62 MB level-0
-//!   tables over levels 1–3 (50 seek compactions during the next 500,000 point reads
-//!   left levels 2 and 3 only; see `docs/design/read-path.md`, "Seek compaction"). The
-//!   allowances live in DRAM only (reset at open, and for a table a trivial move carries
-//!   down), as LevelDB's. Charging is one relaxed atomic subtraction on the table; the
-//!   read that spends an allowance wakes the compaction thread ([`Lsm::wake_for_seeks`];
-//!   with `background` off, the next write's compactions pick it up).
+//!   (at least 100). A point read ([`Lsm::get`], [`TablesView::get`]: an owner's reads, and
+//!   hoakv's value-group maintenance, which looks up each record it scans, as LevelDB's
+//!   `Get` would) that searches a second table (its key range holds the key; a bloom
+//!   filter's "no" counts as a search, as in LevelDB) charges one to the first table it
+//!   searched. A range read that samples (hoakv's iterator; [`Lsm::iter`] and native's do
+//!   not) picks about one entry per MiB of keys and values its sources return
+//!   ([`ReadSampler`]) and charges the first of the tables holding that key when two or more
+//!   do ([`Lsm::record_read_sample`]). A table whose allowance is spent becomes the one
+//!   seek compaction due (if another is due, it claims the place at a later charge), and is
+//!   compacted into the next level (level 0: all of it, as above) when no level's score is
+//!   ≥ 1 (`seek_compactions`). A table no longer in the current version is not charged
+//!   (reads through an older view: a snapshot's). This is what moves a read-mostly store's
+//!   level 0 and upper levels down once writes stop; without it their tables stayed until
+//!   the next write-driven compaction, and every read merged or probed them
+//!   (`docs/design/read-path.md`, "Seek compaction"). The allowances live in DRAM only
+//!   (reset at open, and for a table a trivial move carries down), as LevelDB's. Charging
+//!   is one relaxed atomic subtraction on the table; the read that makes a table due wakes
+//!   the compaction thread ([`Lsm::wake_for_seeks`]). With `background` off, compactions
+//!   run in the writing thread at a MemTable rotation, an ingest or a flush/compact, and
+//!   pick the table due there.
 //! - **Reads**: MemTable → Immutable MemTable → level 0 newest first → one table per level
 //!   (binary search on the largest keys); bloom filters (10 bits/key) and a block cache.
 //!   Range reads: [`Lsm::iter`] (below).
@@ -179,6 +184,9 @@ struct TFile {
     /// module docs) before it is due for compaction. Starts at one per `SEEK_BYTES` of
     /// table, at least `MIN_SEEKS`; a table made by a trivial move starts afresh.
     allowed_seeks: AtomicI64,
+    /// Set once a compaction (or a trivial move) took the table out of the current
+    /// version: reads through an older view (a snapshot's) no longer charge it.
+    removed: AtomicBool,
 }
 
 /// Bytes of table per allowed seek (LevelDB's 16 KiB). LevelDB's argument: a seek costs
@@ -192,17 +200,34 @@ const MIN_SEEKS: u64 = 100;
 impl TFile {
     fn new(number: u64, meta: FileMeta, table: Arc<Table>) -> Arc<TFile> {
         let allowed = (meta.size / SEEK_BYTES).max(MIN_SEEKS);
-        Arc::new(TFile { number, meta, table, allowed_seeks: AtomicI64::new(allowed as i64) })
+        Arc::new(TFile {
+            number,
+            meta,
+            table,
+            allowed_seeks: AtomicI64::new(allowed as i64),
+            removed: AtomicBool::new(false),
+        })
     }
 }
 
 /// The table whose seek allowance ran out, shared by every version of one tree.
 #[derive(Debug, Default)]
 struct SeekDue {
-    /// `level << 56 | number` of the table due, 0 for none (table numbers start at 1).
+    /// [`pack_due`] of the table due, 0 for none (table numbers start at 1).
     due: AtomicU64,
     /// Set when `due` is: the next [`Lsm::wake_for_seeks`] signals the compaction thread.
     fresh: AtomicBool,
+}
+
+/// `due`'s encoding of table `number` at `level`: the level in the top 8 bits (table
+/// numbers stay far below 2^56).
+fn pack_due(level: usize, number: u64) -> u64 {
+    (level as u64) << 56 | (number & ((1 << 56) - 1))
+}
+
+/// (level, table number) of a [`pack_due`] value.
+fn unpack_due(packed: u64) -> (usize, u64) {
+    ((packed >> 56) as usize, packed & ((1 << 56) - 1))
 }
 
 /// The tables readers see: level 0 newest first, levels 1.. by smallest key.
@@ -227,14 +252,17 @@ impl Levels {
     }
 
     /// Charge one seek to table `f` of level `l`; once its allowance is spent it becomes
-    /// the seek compaction due (unless another table already is: it tries again at its
-    /// next charges, as LevelDB's). It tries for its first `MIN_SEEKS` charges past the
-    /// allowance only, so reads through a view pinning a table that compactions already
-    /// removed (a snapshot) cannot keep waking the compaction thread for nothing.
+    /// the seek compaction due, unless another table already is: then it tries again at
+    /// each of its next charges (as LevelDB's), until it is picked. A table no longer in
+    /// the current version (read through a snapshot's older view) is not charged: it
+    /// cannot be compacted, and would only keep waking the compaction thread.
     fn charge(&self, l: usize, f: &TFile) {
+        if f.removed.load(Ordering::Relaxed) {
+            return;
+        }
         let before = f.allowed_seeks.fetch_sub(1, Ordering::Relaxed);
-        if (1 - MIN_SEEKS as i64..=1).contains(&before) && self.seek.due.load(Ordering::Relaxed) == 0 {
-            let packed = (l as u64) << 56 | f.number;
+        if before <= 1 && self.seek.due.load(Ordering::Relaxed) == 0 {
+            let packed = pack_due(l, f.number);
             if self.seek.due.compare_exchange(0, packed, Ordering::AcqRel, Ordering::Relaxed).is_ok() {
                 self.seek.fresh.store(true, Ordering::Release);
             }
@@ -1225,7 +1253,7 @@ impl Lsm {
     /// (compacted since) or in the last level.
     fn pick_seek(&self, cur: &Levels) -> Option<Job> {
         let packed = cur.seek.due.swap(0, Ordering::AcqRel);
-        let (l, n) = ((packed >> 56) as usize, packed & ((1 << 56) - 1));
+        let (l, n) = unpack_due(packed);
         if packed == 0 || l + 1 >= cur.levels.len() {
             return None;
         }
@@ -1285,6 +1313,7 @@ impl Lsm {
             levels.levels[out_level].push(TFile::new(f.number, meta, f.table.clone()));
             sort_levels(&mut levels);
             *self.current.write() = Arc::new(levels);
+            f.removed.store(true, Ordering::Relaxed);
             self.counters.trivial_moves.fetch_add(1, Ordering::Relaxed);
             return Ok(());
         }
@@ -1319,6 +1348,9 @@ impl Lsm {
         }
         sort_levels(&mut levels);
         *self.current.write() = Arc::new(levels);
+        for f in job.inputs.iter().chain(&job.below) {
+            f.removed.store(true, Ordering::Relaxed);
+        }
         for n in removed {
             let _ = self.fs.remove(&self.dir.join(table_name(n)));
         }
@@ -1673,7 +1705,29 @@ mod tests {
         for (k, v) in &model {
             assert_eq!(l.get(k).unwrap().flatten().as_ref(), Some(v));
         }
+        // Level 1's tables do not overlap: every read now searches one table, and charges
+        // nothing.
+        assert!(untouched(&l), "no table charged");
         assert!(l.check().unwrap().is_empty());
+    }
+
+    /// Every table of the current version still has its whole allowance.
+    fn untouched(l: &Lsm) -> bool {
+        let cur = l.current.read().clone();
+        cur.levels
+            .iter()
+            .flatten()
+            .all(|f| f.allowed_seeks.load(Ordering::Relaxed) == (f.meta.size / SEEK_BYTES).max(MIN_SEEKS) as i64)
+    }
+
+    /// The due table's level and number survive their packing, for every level.
+    #[test]
+    fn a_due_table_packs_its_level_and_number() {
+        for l in 0..8 {
+            for n in [1, 2, 1 << 20, (1 << 56) - 1] {
+                assert_eq!(unpack_due(pack_due(l, n)), (l, n));
+            }
+        }
     }
 
     /// Range reads charge seeks through read samples: a sampled key held by two or more
@@ -1687,12 +1741,21 @@ mod tests {
         }
         l.flush(true).unwrap();
         assert_eq!(l.counters.compactions.load(Ordering::Relaxed), 0);
+        let before = l.tables();
         for _ in 0..100 {
             l.record_read_sample(b"k00010"); // both k-tables hold it in their ranges
         }
         l.flush(true).unwrap();
         assert_eq!(l.counters.seek_compactions.load(Ordering::Relaxed), 1);
         assert!(l0_numbers(&l).is_empty());
+        // A view taken before the compaction (a snapshot's) still searches the removed
+        // level-0 tables: it charges none of them, and makes nothing due.
+        for i in 0..500 {
+            assert!(before.get(format!("k{:05}", i * 2).as_bytes()).unwrap().is_some());
+            before.record_read_sample(b"k00010");
+        }
+        assert_eq!(l.current.read().seek.due.load(Ordering::Relaxed), 0);
+        assert!(untouched(&l));
     }
 
     /// The sampler picks about one entry per MiB returned: 64 MiB of 1 KiB entries give

@@ -19,9 +19,11 @@
 //! - **ColdStore** — [`crate::lsm`]: WAL + MemTable + a LevelDB-style leveled LSM on the
 //!   shared SSTable format and MANIFEST. HoaKV is built on LevelDB (§1: "We implemented a
 //!   HoaKV prototype on LevelDB"), so the ColdStore compacts as LevelDB does, seek
-//!   compaction included: point reads that search past a table, and about one key per MiB
-//!   a range read returns (`HoaIter`'s `ReadSampler`), spend its seek allowance
-//!   (`seek_compactions` in the design figures).
+//!   compaction included: point reads that search past a table (value-group maintenance's
+//!   lookups too), and range reads' samples (`HoaIter`'s `ReadSampler`: about one entry per
+//!   MiB of the merge's keys and values; a hot entry counts its key only, a value-log
+//!   pointer its 21 bytes), spend its seek allowance (`seek_compactions` in the design
+//!   figures).
 //! - **Partial KV separation** (§3.4, Algorithm 2): an LSM value is tagged; values longer
 //!   than `value_size` are appended to the cold vlog and the LSM keeps a pointer, shorter
 //!   ones stay inline ([`layout`]).
