@@ -48,6 +48,10 @@ pub struct BenchArgs {
     pub threads: Vec<usize>,
     /// `--durable`: peers fsync every write; tierkv msyncs PM.
     pub durable: bool,
+    /// `--repeat`: rounds of the whole comparison (every engine, thread count and value
+    /// size, each on a fresh store); the report keeps each measurement's median round
+    /// ([`report::median_rounds`]). 1 (the default) is one round, reported as measured.
+    pub repeat: usize,
     /// `--ycsb-fresh`: the YCSB workloads run on a fresh store (see [`run::segments`]).
     pub ycsb_fresh: bool,
     /// The `tierkv` executable, to run the crash child ([`crate::child`]) and, under
@@ -80,6 +84,7 @@ impl Default for BenchArgs {
             out: None,
             threads: vec![1],
             durable: false,
+            repeat: 1,
             ycsb_fresh: false,
             crash_exe: None,
         }
@@ -197,6 +202,9 @@ pub fn run(a: &BenchArgs) -> Result<Report, String> {
     if a.threads.is_empty() || a.threads.contains(&0) {
         return Err("--threads: give one or more counts, each at least 1".into());
     }
+    if a.repeat == 0 {
+        return Err("--repeat: give a number of rounds, at least 1".into());
+    }
     a.pm_profile.parse::<tierkv::pm::PmProfile>().map_err(|e| format!("--pm-profile: {e}"))?;
     let pm_on_tmpfs = cgroup::is_tmpfs(&pm_base);
     let has_pm = a.engines.iter().any(|e| !engine::is_peer(e));
@@ -243,33 +251,40 @@ pub fn run(a: &BenchArgs) -> Result<Report, String> {
         ycsb_fresh: a.ycsb_fresh,
     };
     let mut acc = Acc::default();
-    for &value_size in &a.value_sizes {
-        for name in &a.engines {
-            for (step, &threads) in a.threads.iter().enumerate() {
-                let params = Params { value_size, threads, ..base.clone() };
-                let disk = tempfile::Builder::new()
-                    .prefix("tierkv-bench-")
-                    .tempdir_in(&disk_base)
-                    .map_err(|e| format!("--dir {}: {e}", disk_base.display()))?;
-                let pm = tempfile::Builder::new()
-                    .prefix("tierkv-bench-pm-")
-                    .tempdir_in(&pm_base)
-                    .map_err(|e| format!("--pm-dir {}: {e}", pm_base.display()))?;
-                let spec = EngineSpec {
-                    name: name.clone(),
-                    dir: disk.path().join("db"),
-                    pm_dir: pm.path().to_path_buf(),
-                    durable: a.durable,
-                    pm_budget: a.pm_budget_mib.map(|m| m << 20),
-                    pm_profile: Some(a.pm_profile.clone()),
-                    dram_budget: a.dram_budget_mib.map(|m| m << 20),
-                };
-                match &confined {
-                    Some((exe, limit)) => run_confined(a, exe, &spec, &params, step == 0, *limit, &mut acc)?,
-                    None => run_in_process(a, &spec, &params, step == 0, &mut acc)?,
+    // Rounds outermost: a noisy spell of the machine falls on every engine of a round
+    // rather than on one engine's every measurement.
+    for _round in 0..a.repeat {
+        for &value_size in &a.value_sizes {
+            for name in &a.engines {
+                for (step, &threads) in a.threads.iter().enumerate() {
+                    let params = Params { value_size, threads, ..base.clone() };
+                    let disk = tempfile::Builder::new()
+                        .prefix("tierkv-bench-")
+                        .tempdir_in(&disk_base)
+                        .map_err(|e| format!("--dir {}: {e}", disk_base.display()))?;
+                    let pm = tempfile::Builder::new()
+                        .prefix("tierkv-bench-pm-")
+                        .tempdir_in(&pm_base)
+                        .map_err(|e| format!("--pm-dir {}: {e}", pm_base.display()))?;
+                    let spec = EngineSpec {
+                        name: name.clone(),
+                        dir: disk.path().join("db"),
+                        pm_dir: pm.path().to_path_buf(),
+                        durable: a.durable,
+                        pm_budget: a.pm_budget_mib.map(|m| m << 20),
+                        pm_profile: Some(a.pm_profile.clone()),
+                        dram_budget: a.dram_budget_mib.map(|m| m << 20),
+                    };
+                    match &confined {
+                        Some((exe, limit)) => run_confined(a, exe, &spec, &params, step == 0, *limit, &mut acc)?,
+                        None => run_in_process(a, &spec, &params, step == 0, &mut acc)?,
+                    }
                 }
             }
         }
+    }
+    if a.repeat > 1 {
+        report::median_rounds(&mut acc.outcomes, &mut acc.recovery, &mut acc.memory);
     }
     // Group by value size, then workload order, then engine order.
     let mut outcomes = acc.outcomes;

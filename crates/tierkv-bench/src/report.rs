@@ -133,6 +133,54 @@ pub struct Recovery {
     pub acknowledged_keys: Option<u64>,
 }
 
+/// `--repeat`: collapse each measurement's rounds into its median round. Outcomes are
+/// grouped by engine, workload, value size and thread count (in the order they first
+/// appear); the one kept is the round with the median ops/s (the lower of the middle two
+/// for an even count), its latencies, usage and design figures unchanged, with every
+/// round's ops/s in `rounds` in round order. Ratios in the table are then ratios of
+/// medians. Recoveries (per engine and value size) keep the median round by `seconds`;
+/// memory rows (per engine, value size and threads) the round with the highest peak.
+pub fn median_rounds(outcomes: &mut Vec<Outcome>, recovery: &mut Vec<Recovery>, memory: &mut Vec<MemoryUse>) {
+    let key = |o: &Outcome| (o.engine.clone(), o.workload, o.value_size, o.threads);
+    *outcomes = groups(std::mem::take(outcomes), key)
+        .into_iter()
+        .filter_map(|g| {
+            let rounds: Vec<f64> = g.iter().map(|o| o.ops_per_sec).collect();
+            let mut o = median_by(g, |o| o.ops_per_sec)?;
+            o.rounds = rounds;
+            Some(o)
+        })
+        .collect();
+    *recovery = groups(std::mem::take(recovery), |r| (r.engine.clone(), r.value_size))
+        .into_iter()
+        .filter_map(|g| median_by(g, |r| r.seconds))
+        .collect();
+    *memory = groups(std::mem::take(memory), |m| (m.engine.clone(), m.value_size, m.threads))
+        .into_iter()
+        .filter_map(|g| g.into_iter().max_by_key(|m| m.peak_bytes.unwrap_or(0)))
+        .collect();
+}
+
+/// `items` grouped by `key`, groups in order of first appearance, items in order.
+fn groups<T, K: PartialEq>(items: Vec<T>, key: impl Fn(&T) -> K) -> Vec<Vec<T>> {
+    let mut out: Vec<(K, Vec<T>)> = Vec::new();
+    for it in items {
+        let k = key(&it);
+        match out.iter_mut().find(|(g, _)| *g == k) {
+            Some((_, v)) => v.push(it),
+            None => out.push((k, vec![it])),
+        }
+    }
+    out.into_iter().map(|(_, v)| v).collect()
+}
+
+/// The item with the median `by` (the lower of the middle two for an even count).
+fn median_by<T>(mut items: Vec<T>, by: impl Fn(&T) -> f64) -> Option<T> {
+    items.sort_by(|a, b| by(a).total_cmp(&by(b)));
+    let mid = items.len().checked_sub(1)? / 2;
+    Some(items.swap_remove(mid))
+}
+
 fn fmt_ns(ns: f64) -> String {
     if ns >= 1e6 {
         format!("{:.1}ms", ns / 1e6)
@@ -223,6 +271,7 @@ pub fn table(r: &Report) -> String {
             );
         }
     }
+    out.push_str(&rounds(r));
     out.push_str(&sweep(r));
     for o in r.outcomes.iter().filter(|o| o.background_writes > 0) {
         let _ = writeln!(
@@ -307,6 +356,32 @@ pub fn memory(r: &Report) -> String {
             m.major_faults.map_or("-".to_string(), |x| x.to_string()),
             fmt_bytes(m.disk_bytes_read),
             m.oom_kills.map_or("-".to_string(), |x| x.to_string()),
+        );
+    }
+    out
+}
+
+/// Under `--repeat`: every round's ops/s per measurement and their spread.
+pub fn rounds(r: &Report) -> String {
+    let mut out = String::new();
+    let Some(n) = r.outcomes.iter().map(|o| o.rounds.len()).max().filter(|&n| n > 1) else { return out };
+    let _ = writeln!(
+        out,
+        "\nrounds (--repeat {n}): ops/s of each round, in order; the rows above are each measurement's median round"
+    );
+    for o in r.outcomes.iter().filter(|o| o.rounds.len() > 1) {
+        let each: Vec<String> = o.rounds.iter().map(|v| format!("{v:.0}")).collect();
+        let (lo, hi) = o.rounds.iter().fold((f64::MAX, 0f64), |(l, h), &v| (l.min(v), h.max(v)));
+        let spread =
+            if o.ops_per_sec > 0.0 { format!("{:.0}%", (hi - lo) / o.ops_per_sec * 100.0) } else { "-".into() };
+        let _ = writeln!(
+            out,
+            "  {:<16} {:>7} {:<10} {:>3}: {} (max − min: {spread} of the median)",
+            o.workload.name(),
+            o.value_size,
+            o.engine,
+            o.threads,
+            each.join(" / ")
         );
     }
     out

@@ -248,6 +248,10 @@ pub struct Outcome {
     /// merges, …; counters are totals since open).
     #[serde(default, skip_serializing_if = "std::collections::BTreeMap::is_empty")]
     pub design: std::collections::BTreeMap<String, u64>,
+    /// Under `--repeat N` (N > 1): ops/s of every round, in round order; the rest of this
+    /// outcome is the median round's. Empty (and absent from the JSON) for one round.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub rounds: Vec<f64>,
 }
 
 /// The workloads split into the runs that share one store: all of them, or with
@@ -448,6 +452,7 @@ pub fn run_with_progress(
         write_amp_disk: ratio(usage.disk_bytes_written),
         disk_bytes_read: crate::cgroup::process_read_bytes().saturating_sub(read0),
         design: e.design(),
+        rounds: Vec::new(),
         usage,
     }))
 }

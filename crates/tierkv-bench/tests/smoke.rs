@@ -192,3 +192,44 @@ fn thread_sweep_runs_every_count_and_prints_ratios() {
     assert!(line.contains("(1.00x)"), "{line}");
     assert!(run(&BenchArgs { threads: vec![0], ..a.clone() }).is_err(), "0 threads is refused");
 }
+
+/// `--repeat 3`: every measurement runs three times; the report keeps one outcome per
+/// measurement — the median round, every round's ops/s in `rounds` — one recovery per
+/// engine, and the table lists the rounds. One round keeps the report as it was (no
+/// `rounds` in the JSON). Zero rounds is refused.
+#[test]
+fn repeat_keeps_the_median_round_and_lists_every_round() {
+    let t = tempfile::tempdir().unwrap();
+    let a = BenchArgs {
+        num: 500,
+        threads: vec![1, 2],
+        repeat: 3,
+        engines: parse_engines("pmekv,native").unwrap(),
+        workloads: parse_workloads("fillrandom,readrandom").unwrap(),
+        dir: Some(t.path().to_path_buf()),
+        pm_dir: Some(t.path().to_path_buf()),
+        ..Default::default()
+    };
+    let rep = run(&a).unwrap();
+    assert_eq!(rep.outcomes.len(), 2 * 2 * 2, "one outcome per engine, workload and thread count");
+    for o in &rep.outcomes {
+        assert_eq!(o.rounds.len(), 3, "{} {:?}", o.engine, o.workload);
+        let mut sorted = o.rounds.clone();
+        sorted.sort_by(f64::total_cmp);
+        assert_eq!(o.ops_per_sec, sorted[1], "the median round is the one kept");
+    }
+    for e in ["pmekv", "native"] {
+        assert_eq!(rep.recovery.iter().filter(|r| r.engine == e).count(), 1, "{e}: one recovery row");
+    }
+    let table = tierkv_bench::report::table(&rep);
+    assert!(table.contains("rounds (--repeat 3)"), "{table}");
+    let line = table
+        .lines()
+        .find(|l| l.trim_start().starts_with("readrandom") && l.contains("native") && l.contains(" / "))
+        .unwrap();
+    assert_eq!(line.matches(" / ").count(), 2, "{line}");
+    let one = run(&BenchArgs { repeat: 1, threads: vec![1], ..a.clone() }).unwrap();
+    assert!(one.outcomes.iter().all(|o| o.rounds.is_empty()));
+    assert!(!serde_json::to_string(&one).unwrap().contains("\"rounds\""));
+    assert!(run(&BenchArgs { repeat: 0, ..a.clone() }).is_err(), "0 rounds is refused");
+}

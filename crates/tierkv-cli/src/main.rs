@@ -133,6 +133,12 @@ struct BenchFlags {
     /// Power-loss durability for everyone: peers fsync every write, tierkv msyncs PM.
     #[arg(long)]
     durable: bool,
+    /// Rounds of the whole comparison (every engine on a fresh store each round, rounds
+    /// run one after another); the table shows each measurement's median round, ratios
+    /// between medians, and lists every round's ops/s. For machines whose speed moves
+    /// between runs (shared VMs) [default: 1].
+    #[arg(long, default_value_t = 1)]
+    repeat: usize,
     /// The papers' sweep: value sizes 100, 1024, 4096, 16384 and every workload.
     #[arg(long)]
     full: bool,
@@ -492,6 +498,7 @@ fn run(cli: Cli) -> Result<Outcome, Error> {
             a.out = f.out;
             a.threads = f.threads.iter().map(|&t| t.max(1)).collect();
             a.durable = f.durable;
+            a.repeat = f.repeat;
             if let Some(v) = f.ycsb_fresh {
                 a.ycsb_fresh = v;
             }
