@@ -138,8 +138,11 @@ pub struct Recovery {
 /// appear); the one kept is the round with the median ops/s (the lower of the middle two
 /// for an even count), its latencies, usage and design figures unchanged, with every
 /// round's ops/s in `rounds` in round order. Ratios in the table are then ratios of
-/// medians. Recoveries (per engine and value size) keep the median round by `seconds`;
-/// memory rows (per engine, value size and threads) the round with the highest peak.
+/// medians (each engine's median round on its own: the rounds behind a ratio may differ;
+/// `rounds` has them all). A recovery row (per engine and value size) is the round with
+/// the median clean-reopen `seconds`, its SIGKILL figures that round's; a memory row (per
+/// engine, value size and threads) the round with the highest peak. Failures are all
+/// kept, one line per round that failed.
 pub fn median_rounds(outcomes: &mut Vec<Outcome>, recovery: &mut Vec<Recovery>, memory: &mut Vec<MemoryUse>) {
     let key = |o: &Outcome| (o.engine.clone(), o.workload, o.value_size, o.threads);
     *outcomes = groups(std::mem::take(outcomes), key)

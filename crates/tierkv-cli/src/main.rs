@@ -136,7 +136,7 @@ struct BenchFlags {
     /// Rounds of the whole comparison (every engine on a fresh store each round, rounds
     /// run one after another); the table shows each measurement's median round, ratios
     /// between medians, and lists every round's ops/s. For machines whose speed moves
-    /// between runs (shared VMs) [default: 1].
+    /// between runs (shared VMs). Not with --server.
     #[arg(long, default_value_t = 1)]
     repeat: usize,
     /// The papers' sweep: value sizes 100, 1024, 4096, 16384 and every workload.
@@ -427,6 +427,9 @@ fn run(cli: Cli) -> Result<Outcome, Error> {
     let mut out = std::io::stdout().lock();
     match cli.cmd {
         Cmd::Bench(f) if f.server => {
+            if f.repeat != 1 {
+                return Err(Error::InvalidArgument("bench --server: --repeat is not supported there".into()));
+            }
             let exe = std::env::current_exe()?;
             let mut targets = Vec::new();
             let names: Vec<String> = match &f.engines {
