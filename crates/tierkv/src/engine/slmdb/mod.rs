@@ -82,7 +82,15 @@
 //!   / 8 threads relative to 1): `parking_lot` 0.95 / 0.94 / 0.90, 1.05 / 0.90 / 0.94, 0.81 /
 //!   0.81 / 0.83; `std` 0.76 / 1.06 / 1.24, 0.87 / 1.28 / 1.23, 1.02 / 0.91 / 1.22 (8
 //!   threads 252–264k puts/s against 189–222k; two threads no better, and lower in two of
-//!   the three pairs).
+//!   the three pairs). Tried and not kept: writers through the shared group-commit queue
+//!   (`crate::group`, as pmekv's: the writer at the front applies every queued batch under
+//!   one lock acquisition while the others spin, yield, then sleep). Three interleaved
+//!   pairs of the same sweep (1 / 2 / 8 threads, puts/s): the mutex 252.5k / 242.7k /
+//!   266.0k, 260.3k / 241.2k / 258.2k, 256.0k / 227.4k / 268.6k; the queue 258.2k / 266.6k
+//!   / 244.7k, 233.8k / 265.9k / 250.8k, 260.4k / 273.9k / 237.1k. Two writers gained
+//!   (0.89–0.96× one writer → 1.03–1.14×, p99 34–41 µs → 9–10 µs), eight lost (0.99–1.05×
+//!   → 0.91–1.07×, p99 7 µs → 261–273 µs: eight waiters yielding on two cores delay the
+//!   leader).
 //! - SSTables are memory-mapped where the file system allows (as LevelDB maps its tables);
 //!   elsewhere an 8 MiB block cache (LevelDB's default) holds verified data blocks.
 //! - MemTable reads trust nodes (all verified at recovery; `check` verifies them again).
