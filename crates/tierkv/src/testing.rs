@@ -119,16 +119,18 @@ pub fn engine_get(db: &crate::Db, key: &[u8]) -> crate::Result<Option<Vec<u8>>> 
 }
 
 /// Run `f` on a thread of its own and return its result, or panic naming `what` when it
-/// has not returned within 30 s: a hang detector for tests of code that must not wait for
-/// ever (not a timing assertion — correct code returns in milliseconds; a hung thread is
-/// left behind).
+/// has not returned within 30 s (or panicked): a hang detector for tests of code that must
+/// not wait for ever (not a timing assertion — correct code returns in milliseconds; a
+/// hung thread is left behind).
 pub fn returns<T: Send + 'static>(what: &str, f: impl FnOnce() -> T + Send + 'static) -> T {
+    use std::sync::mpsc::RecvTimeoutError;
     let (tx, rx) = std::sync::mpsc::channel();
     std::thread::spawn(move || {
         let _ = tx.send(f());
     });
     match rx.recv_timeout(std::time::Duration::from_secs(30)) {
         Ok(r) => r,
-        Err(_) => panic!("{what} did not return within 30 s"),
+        Err(RecvTimeoutError::Timeout) => panic!("{what} did not return within 30 s"),
+        Err(RecvTimeoutError::Disconnected) => panic!("{what} panicked"),
     }
 }

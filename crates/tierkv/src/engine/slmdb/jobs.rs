@@ -936,8 +936,8 @@ impl Inner {
 mod tests {
     /// A write still running when `close` stopped the worker, that needs a rotation while
     /// an Immutable MemTable waits for its flush: nobody else will flush it, so the write
-    /// flushes it itself — it never waits for ever; every write succeeds and reads back. Before the fix it did; a
-    /// write that does not return within 30 s fails the test.
+    /// flushes it itself — it never waits for ever; every write succeeds and reads back.
+    /// Before the fix it did; a write that does not return within 30 s fails the test.
     #[test]
     fn a_write_after_the_worker_stopped_does_not_wait_for_it() {
         use std::sync::Arc;
