@@ -740,7 +740,7 @@ impl Inner {
                 match leaf.meta.kn {
                     Some(kn) if !leaf.meta.dirty => kn_set.push(kn),
                     _ => {
-                        let it = leaf.keys.iter().map(|k| &**k).zip(leaf.vals.iter().copied());
+                        let it = leaf.keys.iter().zip(leaf.vals.iter().copied());
                         let bytes = layout::keynode_encode(it, leaf.keys.len());
                         let addr = write_new(&bytes)?;
                         fresh.push((addr, bytes.len() as u64));
