@@ -13,6 +13,21 @@
 //! the predecessor's 8-byte `next` is stored and persisted. An update is an insert of a
 //! newer node in front of the old one: values are never modified in place.
 //!
+//! # Writers
+//! Writers claim node space with an atomic bump of the arena's fill mark (in any order), so
+//! a lone put or delete ([`Memtable::put_one`]) writes and writes back its node *before*
+//! taking the index lock, with a sequence number drawn from the store's counter; the lock
+//! covers only the link (two 8-byte stores, each persisted) and the upper levels' update.
+//! A key's nodes must stay newest first (recovery rejects any other order, and reads take
+//! the first): if a newer node of the key linked while this one was written, the node
+//! draws a fresh number under the lock and its header is rewritten before it is linked —
+//! the write that links last is the newest, and nothing could have observed the older
+//! number. A batch ([`Memtable::apply`]) draws its numbers under the lock, so it is newer
+//! than everything linked, and a conditional write decides on the key's newest node here
+//! (or, when this memtable has none, on what lies below) in the same critical section as
+//! its link. Claimed space whose node is never linked (a crash, an error) is dead: no link
+//! reaches it.
+//!
 //! # Upper levels
 //! The volatile upper levels are a DRAM ordered map from each key to its newest and oldest
 //! node (the oldest node of the previous key is the predecessor an insert needs). A
@@ -31,7 +46,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 
 use parking_lot::RwLock;
 
-use crate::error::{Error, Result};
+use crate::error::Result;
 use crate::format::{crc, Cursor};
 use crate::index::bplus::Batch;
 use crate::pm::Region;
@@ -166,6 +181,27 @@ pub struct Memtable {
     /// DRAM held by the upper levels: key bytes plus one map entry per key (the map's own
     /// node overhead is not counted).
     index_bytes: AtomicU64,
+}
+
+/// A node written but not yet linked ([`Memtable::prepare`]).
+#[derive(Debug)]
+pub struct Prepared<'o> {
+    node: u64,
+    seq: u64,
+    op: Op<'o>,
+}
+
+/// Whether a key exists below a memtable (older MemTables, the tree), for a conditional
+/// [`Memtable::apply`].
+pub type Below<'a> = &'a dyn Fn(&[u8]) -> Result<bool>;
+
+/// What [`Memtable::apply`] did.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Applied {
+    /// Applied (`true`), or its condition failed (`false`).
+    Done(bool),
+    /// The nodes do not fit; nothing changed.
+    Full,
 }
 
 /// The value of the node at `addr` (`None` for a delete).
@@ -311,37 +347,124 @@ impl Memtable {
         self.index.read().len()
     }
 
-    /// Insert `ops` as one batch with sequence numbers `seq..`. The caller checked that
-    /// they fit and serialises writers of this memtable.
-    pub fn apply(&self, r: &Region, seq: u64, ops: &[Op<'_>]) -> Result<()> {
-        let mut idx = self.index.write();
-        let n = ops.len() as u32;
-        for (i, op) in ops.iter().enumerate() {
-            let size = node_size(op.key.len(), op.value.len());
-            let node = self.addr + self.used();
-            if node + size > self.addr + self.size {
-                return Err(Error::InvalidArgument("memtable arena overflow".into()));
-            }
-            let pred = idx.range::<[u8], _>((Bound::Unbounded, Bound::Excluded(op.key))).next_back();
-            let pred_word = pred.map_or(self.addr + 24, |(_, s)| s.oldest);
-            let next = r.load_u64_atomic(pred_word)?;
-            let bytes = encode_node(next, seq + i as u64, n, i as u32, op.kind, op.key, op.value);
-            // SAFETY: `[node, node+size)` is unused arena space past every published node;
-            // only this writer (holding the index lock exclusively) writes the arena.
-            unsafe { r.write(node, &bytes)? };
-            r.persist(node, size);
-            r.store_u64_atomic(pred_word, node)?;
-            r.persist(pred_word, 8);
-            self.used.store(node + size - self.addr, Ordering::Relaxed);
-            match idx.get_mut(op.key) {
-                Some(s) => s.newest = node,
-                None => {
-                    idx.insert(op.key.to_vec(), Slot { newest: node, oldest: node });
-                    self.index_bytes.fetch_add(index_entry_bytes(op.key), Ordering::Relaxed);
-                }
+    /// Claim `size` bytes of the arena for a node no one can reach yet; its address, or
+    /// `None` when the arena is full. Lock-free: writers claim space in any order, and a
+    /// node is reachable only once linked ([`Memtable::link`]).
+    fn reserve(&self, size: u64) -> Option<u64> {
+        self.used
+            .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |u| (u + size <= self.size).then_some(u + size))
+            .ok()
+            .map(|u| self.addr + u)
+    }
+
+    /// Link the written node at `node` (its bytes flushed, not yet fenced, by this thread)
+    /// in front of `key`'s older nodes, or where `key` belongs: its `next` is stored and
+    /// persisted (the fence also covers the node's flushed bytes), then its predecessor's
+    /// `next` (Algorithm 1). Caller holds the index lock exclusively.
+    fn link(&self, idx: &mut BTreeMap<Vec<u8>, Slot>, r: &Region, node: u64, key: &[u8]) -> Result<()> {
+        let pred = idx.range::<[u8], _>((Bound::Unbounded, Bound::Excluded(key))).next_back();
+        let pred_word = pred.map_or(self.addr + 24, |(_, s)| s.oldest);
+        let next = r.load_u64_atomic(pred_word)?;
+        r.store_u64_atomic(node, next)?;
+        r.persist(node, 8);
+        r.store_u64_atomic(pred_word, node)?;
+        r.persist(pred_word, 8);
+        match idx.get_mut(key) {
+            Some(s) => s.newest = node,
+            None => {
+                idx.insert(key.to_vec(), Slot { newest: node, oldest: node });
+                self.index_bytes.fetch_add(index_entry_bytes(key), Ordering::Relaxed);
             }
         }
         Ok(())
+    }
+
+    /// Insert `ops` as one batch, its sequence numbers taken from `seqs` under the index
+    /// lock (so they exceed those of every node already linked). With `cond`, `present`
+    /// says whether the first op's key exists below this memtable; the check and the
+    /// inserts are one critical section, so no write of that key links in between.
+    /// [`Applied::Full`] when the nodes do not fit (nothing changed).
+    pub fn apply(
+        &self,
+        r: &Region,
+        seqs: &AtomicU64,
+        ops: &[Op<'_>],
+        cond: Option<(bool, Below<'_>)>,
+    ) -> Result<Applied> {
+        let need: u64 = ops.iter().map(|o| node_size(o.key.len(), o.value.len())).sum();
+        let mut idx = self.index.write();
+        if let (Some((want, below)), Some(first)) = (cond, ops.first()) {
+            let present = match idx.get(first.key) {
+                Some(s) => read_node_trusted(r, s.newest)?.kind == KIND_PUT,
+                None => below(first.key)?,
+            };
+            if present != want {
+                return Ok(Applied::Done(false));
+            }
+        }
+        let Some(mut node) = self.reserve(need) else { return Ok(Applied::Full) };
+        let seq = seqs.fetch_add(ops.len() as u64, Ordering::Relaxed);
+        let n = ops.len() as u32;
+        for (i, op) in ops.iter().enumerate() {
+            let size = node_size(op.key.len(), op.value.len());
+            let bytes = encode_node(0, seq + i as u64, n, i as u32, op.kind, op.key, op.value);
+            // SAFETY: `[node, node+size)` lies in space `reserve` gave this call alone; no
+            // link reaches it yet.
+            unsafe { r.write(node, &bytes)? };
+            r.flush(node, size);
+            self.link(&mut idx, r, node, op.key)?;
+            node += size;
+        }
+        Ok(Applied::Done(true))
+    }
+
+    /// Insert one op (an unconditional put or delete) holding the index lock only to link
+    /// it: [`Memtable::prepare`], then [`Memtable::commit`]. `Some(renumbered)` once linked;
+    /// `None` when the node does not fit (nothing changed).
+    pub fn put_one(&self, r: &Region, seqs: &AtomicU64, op: Op<'_>) -> Result<Option<bool>> {
+        match self.prepare(r, seqs, op)? {
+            Some(p) => self.commit(r, seqs, p).map(Some),
+            None => Ok(None),
+        }
+    }
+
+    /// Reserve, write and flush the node of `op` with a sequence number taken now, outside
+    /// the index lock; `None` when it does not fit. The node is unreachable until
+    /// [`Memtable::commit`] links it (a reserved node never committed is dead space, and
+    /// unreachable after a crash).
+    pub fn prepare<'o>(&self, r: &Region, seqs: &AtomicU64, op: Op<'o>) -> Result<Option<Prepared<'o>>> {
+        let size = node_size(op.key.len(), op.value.len());
+        let Some(node) = self.reserve(size) else { return Ok(None) };
+        let seq = seqs.fetch_add(1, Ordering::Relaxed);
+        let bytes = encode_node(0, seq, 1, 0, op.kind, op.key, op.value);
+        // SAFETY: `[node, node+size)` lies in space `reserve` gave this call alone; no link
+        // reaches it yet.
+        unsafe { r.write(node, &bytes)? };
+        r.flush(node, size);
+        Ok(Some(Prepared { node, seq, op }))
+    }
+
+    /// Link a prepared node under the index lock. If a newer node of the key was linked
+    /// since it was prepared (a higher sequence number), the node first takes a fresh
+    /// number and its header is rewritten, so a key's nodes stay newest first and the write
+    /// that links last wins. Returns whether it was renumbered.
+    pub fn commit(&self, r: &Region, seqs: &AtomicU64, p: Prepared<'_>) -> Result<bool> {
+        let Prepared { node, seq, op } = p;
+        let mut idx = self.index.write();
+        let mut renumbered = false;
+        if let Some(s) = idx.get(op.key) {
+            if read_node_trusted(r, s.newest)?.seq > seq {
+                let seq = seqs.fetch_add(1, Ordering::Relaxed);
+                let bytes = encode_node(0, seq, 1, 0, op.kind, op.key, op.value);
+                let head = bytes.get(8..NODE_HEADER as usize).unwrap_or(&[]);
+                // SAFETY: the node is still unreachable (not linked).
+                unsafe { r.write(node + 8, head)? };
+                r.flush(node + 8, NODE_HEADER - 8);
+                renumbered = true;
+            }
+        }
+        self.link(&mut idx, r, node, op.key)?;
+        Ok(renumbered)
     }
 
     /// The newest entry of `key`: `Some(None)` for a delete, `Some(Some(v))` for a put.
@@ -388,5 +511,110 @@ impl Memtable {
             }
         }
         problems
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::pm::sim::SimDevice;
+    use crate::pm::{Backing, RegionConfig};
+
+    fn region(dev: &SimDevice, create: bool) -> Region {
+        Region::open(RegionConfig { create, ..RegionConfig::new(Backing::Sim(dev.clone()), 1 << 20, 7) }).unwrap()
+    }
+
+    fn put<'a>(key: &'a [u8], value: &'a [u8]) -> Op<'a> {
+        Op { kind: KIND_PUT, key, value }
+    }
+
+    /// The newest value and every node's sequence number of `key`, walking the list.
+    fn chain(r: &Region, m: &Memtable, key: &[u8]) -> (Option<Vec<u8>>, Vec<u64>) {
+        let newest = m.get(r, key).unwrap().flatten();
+        let mut seqs = Vec::new();
+        let mut cur = r.load_u64_atomic(m.addr + 24).unwrap();
+        while cur != 0 {
+            let n = read_node(r, cur).unwrap();
+            if n.key == key {
+                seqs.push(n.seq);
+            }
+            cur = n.next;
+        }
+        (newest, seqs)
+    }
+
+    /// A lone write prepared (numbered) before a newer write of its key linked is
+    /// renumbered at its commit: it wins, the key's nodes stay newest first, and a recovery
+    /// from the crash image of PM (after a fence: every link durable) accepts the order
+    /// and finds the same newest value and highest number. A write of another key, or one
+    /// whose key gained no newer node, keeps its number.
+    #[test]
+    fn a_lone_write_overtaken_by_a_newer_one_of_its_key_is_renumbered_and_wins() {
+        let dev = SimDevice::new();
+        let r = region(&dev, true);
+        let m = Memtable::create(&r, 4096, 64 * 1024, 1).unwrap();
+        let seqs = AtomicU64::new(10);
+        let a = m.prepare(&r, &seqs, put(b"k", b"first")).unwrap().unwrap();
+        let other = m.prepare(&r, &seqs, put(b"j", b"other")).unwrap().unwrap();
+        assert_eq!(m.apply(&r, &seqs, &[put(b"k", b"batch"), put(b"l", b"x")], None).unwrap(), Applied::Done(true));
+        assert_eq!(chain(&r, &m, b"k"), (Some(b"batch".to_vec()), vec![12]));
+        assert!(m.commit(&r, &seqs, a).unwrap(), "overtaken: renumbered");
+        assert!(!m.commit(&r, &seqs, other).unwrap(), "its key has no newer node");
+        assert_eq!(chain(&r, &m, b"k"), (Some(b"first".to_vec()), vec![14, 12]));
+        assert_eq!(chain(&r, &m, b"j"), (Some(b"other".to_vec()), vec![11]));
+        // A later write of the key, prepared after the renumbering, needs none.
+        assert_eq!(m.put_one(&r, &seqs, put(b"k", b"second")).unwrap(), Some(false));
+        assert_eq!(chain(&r, &m, b"k"), (Some(b"second".to_vec()), vec![15, 14, 12]));
+        r.fence();
+        let r2 = region(&dev.simulate_crash(1, 0.5), false);
+        let (back, max) = Memtable::recover(&r2, 4096).unwrap();
+        assert_eq!(max, 15);
+        assert_eq!(back.get(&r2, b"k").unwrap(), Some(Some(b"second".to_vec())));
+        assert_eq!(back.keys(), 3);
+    }
+
+    /// A prepared node never committed is unreachable: the list, a recovery and the
+    /// arena's accounting after recovery do not see it; space is claimed by each prepare.
+    #[test]
+    fn a_prepared_node_never_committed_is_not_in_the_memtable() {
+        let dev = SimDevice::new();
+        let r = region(&dev, true);
+        let m = Memtable::create(&r, 4096, 64 * 1024, 1).unwrap();
+        let seqs = AtomicU64::new(1);
+        assert_eq!(m.put_one(&r, &seqs, put(b"a", b"1")).unwrap(), Some(false));
+        let used = m.used();
+        let _lost = m.prepare(&r, &seqs, put(b"b", b"2")).unwrap().unwrap();
+        assert_eq!(m.used(), used + node_size(1, 1));
+        assert_eq!(m.get(&r, b"b").unwrap(), None);
+        r.fence();
+        let crashed = dev.simulate_crash(2, 1.0);
+        let (back, max) = Memtable::recover(&region(&crashed, false), 4096).unwrap();
+        assert_eq!((back.keys(), max, back.used()), (1, 1, used));
+    }
+
+    /// A conditional batch decides on the key's newest node in this memtable when it has
+    /// one, else asks `below`; a node that does not fit leaves the memtable unchanged.
+    #[test]
+    fn a_conditional_apply_checks_this_memtable_then_below() {
+        let dev = SimDevice::new();
+        let r = region(&dev, true);
+        let m = Memtable::create(&r, 4096, 1024, 1).unwrap();
+        let seqs = AtomicU64::new(1);
+        let below_has = |key: &[u8]| -> Result<bool> { Ok(key == b"old") };
+        let absent = Some((false, &below_has as Below<'_>));
+        let present = Some((true, &below_has as Below<'_>));
+        assert_eq!(m.apply(&r, &seqs, &[put(b"old", b"v")], absent).unwrap(), Applied::Done(false));
+        assert_eq!(m.apply(&r, &seqs, &[put(b"old", b"v")], present).unwrap(), Applied::Done(true));
+        assert_eq!(m.apply(&r, &seqs, &[put(b"new", b"v")], present).unwrap(), Applied::Done(false));
+        assert_eq!(m.apply(&r, &seqs, &[put(b"new", b"v")], absent).unwrap(), Applied::Done(true));
+        // A delete in this memtable makes the key absent whatever lies below.
+        let del = Op { kind: KIND_DEL, key: b"old", value: &[] };
+        assert_eq!(m.apply(&r, &seqs, &[del], None).unwrap(), Applied::Done(true));
+        assert_eq!(m.apply(&r, &seqs, &[put(b"old", b"w")], present).unwrap(), Applied::Done(false));
+        let before = (m.used(), m.keys(), seqs.load(Ordering::Relaxed));
+        let big = vec![0u8; 2048];
+        assert_eq!(m.apply(&r, &seqs, &[put(b"x", &big)], None).unwrap(), Applied::Full);
+        assert_eq!(m.put_one(&r, &seqs, put(b"x", &big)).unwrap(), None);
+        assert_eq!((m.used(), m.keys(), seqs.load(Ordering::Relaxed)), before);
     }
 }

@@ -72,24 +72,33 @@
 //!   input, output live counts are settled at its commit, and each job has its own log in
 //!   the root. A writer that fills the MemTable while the Immutable one is still being
 //!   flushed waits (a stall).
-//! - Writers are serialised by one lock (the paper's MemTable takes one writer at a time,
-//!   as LevelDB's). It is a `std::sync::Mutex` (a futex: a short spin, then sleep), not
-//!   `parking_lot`'s, whose waiters spin and then call `sched_yield` before they sleep: with
-//!   8 writers on this 2-core machine task switches, yields, the scheduler's spin unlocks
-//!   and `lock_slow` were ~14 % of the samples (flat profile: 6.5 + 5.6 + 1.5 + 0.9 %) and
-//!   fillrandom fell below one writer's. Measured (`tierkv bench --engines slmdb
-//!   --threads 1,2,4,8 --workloads fillrandom --num 200000`, three interleaved pairs, 2 / 4
-//!   / 8 threads relative to 1): `parking_lot` 0.95 / 0.94 / 0.90, 1.05 / 0.90 / 0.94, 0.81 /
-//!   0.81 / 0.83; `std` 0.76 / 1.06 / 1.24, 0.87 / 1.28 / 1.23, 1.02 / 0.91 / 1.22 (8
-//!   threads 252–264k puts/s against 189–222k; two threads no better, and lower in two of
-//!   the three pairs). Tried and not kept: writers through the shared group-commit queue
-//!   (`crate::group`, as pmekv's: the writer at the front applies every queued batch under
-//!   one lock acquisition while the others spin, yield, then sleep). Three interleaved
-//!   pairs of the same sweep (1 / 2 / 8 threads, puts/s): the mutex 252.5k / 242.7k /
-//!   266.0k, 260.3k / 241.2k / 258.2k, 256.0k / 227.4k / 268.6k; the queue 258.2k / 266.6k
-//!   / 244.7k, 233.8k / 265.9k / 250.8k, 260.4k / 273.9k / 237.1k. Two writers gained
-//!   (0.89–0.96× one writer → 1.03–1.14×, p99 34–41 µs → 9–10 µs), eight lost (0.99–1.05×
-//!   → 0.91–1.07×, p99 7 µs → 261–273 µs: eight waiters yielding on two cores delay the
+//! - **Writers.** The paper's MemTable takes one writer at a time (as LevelDB's). Here a
+//!   lone unconditional put or delete — most writes — holds only the MemTable's index lock,
+//!   and only to link its node: the node (its 1 KiB copy and the write-back of its lines)
+//!   is written first, outside every lock, in arena space claimed with an atomic bump
+//!   (`memtable`, "Writers": the numbering rule that keeps a key's nodes newest first).
+//!   Batches and conditional writes take the `writer` lock and apply under the index lock
+//!   (numbers drawn there; a condition decided there), and MemTable rotation takes the
+//!   `writer` lock and then the MemTable state's write lock, which waits for every lone
+//!   writer still writing into the old MemTable (they hold its read side). The design
+//!   figure `writes_renumbered` counts the lone writes that were overtaken by a newer write
+//!   of their key. Measured (`tierkv bench --engines slmdb --threads 1,2,8 --workloads
+//!   fillrandom --num 200000`, two interleaved pairs, 2 / 8 threads relative to 1): every
+//!   writer under the `writer` lock 0.91 / 1.01 and 0.78 / 0.83; the lone-write path 1.09 /
+//!   1.06 and 1.11 / 1.05 (p99 at 8 threads 7.6–8.7 µs before, 100–111 µs after: eight
+//!   threads on two cores now wait on the index lock, a `parking_lot` lock, where they
+//!   slept on the `writer` futex before).
+//!
+//!   History: the `writer` lock is a `std::sync::Mutex` (a futex: a short spin, then
+//!   sleep), not `parking_lot`'s, whose waiters spin and then call `sched_yield` before they
+//!   sleep: with every write under it, 8 writers on this 2-core machine spent ~14 % of the
+//!   samples in task switches, yields, the scheduler's spin unlocks and `lock_slow`, and
+//!   fillrandom fell below one writer's (three interleaved pairs, 2 / 4 / 8 threads
+//!   relative to 1: `parking_lot` 0.95 / 0.94 / 0.90, 1.05 / 0.90 / 0.94, 0.81 / 0.81 /
+//!   0.83; `std` 0.76 / 1.06 / 1.24, 0.87 / 1.28 / 1.23, 1.02 / 0.91 / 1.22). Tried and not
+//!   kept: every writer through the shared group-commit queue (`crate::group`, as pmekv's);
+//!   two writers gained (0.89–0.96× one writer → 1.03–1.14×), eight lost (0.99–1.05× →
+//!   0.91–1.07×, p99 7 µs → 261–273 µs: eight waiters yielding on two cores delay the
 //!   leader).
 //! - SSTables are memory-mapped where the file system allows (as LevelDB maps its tables);
 //!   elsewhere an 8 MiB block cache (LevelDB's default) holds verified data blocks.
@@ -224,6 +233,8 @@ struct Counters {
     cand_leaf_scan: AtomicU64,
     cand_seq_degree: AtomicU64,
     write_stalls: AtomicU64,
+    /// Lone writes renumbered at their link: a newer write of the key linked first.
+    writes_renumbered: AtomicU64,
     flushes_in_compaction: AtomicU64,
 }
 
@@ -251,8 +262,11 @@ struct Inner {
     dir: PathBuf,
     opts: SlmdbOptions,
     mem: RwLock<MemState>,
-    /// Serialises writers; holds the next sequence number (a `std` mutex: see "Choices").
-    writer: std::sync::Mutex<u64>,
+    /// Serialises MemTable rotation and the writes that do not take the lone-op path (a
+    /// `std` mutex: see "Choices").
+    writer: std::sync::Mutex<()>,
+    /// The next sequence number.
+    next_seq: AtomicU64,
     tree: RwLock<PTree>,
     version: Mutex<VersionState>,
     tables: RwLock<HashMap<u64, Arc<Table>>>,
@@ -490,7 +504,8 @@ fn open_inner(ctx: &EngineCtx) -> Result<Inner> {
         dir: ctx.dir.clone(),
         opts,
         mem: RwLock::new(MemState { active, imm }),
-        writer: std::sync::Mutex::new(next_seq),
+        writer: std::sync::Mutex::new(()),
+        next_seq: AtomicU64::new(next_seq),
         tree: RwLock::new(tree),
         version: Mutex::new(VersionState { version, manifest }),
         tables: RwLock::new(tables),
@@ -622,22 +637,8 @@ impl Inner {
         }
     }
 
-    /// True when `key` exists (memtables, then the tree: no disk read).
-    fn exists(&self, key: &[u8]) -> Result<bool> {
-        match self.mem_get(key)? {
-            Some(v) => Ok(v.is_some()),
-            None => Ok(self.tree.read().get(&self.region, key)?.is_some()),
-        }
-    }
-
     fn write_impl(&self, ops: &[BatchOp], cond: Cond) -> Result<bool> {
         self.check_poisoned()?;
-        let mut seq = self.writer.lock().unwrap_or_else(|e| e.into_inner());
-        if let (Some(first), Cond::Absent | Cond::Present) = (ops.first(), cond) {
-            if self.exists(first.key())? != (cond == Cond::Present) {
-                return Ok(false);
-            }
-        }
         let mops: Vec<memtable::Op<'_>> = ops
             .iter()
             .map(|o| match o {
@@ -645,23 +646,55 @@ impl Inner {
                 BatchOp::Delete { key } => memtable::Op { kind: memtable::KIND_DEL, key, value: &[] },
             })
             .collect();
-        if mops.is_empty() {
-            return Ok(true);
-        }
+        let (Some(&first), false) = (mops.first(), mops.is_empty()) else { return Ok(true) };
         let need: u64 = mops.iter().map(|o| memtable::node_size(o.key.len(), o.value.len())).sum();
+        let user: u64 = mops.iter().map(|o| (o.key.len() + o.value.len()) as u64).sum();
+        // One unconditional op: written outside every lock but the memtable's own, held to
+        // link it ("Choices": writers).
+        if mops.len() == 1 && cond == Cond::None {
+            loop {
+                if let Some(renumbered) = self.mem.read().active.put_one(&self.region, &self.next_seq, first)? {
+                    if renumbered {
+                        self.counters.writes_renumbered.fetch_add(1, Ordering::Relaxed);
+                    }
+                    self.user_bytes.add(0, user);
+                    return Ok(true);
+                }
+                let _w = self.writer.lock().unwrap_or_else(|e| e.into_inner());
+                if !self.mem.read().active.fits(need) {
+                    self.rotate(need)?;
+                }
+            }
+        }
+        let _w = self.writer.lock().unwrap_or_else(|e| e.into_inner());
         loop {
             let mem = self.mem.read();
-            if mem.active.fits(need) {
-                mem.active.apply(&self.region, *seq, &mops)?;
-                break;
+            // Whether the key exists below the active memtable (Immutable MemTable, then
+            // the tree: no disk read), for a conditional write; asked under the active
+            // memtable's index lock, from the MemTables this guard holds.
+            let below = |key: &[u8]| -> Result<bool> {
+                if let Some(v) = mem.imm.as_ref().map(|imm| imm.get(&self.region, key)).transpose()?.flatten() {
+                    return Ok(v.is_some());
+                }
+                Ok(self.tree.read().get(&self.region, key)?.is_some())
+            };
+            let cond = match cond {
+                Cond::None => None,
+                Cond::Absent => Some((false, &below as memtable::Below<'_>)),
+                Cond::Present => Some((true, &below as memtable::Below<'_>)),
+            };
+            match mem.active.apply(&self.region, &self.next_seq, &mops, cond)? {
+                memtable::Applied::Done(done) => {
+                    if done {
+                        self.user_bytes.add(0, user);
+                    }
+                    return Ok(done);
+                }
+                memtable::Applied::Full => {}
             }
             drop(mem);
             self.rotate(need)?;
         }
-        *seq += mops.len() as u64;
-        let user: u64 = mops.iter().map(|o| (o.key.len() + o.value.len()) as u64).sum();
-        self.user_bytes.add(0, user);
-        Ok(true)
     }
 
     /// Make the full MemTable immutable and start a new one (waiting for the previous
@@ -774,6 +807,7 @@ impl Inner {
             ("candidates_leaf_scan", ld(&c.cand_leaf_scan)),
             ("candidates_seq_degree", ld(&c.cand_seq_degree)),
             ("write_stalls", ld(&c.write_stalls)),
+            ("writes_renumbered", ld(&c.writes_renumbered)),
             ("flushes_during_compaction", ld(&c.flushes_in_compaction)),
             ("jobs_cancelled", self.cancel.jobs_cancelled()),
             ("pm_heap_bytes", heap.total()),
