@@ -487,7 +487,7 @@ impl InternalIterator for SlmdbIter {
 
 #[cfg(test)]
 mod tests {
-    use std::collections::BTreeSet;
+    use std::collections::{BTreeSet, HashMap};
     use std::path::PathBuf;
     use std::sync::atomic::{AtomicBool, Ordering};
     use std::sync::Arc;
@@ -791,45 +791,70 @@ mod tests {
 
     /// Lone writes link under the MemTable's own lock only, numbered before it: four
     /// threads writing 16 shared keys (puts, deletes, and put-if-absent, which takes the
-    /// serialised path) across MemTable rotations and background flushes leave every
-    /// key's nodes newest first — a clean reopen and a reopen after a crash (every write
-    /// acknowledged, so all durable) both accept the lists and read what the live store
-    /// read; `check` finds nothing.
+    /// serialised path) across MemTable rotations and background flushes, in rounds until
+    /// some lone write was overtaken by a newer write of its key and renumbered. Each key
+    /// ends as the last write (put, delete, or put-if-absent that applied) one of the
+    /// threads made to it — an older write of a thread that wrote the key again would be a
+    /// lost update — and a clean reopen and a reopen after a crash (every write
+    /// acknowledged, so all durable) both open and read what the live store read. (Most
+    /// overtaken nodes have been flushed by the reopen, so whether the renumbered header
+    /// reached PM is checked by `memtable`'s deterministic test, not here.)
     #[test]
-    fn concurrent_lone_writes_of_shared_keys_survive_reopen_and_crash() {
+    fn concurrent_lone_writes_of_shared_keys_end_as_some_threads_last_write() {
         let (dev, fs) = (SimDevice::new(), FaultFs::new());
         let so = SlmdbOptions { background: true, memtable_size: 32 << 10, ..crate::testing::slmdb_small() };
         let o = opts(&dev, &fs, so.clone());
         let e = Arc::new(open(&o, &fs, true));
-        let writers: Vec<_> = (0..4u64)
-            .map(|t| {
-                let e = e.clone();
-                std::thread::spawn(move || {
-                    let mut rng = SmallRng::seed_from_u64(200 + t);
-                    for n in 0..1500u64 {
-                        let k = key(rng.random_range(0..16u32));
-                        let v = value(&k, t * 10_000 + n, &mut rng);
-                        match rng.random_range(0..10) {
-                            0 => e.write(&[BatchOp::Delete { key: k }], Cond::None).map(|_| ()),
-                            1..=2 => e.write(&[BatchOp::Put { key: k, value: v }], Cond::Absent).map(|_| ()),
-                            _ => e.write(&[BatchOp::Put { key: k, value: v }], Cond::None).map(|_| ()),
+        type Last = HashMap<Vec<u8>, Option<Vec<u8>>>;
+        let mut lasts: Vec<Last> = vec![HashMap::new(); 4];
+        for round in 0..20u64 {
+            let writers: Vec<_> = (0..4u64)
+                .map(|t| {
+                    let e = e.clone();
+                    let mut last = std::mem::take(&mut lasts[t as usize]);
+                    std::thread::spawn(move || {
+                        let mut rng = SmallRng::seed_from_u64(200 + t + 10 * round);
+                        for n in 0..1500u64 {
+                            let k = key(rng.random_range(0..16u32));
+                            let v = value(&k, (round * 4 + t) * 10_000 + n, &mut rng);
+                            match rng.random_range(0..10) {
+                                0 => {
+                                    assert!(e.write(&[BatchOp::Delete { key: k.clone() }], Cond::None).unwrap());
+                                    last.insert(k, None);
+                                }
+                                1..=2 => {
+                                    let op = BatchOp::Put { key: k.clone(), value: v.clone() };
+                                    if e.write(&[op], Cond::Absent).unwrap() {
+                                        last.insert(k, Some(v));
+                                    }
+                                }
+                                _ => {
+                                    assert!(e
+                                        .write(&[BatchOp::Put { key: k.clone(), value: v.clone() }], Cond::None)
+                                        .unwrap());
+                                    last.insert(k, Some(v));
+                                }
+                            }
                         }
-                        .unwrap();
-                    }
+                        last
+                    })
                 })
-            })
-            .collect();
-        for w in writers {
-            w.join().unwrap();
+                .collect();
+            for (t, w) in writers.into_iter().enumerate() {
+                lasts[t] = w.join().unwrap();
+            }
+            if design(&e, "writes_renumbered") > 0 {
+                break;
+            }
         }
+        assert!(design(&e, "writes_renumbered") > 0, "no lone write was overtaken in 20 rounds");
         assert!(design(&e, "flushes") > 0, "rotations and flushes ran during the writes");
         let read = |e: &Slmdb| -> Vec<Option<Vec<u8>>> { (0..16u32).map(|i| e.get(&key(i)).unwrap()).collect() };
         let live = read(&e);
         for (i, v) in live.iter().enumerate() {
-            if let Some(v) = v {
-                let prefix = format!("{}:", String::from_utf8_lossy(&key(i as u32)));
-                assert!(v.starts_with(prefix.as_bytes()), "key {i}: a value that is no version of it");
-            }
+            let k = key(i as u32);
+            let candidates: Vec<&Option<Vec<u8>>> = lasts.iter().filter_map(|l| l.get(&k)).collect();
+            assert!(candidates.contains(&v), "key {i}: not the last write of any thread");
         }
         // A crash image taken now (the engine is not closed first).
         let (dev2, fs2) = (dev.simulate_crash(9, 0.5), fs.crash());

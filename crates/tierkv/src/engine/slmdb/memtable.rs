@@ -9,24 +9,28 @@
 //!
 //! The bottom level is a singly linked list from `head`, ordered by key ascending and, for
 //! one key, by sequence number descending (newest first). An insert follows Algorithm 1:
-//! the node is written with its `next` set to its predecessor's `next` and persisted, then
-//! the predecessor's 8-byte `next` is stored and persisted. An update is an insert of a
+//! the node is written and written back, its `next` set to its predecessor's `next` and
+//! persisted (the fence also covers the node), then the predecessor's 8-byte `next` is
+//! stored and persisted. An update is an insert of a
 //! newer node in front of the old one: values are never modified in place.
 //!
 //! # Writers
 //! Writers claim node space with an atomic bump of the arena's fill mark (in any order), so
 //! a lone put or delete ([`Memtable::put_one`]) writes and writes back its node *before*
 //! taking the index lock, with a sequence number drawn from the store's counter; the lock
-//! covers only the link (two 8-byte stores, each persisted) and the upper levels' update.
+//! covers the check of the key's newest node here, the link (two 8-byte stores, each
+//! persisted) and the upper levels' update (and, when the key was overtaken, the header's
+//! rewrite). The store holds its MemTable state shared across the write, so a rotation
+//! waits for it.
 //! A key's nodes must stay newest first (recovery rejects any other order, and reads take
 //! the first): if a newer node of the key linked while this one was written, the node
 //! draws a fresh number under the lock and its header is rewritten before it is linked —
 //! the write that links last is the newest, and nothing could have observed the older
 //! number. A batch ([`Memtable::apply`]) draws its numbers under the lock, so it is newer
 //! than everything linked, and a conditional write decides on the key's newest node here
-//! (or, when this memtable has none, on what lies below) in the same critical section as
-//! its link. Claimed space whose node is never linked (a crash, an error) is dead: no link
-//! reaches it.
+//! (or, when this memtable has none, on what lies below, found before the lock) in the
+//! same critical section as its link. Claimed space whose node is never linked (a crash, an
+//! error before the link) is dead: no link reaches it.
 //!
 //! # Upper levels
 //! The volatile upper levels are a DRAM ordered map from each key to its newest and oldest
@@ -190,10 +194,6 @@ pub struct Prepared<'o> {
     seq: u64,
     op: Op<'o>,
 }
-
-/// Whether a key exists below a memtable (older MemTables, the tree), for a conditional
-/// [`Memtable::apply`].
-pub type Below<'a> = &'a dyn Fn(&[u8]) -> Result<bool>;
 
 /// What [`Memtable::apply`] did.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -380,23 +380,21 @@ impl Memtable {
     }
 
     /// Insert `ops` as one batch, its sequence numbers taken from `seqs` under the index
-    /// lock (so they exceed those of every node already linked). With `cond`, `present`
-    /// says whether the first op's key exists below this memtable; the check and the
-    /// inserts are one critical section, so no write of that key links in between.
-    /// [`Applied::Full`] when the nodes do not fit (nothing changed).
-    pub fn apply(
-        &self,
-        r: &Region,
-        seqs: &AtomicU64,
-        ops: &[Op<'_>],
-        cond: Option<(bool, Below<'_>)>,
-    ) -> Result<Applied> {
+    /// lock (so they exceed those of every node already linked). With `cond = Some((want,
+    /// below))`, the batch applies only if the first op's key exists (`want`) or not: its
+    /// newest node here decides, or when this memtable has none, `below` — whether the key
+    /// exists in what lies below this memtable, which the caller found beforehand and which
+    /// cannot change while it holds the MemTables (writes reach only the active one). The
+    /// check and the inserts are one critical section, so no write of that key links in
+    /// between. [`Applied::Full`] when the nodes do not fit (nothing changed). A failure
+    /// part way (a PM error) leaves the nodes linked before it in place.
+    pub fn apply(&self, r: &Region, seqs: &AtomicU64, ops: &[Op<'_>], cond: Option<(bool, bool)>) -> Result<Applied> {
         let need: u64 = ops.iter().map(|o| node_size(o.key.len(), o.value.len())).sum();
         let mut idx = self.index.write();
         if let (Some((want, below)), Some(first)) = (cond, ops.first()) {
             let present = match idx.get(first.key) {
                 Some(s) => read_node_trusted(r, s.newest)?.kind == KIND_PUT,
-                None => below(first.key)?,
+                None => below,
             };
             if present != want {
                 return Ok(Applied::Done(false));
@@ -420,7 +418,8 @@ impl Memtable {
 
     /// Insert one op (an unconditional put or delete) holding the index lock only to link
     /// it: [`Memtable::prepare`], then [`Memtable::commit`]. `Some(renumbered)` once linked;
-    /// `None` when the node does not fit (nothing changed).
+    /// `None` when the node does not fit (nothing changed). The caller holds the store's
+    /// MemTable state shared across the call (see `prepare`).
     pub fn put_one(&self, r: &Region, seqs: &AtomicU64, op: Op<'_>) -> Result<Option<bool>> {
         match self.prepare(r, seqs, op)? {
             Some(p) => self.commit(r, seqs, p).map(Some),
@@ -431,8 +430,11 @@ impl Memtable {
     /// Reserve, write and flush the node of `op` with a sequence number taken now, outside
     /// the index lock; `None` when it does not fit. The node is unreachable until
     /// [`Memtable::commit`] links it (a reserved node never committed is dead space, and
-    /// unreachable after a crash).
-    pub fn prepare<'o>(&self, r: &Region, seqs: &AtomicU64, op: Op<'o>) -> Result<Option<Prepared<'o>>> {
+    /// unreachable after a crash). The caller must commit on the same thread (the link's
+    /// fence is what makes this thread's flushes of the node durable) and hold the store's
+    /// MemTable state shared from prepare to commit (a rotation then waits, so the arena is
+    /// neither flushed nor freed under the write).
+    fn prepare<'o>(&self, r: &Region, seqs: &AtomicU64, op: Op<'o>) -> Result<Option<Prepared<'o>>> {
         let size = node_size(op.key.len(), op.value.len());
         let Some(node) = self.reserve(size) else { return Ok(None) };
         let seq = seqs.fetch_add(1, Ordering::Relaxed);
@@ -448,7 +450,7 @@ impl Memtable {
     /// since it was prepared (a higher sequence number), the node first takes a fresh
     /// number and its header is rewritten, so a key's nodes stay newest first and the write
     /// that links last wins. Returns whether it was renumbered.
-    pub fn commit(&self, r: &Region, seqs: &AtomicU64, p: Prepared<'_>) -> Result<bool> {
+    fn commit(&self, r: &Region, seqs: &AtomicU64, p: Prepared<'_>) -> Result<bool> {
         let Prepared { node, seq, op } = p;
         let mut idx = self.index.write();
         let mut renumbered = false;
@@ -600,17 +602,17 @@ mod tests {
         let r = region(&dev, true);
         let m = Memtable::create(&r, 4096, 1024, 1).unwrap();
         let seqs = AtomicU64::new(1);
-        let below_has = |key: &[u8]| -> Result<bool> { Ok(key == b"old") };
-        let absent = Some((false, &below_has as Below<'_>));
-        let present = Some((true, &below_has as Below<'_>));
-        assert_eq!(m.apply(&r, &seqs, &[put(b"old", b"v")], absent).unwrap(), Applied::Done(false));
-        assert_eq!(m.apply(&r, &seqs, &[put(b"old", b"v")], present).unwrap(), Applied::Done(true));
-        assert_eq!(m.apply(&r, &seqs, &[put(b"new", b"v")], present).unwrap(), Applied::Done(false));
-        assert_eq!(m.apply(&r, &seqs, &[put(b"new", b"v")], absent).unwrap(), Applied::Done(true));
+        // "old" exists below this memtable, "new" does not.
+        assert_eq!(m.apply(&r, &seqs, &[put(b"old", b"v")], Some((false, true))).unwrap(), Applied::Done(false));
+        assert_eq!(m.apply(&r, &seqs, &[put(b"old", b"v")], Some((true, true))).unwrap(), Applied::Done(true));
+        assert_eq!(m.apply(&r, &seqs, &[put(b"new", b"v")], Some((true, false))).unwrap(), Applied::Done(false));
+        assert_eq!(m.apply(&r, &seqs, &[put(b"new", b"v")], Some((false, false))).unwrap(), Applied::Done(true));
+        // Once this memtable holds the key, its newest node decides, not what lies below.
+        assert_eq!(m.apply(&r, &seqs, &[put(b"new", b"w")], Some((true, false))).unwrap(), Applied::Done(true));
         // A delete in this memtable makes the key absent whatever lies below.
         let del = Op { kind: KIND_DEL, key: b"old", value: &[] };
         assert_eq!(m.apply(&r, &seqs, &[del], None).unwrap(), Applied::Done(true));
-        assert_eq!(m.apply(&r, &seqs, &[put(b"old", b"w")], present).unwrap(), Applied::Done(false));
+        assert_eq!(m.apply(&r, &seqs, &[put(b"old", b"w")], Some((true, true))).unwrap(), Applied::Done(false));
         let before = (m.used(), m.keys(), seqs.load(Ordering::Relaxed));
         let big = vec![0u8; 2048];
         assert_eq!(m.apply(&r, &seqs, &[put(b"x", &big)], None).unwrap(), Applied::Full);

@@ -73,12 +73,15 @@
 //!   the root. A writer that fills the MemTable while the Immutable one is still being
 //!   flushed waits (a stall).
 //! - **Writers.** The paper's MemTable takes one writer at a time (as LevelDB's). Here a
-//!   lone unconditional put or delete — most writes — holds only the MemTable's index lock,
-//!   and only to link its node: the node (its 1 KiB copy and the write-back of its lines)
-//!   is written first, outside every lock, in arena space claimed with an atomic bump
-//!   (`memtable`, "Writers": the numbering rule that keeps a key's nodes newest first).
+//!   lone unconditional put or delete — most writes — takes no lock of its own: it holds
+//!   the MemTable state (`mem`) shared, writes its node (its 1 KiB copy and the write-back
+//!   of its lines) in arena space claimed with an atomic bump, then takes the MemTable's
+//!   index lock only to link it (`memtable`, "Writers": the numbering rule that keeps a
+//!   key's nodes newest first).
 //!   Batches and conditional writes take the `writer` lock and apply under the index lock
-//!   (numbers drawn there; a condition decided there), and MemTable rotation takes the
+//!   (numbers drawn there; a condition decided there, from what lies below the active
+//!   memtable looked up before that lock: the index lock is never held while the tree's
+//!   is taken, as `stats` takes them the other way round), and MemTable rotation takes the
 //!   `writer` lock and then the MemTable state's write lock, which waits for every lone
 //!   writer still writing into the old MemTable (they hold its read side). The design
 //!   figure `writes_renumbered` counts the lone writes that were overtaken by a newer write
@@ -587,9 +590,16 @@ impl Inner {
         }
     }
 
-    /// A new, empty memtable able to hold `need` bytes of nodes.
+    /// A new, empty memtable able to hold `need` bytes of nodes. A write larger than a
+    /// memtable gets one with a memtable's worth of room beyond it: lone writers may claim
+    /// space in it before the write that rotated does, and an arena sized to the write
+    /// alone would then never fit it.
     fn new_memtable(&self, need: u64) -> Result<Memtable> {
-        let size = self.opts.memtable_size.max((need + 64).div_ceil(64) * 64);
+        let size = if need + 64 > self.opts.memtable_size {
+            (need + 64 + self.opts.memtable_size).div_ceil(64) * 64
+        } else {
+            self.opts.memtable_size
+        };
         let addr = alloc_or_grow(&mut self.heap.lock(), &self.region, size)?;
         let gen = self.root.lock().0.next_mem_gen;
         Memtable::create(&self.region, addr, size, gen)
@@ -649,8 +659,9 @@ impl Inner {
         let (Some(&first), false) = (mops.first(), mops.is_empty()) else { return Ok(true) };
         let need: u64 = mops.iter().map(|o| memtable::node_size(o.key.len(), o.value.len())).sum();
         let user: u64 = mops.iter().map(|o| (o.key.len() + o.value.len()) as u64).sum();
-        // One unconditional op: written outside every lock but the memtable's own, held to
-        // link it ("Choices": writers).
+        // One unconditional op: written before the active memtable's index lock, which it
+        // holds only to link ("Choices": writers); the MemTable state is held shared
+        // throughout (the `if let` keeps its guard), so a rotation waits for it.
         if mops.len() == 1 && cond == Cond::None {
             loop {
                 if let Some(renumbered) = self.mem.read().active.put_one(&self.region, &self.next_seq, first)? {
@@ -669,19 +680,22 @@ impl Inner {
         let _w = self.writer.lock().unwrap_or_else(|e| e.into_inner());
         loop {
             let mem = self.mem.read();
-            // Whether the key exists below the active memtable (Immutable MemTable, then
-            // the tree: no disk read), for a conditional write; asked under the active
-            // memtable's index lock, from the MemTables this guard holds.
-            let below = |key: &[u8]| -> Result<bool> {
-                if let Some(v) = mem.imm.as_ref().map(|imm| imm.get(&self.region, key)).transpose()?.flatten() {
-                    return Ok(v.is_some());
-                }
-                Ok(self.tree.read().get(&self.region, key)?.is_some())
-            };
+            // For a conditional write: whether the key exists below the active memtable
+            // (Immutable MemTable, then the tree: no disk read). Found before the active
+            // memtable's index lock (that lock is never held while taking the tree's), and
+            // stable while `mem` is held: writes reach only the active memtable, and a flush
+            // moves the Immutable MemTable's keys into the tree but drops it from `mem` only
+            // under the write lock.
             let cond = match cond {
                 Cond::None => None,
-                Cond::Absent => Some((false, &below as memtable::Below<'_>)),
-                Cond::Present => Some((true, &below as memtable::Below<'_>)),
+                Cond::Absent | Cond::Present => {
+                    let below =
+                        match mem.imm.as_ref().map(|imm| imm.get(&self.region, first.key)).transpose()?.flatten() {
+                            Some(v) => v.is_some(),
+                            None => self.tree.read().get(&self.region, first.key)?.is_some(),
+                        };
+                    Some((cond == Cond::Present, below))
+                }
             };
             match mem.active.apply(&self.region, &self.next_seq, &mops, cond)? {
                 memtable::Applied::Done(done) => {
