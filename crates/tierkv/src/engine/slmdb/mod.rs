@@ -90,7 +90,10 @@
 //!   writer under the `writer` lock 0.91 / 1.01 and 0.78 / 0.83; the lone-write path 1.09 /
 //!   1.06 and 1.11 / 1.05 (p99 at 8 threads 7.6–8.7 µs before, 100–111 µs after: eight
 //!   threads on two cores now wait on the index lock, a `parking_lot` lock, where they
-//!   slept on the `writer` futex before).
+//!   slept on the `writer` futex before). Tried and not kept: the index lock as a `std`
+//!   `RwLock` (futex) — two interleaved pairs of the same sweep: p99 at 8 threads 12.5 µs
+//!   against 108–116 µs, but 8 writers fell to 0.95–0.96× one writer (243,969–253,668
+//!   puts/s against 272,036–283,629).
 //!
 //!   History: the `writer` lock is a `std::sync::Mutex` (a futex: a short spin, then
 //!   sleep), not `parking_lot`'s, whose waiters spin and then call `sched_yield` before they
