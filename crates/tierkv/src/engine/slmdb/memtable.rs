@@ -526,6 +526,14 @@ mod tests {
         Region::open(RegionConfig { create, ..RegionConfig::new(Backing::Sim(dev.clone()), 1 << 20, 7) }).unwrap()
     }
 
+    /// A fresh device, its region, and an empty memtable of `size` bytes at 4096.
+    fn fresh(size: u64) -> (SimDevice, Region, Memtable) {
+        let dev = SimDevice::new();
+        let r = region(&dev, true);
+        let m = Memtable::create(&r, 4096, size, 1).unwrap();
+        (dev, r, m)
+    }
+
     fn put<'a>(key: &'a [u8], value: &'a [u8]) -> Op<'a> {
         Op { kind: KIND_PUT, key, value }
     }
@@ -552,9 +560,7 @@ mod tests {
     /// whose key gained no newer node, keeps its number.
     #[test]
     fn a_lone_write_overtaken_by_a_newer_one_of_its_key_is_renumbered_and_wins() {
-        let dev = SimDevice::new();
-        let r = region(&dev, true);
-        let m = Memtable::create(&r, 4096, 64 * 1024, 1).unwrap();
+        let (dev, r, m) = fresh(64 * 1024);
         let seqs = AtomicU64::new(10);
         let a = m.prepare(&r, &seqs, put(b"k", b"first")).unwrap().unwrap();
         let other = m.prepare(&r, &seqs, put(b"j", b"other")).unwrap().unwrap();
@@ -579,9 +585,7 @@ mod tests {
     /// arena's accounting after recovery do not see it; space is claimed by each prepare.
     #[test]
     fn a_prepared_node_never_committed_is_not_in_the_memtable() {
-        let dev = SimDevice::new();
-        let r = region(&dev, true);
-        let m = Memtable::create(&r, 4096, 64 * 1024, 1).unwrap();
+        let (dev, r, m) = fresh(64 * 1024);
         let seqs = AtomicU64::new(1);
         assert_eq!(m.put_one(&r, &seqs, put(b"a", b"1")).unwrap(), Some(false));
         let used = m.used();
@@ -595,12 +599,11 @@ mod tests {
     }
 
     /// A conditional batch decides on the key's newest node in this memtable when it has
-    /// one, else asks `below`; a node that does not fit leaves the memtable unchanged.
+    /// one, else on what the caller found below; a node that does not fit leaves the
+    /// memtable unchanged.
     #[test]
     fn a_conditional_apply_checks_this_memtable_then_below() {
-        let dev = SimDevice::new();
-        let r = region(&dev, true);
-        let m = Memtable::create(&r, 4096, 1024, 1).unwrap();
+        let (_dev, r, m) = fresh(1024);
         let seqs = AtomicU64::new(1);
         // "old" exists below this memtable, "new" does not.
         assert_eq!(m.apply(&r, &seqs, &[put(b"old", b"v")], Some((false, true))).unwrap(), Applied::Done(false));

@@ -659,7 +659,7 @@ impl Inner {
                 BatchOp::Delete { key } => memtable::Op { kind: memtable::KIND_DEL, key, value: &[] },
             })
             .collect();
-        let (Some(&first), false) = (mops.first(), mops.is_empty()) else { return Ok(true) };
+        let Some(&first) = mops.first() else { return Ok(true) };
         let need: u64 = mops.iter().map(|o| memtable::node_size(o.key.len(), o.value.len())).sum();
         let user: u64 = mops.iter().map(|o| (o.key.len() + o.value.len()) as u64).sum();
         // One unconditional op: written before the active memtable's index lock, which it
