@@ -131,7 +131,15 @@ fn slmdb_btree_node_and_record() {
         + "0020000000000000" // block offset 0x2000
         + "00100000" + "00000000" // block size 4096
         + "6b6579"; // "key"
-    assert_eq!(hex(&pbtree::encode_record(1, b"key", 3, 0x2000, 4096)), want);
+    assert_eq!(hex(&pbtree::encode_record(1, b"key", 3, 0x2000, 4096, 0)), want);
+    // The same location with its entry's offset in the block (0x30, stored + 1).
+    let want = "f3146570".to_string() // crc of bytes 4.. (header rest + key)
+        + "01" + "00" + "0300" // kind leaf, klen 3
+        + "0300000000000000" // file 3
+        + "0020000000000000" // block offset 0x2000
+        + "00100000" + "31000000" // block size 4096, entry offset 0x30 + 1
+        + "6b6579"; // "key"
+    assert_eq!(hex(&pbtree::encode_record(1, b"key", 3, 0x2000, 4096, 0x31)), want);
     let want = "5042544e".to_string() // magic "PBTN"
         + "01" + "000000" // level 1
         + "11054ea2" + "00000000" // crc of magic, level, leftmost, low

@@ -66,7 +66,8 @@ pub const REC_HEADER: u64 = 32;
 const KIND_LEAF: u8 = 1;
 const KIND_INNER: u8 = 2;
 
-/// Where a key's current version lives on disk (SLM-DB's location object).
+/// Where a key's current version lives on disk (SLM-DB's location object), plus where in
+/// the block its entry starts.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Hash)]
 pub struct Loc {
     /// SSTable file number.
@@ -75,10 +76,24 @@ pub struct Loc {
     pub offset: u64,
     /// Size of that block (checksum included).
     pub size: u32,
+    /// Offset of the key's entry in the block's payload, when known: a reader decodes that
+    /// entry alone, reading none before it (and can prefetch it). `None` in records written
+    /// before the field existed and where a recovery path rebuilds a location from the
+    /// block alone; readers then search the block (the paper's location object).
+    pub entry: Option<u32>,
 }
 
-/// Encode a record: `crc u32 | kind u8 | 0 u8 | klen u16 | a u64 | b u64 | c u32 | 0 u32 | key`.
-pub fn encode_record(kind: u8, key: &[u8], a: u64, b: u64, c: u32) -> Vec<u8> {
+impl Loc {
+    /// The record word that stores [`Loc::entry`]: offset + 1, 0 for none.
+    fn entry_word(&self) -> u32 {
+        self.entry.map_or(0, |p| p.saturating_add(1))
+    }
+}
+
+/// Encode a record: `crc u32 | kind u8 | 0 u8 | klen u16 | a u64 | b u64 | c u32 | d u32 |
+/// key`. A leaf's `d` is its entry's offset in the block + 1 (0: not known); an inner
+/// record's is 0.
+pub fn encode_record(kind: u8, key: &[u8], a: u64, b: u64, c: u32, d: u32) -> Vec<u8> {
     let mut r = Vec::with_capacity(REC_HEADER as usize + key.len());
     r.extend_from_slice(&[0; 4]);
     r.push(kind);
@@ -87,7 +102,7 @@ pub fn encode_record(kind: u8, key: &[u8], a: u64, b: u64, c: u32) -> Vec<u8> {
     r.extend_from_slice(&a.to_le_bytes());
     r.extend_from_slice(&b.to_le_bytes());
     r.extend_from_slice(&c.to_le_bytes());
-    r.extend_from_slice(&[0; 4]);
+    r.extend_from_slice(&d.to_le_bytes());
     r.extend_from_slice(key);
     let c = crc::masked(r.get(4..).unwrap_or(&[]));
     if let Some(h) = r.get_mut(..4) {
@@ -258,7 +273,7 @@ impl PTree {
             let e = Self::node_entries(r, leaf)?;
             if let Ok(i) = find(r, &e, key, verify)? {
                 let rec = record_verified(r, e[i])?;
-                return Ok(Some(Loc { file: rec.a, offset: rec.b, size: rec.c }));
+                return Ok(Some(rec.loc()));
             }
         }
         Ok(None)
@@ -268,7 +283,8 @@ impl PTree {
     pub fn put(&mut self, r: &Region, heap: &Mutex<Heap>, key: &[u8], loc: Loc) -> Result<Option<Loc>> {
         let (leaf, path) = self.descend(r, key)?;
         let e = Self::node_entries(r, leaf)?;
-        let rec = new_record(r, heap, KIND_LEAF, key, loc.file, loc.offset, loc.size)?;
+        let rec =
+            new_record(r, heap, &encode_record(KIND_LEAF, key, loc.file, loc.offset, loc.size, loc.entry_word()))?;
         match find(r, &e, key, false)? {
             Ok(i) => {
                 let old = e[i];
@@ -276,7 +292,7 @@ impl PTree {
                 r.store_u64_atomic(slot_addr(leaf, i), rec)?;
                 r.persist(slot_addr(leaf, i), 8);
                 free_record(r, heap, old)?;
-                Ok(Some(Loc { file: prev.a, offset: prev.b, size: prev.c }))
+                Ok(Some(prev.loc()))
             }
             Err(i) => {
                 self.insert_entry(r, heap, leaf, path, i, rec, key)?;
@@ -305,7 +321,7 @@ impl PTree {
         r.persist(slot_addr(leaf, n - 1), 8);
         free_record(r, heap, old)?;
         self.len -= 1;
-        Ok(Some(Loc { file: prev.a, offset: prev.b, size: prev.c }))
+        Ok(Some(prev.loc()))
     }
 
     /// Insert record `rec` (key `key`) at index `i` of `node` (entries `e`), splitting when full.
@@ -337,7 +353,7 @@ impl PTree {
             (rm.key.to_vec(), rm.a, &e[m + 1..])
         };
         let new = alloc(r, heap, NODE)?;
-        let sep = new_record(r, heap, KIND_INNER, &sep_key, new, 0, 0)?;
+        let sep = new_record(r, heap, &encode_record(KIND_INNER, &sep_key, new, 0, 0, 0))?;
         write_node(r, new, h.level, sibling, new_left, sep, upper)?;
         r.store_u64_atomic(node + 16, new)?;
         r.persist(node + 16, 8);
@@ -434,7 +450,7 @@ impl PTree {
                 for &a in recs {
                     let rec = record_verified(r, a)?;
                     n += 1;
-                    if !f(rec.key, Loc { file: rec.a, offset: rec.b, size: rec.c }) || n >= max {
+                    if !f(rec.key, rec.loc()) || n >= max {
                         return Ok(false);
                     }
                 }
@@ -464,7 +480,7 @@ impl PTree {
             for &a in recs.iter().rev() {
                 let rec = record_verified(r, a)?;
                 n += 1;
-                if !f(rec.key, Loc { file: rec.a, offset: rec.b, size: rec.c }) || n >= max {
+                if !f(rec.key, rec.loc()) || n >= max {
                     return Ok(false);
                 }
             }
@@ -671,7 +687,7 @@ impl PTree {
                     0
                 } else {
                     let k = record(r, low)?.key.to_vec();
-                    new_record(r, heap, KIND_INNER, &k, node, 0, 0)?
+                    new_record(r, heap, &encode_record(KIND_INNER, &k, node, 0, 0, 0))?
                 };
                 write_node(r, node, height, 0, left, up_sep, &seps)?;
                 up.push((node, up_sep));
@@ -764,15 +780,36 @@ pub struct Rec<'a> {
     pub b: u64,
     /// Block size (leaf).
     pub c: u32,
+    /// Entry offset in the block + 1, 0 when not known (leaf).
+    pub d: u32,
+}
+
+impl Rec<'_> {
+    /// A leaf record's location.
+    fn loc(&self) -> Loc {
+        Loc { file: self.a, offset: self.b, size: self.c, entry: self.d.checked_sub(1) }
+    }
 }
 
 fn record(r: &Region, addr: u64) -> Result<Rec<'_>> {
+    Ok(record_bytes(r, addr)?.0)
+}
+
+/// A record and all its bytes (one view of the region for both).
+fn record_bytes(r: &Region, addr: u64) -> Result<(Rec<'_>, &[u8])> {
     let h = r.slice_checked(addr, REC_HEADER as usize, "B+-tree record")?;
     let klen = u16::from_le_bytes([h.get(6).copied().unwrap_or(0), h.get(7).copied().unwrap_or(0)]) as usize;
     let all = r.slice_checked(addr, REC_HEADER as usize + klen, "B+-tree record")?;
     let u64_at = |o: usize| u64::from_le_bytes(all.get(o..o + 8).and_then(|s| s.try_into().ok()).unwrap_or([0; 8]));
-    let c = u32::from_le_bytes(all.get(24..28).and_then(|s| s.try_into().ok()).unwrap_or([0; 4]));
-    Ok(Rec { key: all.get(REC_HEADER as usize..).unwrap_or(&[]), a: u64_at(8), b: u64_at(16), c })
+    let u32_at = |o: usize| u32::from_le_bytes(all.get(o..o + 4).and_then(|s| s.try_into().ok()).unwrap_or([0; 4]));
+    let rec = Rec {
+        key: all.get(REC_HEADER as usize..).unwrap_or(&[]),
+        a: u64_at(8),
+        b: u64_at(16),
+        c: u32_at(24),
+        d: u32_at(28),
+    };
+    Ok((rec, all))
 }
 
 /// Start loading the first line of every record a walk is about to read: records lie
@@ -785,8 +822,7 @@ fn prefetch_records(r: &Region, recs: &[u64]) {
 }
 
 fn record_verified(r: &Region, addr: u64) -> Result<Rec<'_>> {
-    let rec = record(r, addr)?;
-    let all = r.slice_checked(addr, REC_HEADER as usize + rec.key.len(), "B+-tree record")?;
+    let (rec, all) = record_bytes(r, addr)?;
     let stored = u32::from_le_bytes(all.get(0..4).and_then(|s| s.try_into().ok()).unwrap_or([0; 4]));
     if crc::masked(all.get(4..).unwrap_or(&[])) != stored {
         return Err(r.corruption(addr, "B+-tree record checksum mismatch"));
@@ -803,11 +839,11 @@ fn alloc(r: &Region, heap: &Mutex<Heap>, size: u64) -> Result<u64> {
     alloc_or_grow(&mut heap.lock(), r, size)
 }
 
-fn new_record(r: &Region, heap: &Mutex<Heap>, kind: u8, key: &[u8], a: u64, b: u64, c: u32) -> Result<u64> {
-    let bytes = encode_record(kind, key, a, b, c);
+/// Store an encoded record ([`encode_record`]) in fresh PM, persisted; returns its address.
+fn new_record(r: &Region, heap: &Mutex<Heap>, bytes: &[u8]) -> Result<u64> {
     let addr = alloc(r, heap, bytes.len() as u64)?;
     // SAFETY: freshly allocated PM that no node references yet.
-    unsafe { r.write(addr, &bytes)? };
+    unsafe { r.write(addr, bytes)? };
     r.persist(addr, bytes.len() as u64);
     Ok(addr)
 }
@@ -935,7 +971,7 @@ mod tests {
         let mut t = PTree::create(&r, &heap, ANCHOR).unwrap();
         for i in 0..200u64 {
             let k = format!("key{i:06}").into_bytes();
-            t.put(&r, &heap, &k, Loc { file: i, offset: 0, size: 1 }).unwrap();
+            t.put(&r, &heap, &k, Loc { file: i, offset: 0, size: 1, entry: None }).unwrap();
         }
         let (leaf, _) = t.descend(&r, b"key000100").unwrap();
         let e = PTree::node_entries(&r, leaf).unwrap();
@@ -979,7 +1015,14 @@ mod tests {
     fn apply(t: &mut PTree, r: &Region, h: &Mutex<Heap>, m: &mut Model, op: &Op) {
         match op {
             Op::Put(k, f) => {
-                let old = t.put(r, h, k, Loc { file: *f, offset: *f * 10, size: 7 }).unwrap();
+                let old = t
+                    .put(
+                        r,
+                        h,
+                        k,
+                        Loc { file: *f, offset: *f * 10, size: 7, entry: (f % 3 != 0).then_some(*f as u32 * 3) },
+                    )
+                    .unwrap();
                 assert_eq!(old.map(|l| l.file), m.insert(k.clone(), *f));
             }
             Op::Del(k) => {
@@ -1140,7 +1183,7 @@ mod tests {
         let heap = heap_for(&r, vec![]);
         let mut t = PTree::create(&r, &heap, ANCHOR).unwrap();
         for i in [1u64, 3, 5] {
-            t.put(&r, &heap, format!("k{i}").as_bytes(), Loc { file: i, offset: 0, size: 1 }).unwrap();
+            t.put(&r, &heap, format!("k{i}").as_bytes(), Loc { file: i, offset: 0, size: 1, entry: None }).unwrap();
         }
         // Freeze a shift midway: slot 3 = slot 2 (a duplicate of "k5"), as an insert of "k4"
         // leaves it between its first and last store.

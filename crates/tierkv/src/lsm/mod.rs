@@ -1463,7 +1463,7 @@ impl Lsm {
                 let mut first: Option<Vec<u8>> = None;
                 let mut last: Option<Vec<u8>> = None;
                 let mut n = 0u64;
-                if let Err(e) = f.table.for_each(|e, _| {
+                if let Err(e) = f.table.for_each(|e, _, _| {
                     if first.is_none() {
                         first = Some(e.key.to_vec());
                     }

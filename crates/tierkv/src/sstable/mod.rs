@@ -104,6 +104,9 @@ pub struct TableMeta {
     pub blocks: Vec<Handle>,
     /// For entry `i` (in the order added), the index into `blocks` of the block holding it.
     pub entry_block: Vec<u32>,
+    /// For entry `i`, the offset of its first byte in its block's payload (where
+    /// [`DecodedBlock::entry_at`] decodes it without the entries before it).
+    pub entry_pos: Vec<u32>,
 }
 
 /// Where a builder's bytes go: a file, or memory (tables that live in PM are built in
@@ -207,6 +210,8 @@ impl TableBuilder {
             u16::try_from(key.len()).map_err(|_| Error::InvalidArgument("key too long for an SSTable".into()))?;
         let vlen =
             u32::try_from(value.len()).map_err(|_| Error::InvalidArgument("value too long for an SSTable".into()))?;
+        let pos = u32::try_from(self.block.len())
+            .map_err(|_| Error::InvalidArgument("SSTable block larger than 4 GiB".into()))?;
         self.block.push(kind as u8);
         self.block.extend_from_slice(&klen.to_le_bytes());
         self.block.extend_from_slice(&vlen.to_le_bytes());
@@ -220,6 +225,7 @@ impl TableBuilder {
         self.block_last.extend_from_slice(key);
         self.meta.entries += 1;
         self.meta.entry_block.push(self.meta.blocks.len() as u32);
+        self.meta.entry_pos.push(pos);
         self.hashes.push(bloom::hash(key));
         if self.block.len() >= self.block_size {
             self.close_block()?;
@@ -320,7 +326,7 @@ pub struct Entry<'a> {
 
 /// The entry starting at byte `pos` of a verified block's payload and the offset just
 /// past it; an error names the offset of a malformed entry.
-fn entry_at(payload: &[u8], pos: usize) -> std::result::Result<(Entry<'_>, usize), String> {
+pub fn entry_at(payload: &[u8], pos: usize) -> std::result::Result<(Entry<'_>, usize), String> {
     let mut c = Cursor::new(payload.get(pos..).unwrap_or(&[]));
     let r = (|| {
         let kind = match c.u8()? {
@@ -578,6 +584,18 @@ impl Table {
         (self.index.get(i)?.1 == h).then_some(i)
     }
 
+    /// Start loading `len` bytes at payload offset `pos` of block `h` (one entry's header
+    /// and key, when the caller knows where the entry starts); nothing when the file is not
+    /// mapped or the range is outside the block.
+    pub fn prefetch_in_block(&self, h: Handle, pos: u32, len: usize) {
+        let Some(map) = self.file.mapped() else { return };
+        let end = (pos as usize).saturating_add(len).min(h.size as usize);
+        let Ok(start) = usize::try_from(h.offset) else { return };
+        if let Some(b) = map.get(start.saturating_add(pos as usize)..start.saturating_add(end)) {
+            crate::pm::flush::prefetch(b);
+        }
+    }
+
     /// A block's payload without copying it, when the file is mapped; its checksum is
     /// verified when `verify` (callers skip it only for a block they verified already),
     /// unless a read of this data block verified it before (see "Reading" in the module
@@ -727,21 +745,24 @@ impl Table {
         Ok(e.map(|e| (e.kind, e.value.to_vec(), h)))
     }
 
-    /// Every entry in key order with the handle of its block (a whole-table scan, for
-    /// merges and `check`). Stops at the first error.
-    pub fn for_each(&self, mut f: impl FnMut(Entry<'_>, Handle) -> Result<()>) -> Result<()> {
+    /// Every entry in key order with the handle of its block and its offset in the block's
+    /// payload (a whole-table scan, for merges and `check`). Stops at the first error.
+    pub fn for_each(&self, mut f: impl FnMut(Entry<'_>, Handle, u32) -> Result<()>) -> Result<()> {
         let mut prev: Option<Vec<u8>> = None;
         for &(ref last, h) in &self.index {
             let b = self.read_block(h)?;
             let mut block_last: Option<&[u8]> = None;
-            for e in block_entries(&b) {
-                let e = e.map_err(|d| Error::corruption(&self.path, h.offset, d))?;
+            let mut pos = 0;
+            while pos < b.len() {
+                let (e, next) = entry_at(&b, pos).map_err(|d| Error::corruption(&self.path, h.offset, d))?;
                 if prev.as_deref().is_some_and(|p| p >= e.key) {
                     return Err(Error::corruption(&self.path, h.offset, "keys out of order"));
                 }
                 prev = Some(e.key.to_vec());
                 block_last = Some(e.key);
-                f(e, h)?;
+                // `pos` < the block's size, a u32.
+                f(e, h, pos as u32)?;
+                pos = next;
             }
             if block_last != Some(last.as_slice()) {
                 return Err(Error::corruption(&self.path, h.offset, "block's last key differs from the index"));
@@ -861,12 +882,21 @@ fn io_or(e: std::io::Error, path: &Path, off: u64) -> Error {
     }
 }
 
-/// Offsets of one entry inside a block payload.
+/// Offsets of one entry inside a block payload: a [`DecodedBlock`]'s entry table, and an
+/// entry decoded on its own ([`DecodedBlock::entry_at`]), read back with
+/// [`DecodedBlock::key_of`] and [`DecodedBlock::value_of`].
 #[derive(Debug, Clone, Copy)]
-struct EntryAt {
+pub struct EntryAt {
     kind: Kind,
     key: (u32, u32),
     value: (u32, u32),
+}
+
+impl EntryAt {
+    /// The entry's kind.
+    pub fn kind(&self) -> Kind {
+        self.kind
+    }
 }
 
 /// Where a [`DecodedBlock`]'s payload lives.
@@ -885,14 +915,14 @@ enum Payload {
 /// A verified data block decoded for stepping: its payload and where each decoded entry's
 /// key and value are. Keys and values borrow from it; holding it pins the block.
 ///
-/// Where the payload comes from ([`DecodedBlock::load`]): a block cache hit is shared with
-/// the cache (verified when it was cached); otherwise a mapped table file's block is
+/// Where the payload comes from ([`DecodedBlock::load`]): a mapped table file's block is
 /// verified (checksum) *in place* — at its first read by this open table, see "Reading" in
-/// the module docs — and borrowed from the mapping — no copy, no allocation,
-/// and the block cache is not filled (LevelDB's `fill_cache = false`, which its docs
+/// the module docs — and borrowed from the mapping — no copy, no allocation, no cache
+/// lookup, and the block cache is not filled (LevelDB's `fill_cache = false`, which its docs
 /// recommend for scans: a scan's blocks would evict the point reads' working set, and
 /// inserting and evicting them cost a fifth of a range read, measured). A file that is not
-/// mapped is read (and cached when asked) as before.
+/// mapped is shared with the block cache on a hit (verified when it was cached), else read
+/// (and cached when asked).
 ///
 /// Entries are decoded as a reader reaches them ([`DecodedBlock::decode_to`],
 /// [`DecodedBlock::lower_bound`]), as LevelDB parses a block while its iterator walks it:
@@ -936,17 +966,13 @@ impl DecodedBlock {
     /// caller knows it (saves a search for its verified bit).
     fn load_at(&mut self, t: &Arc<Table>, h: Handle, ordinal: Option<usize>, cached: bool) -> Result<()> {
         self.clear();
-        let hit = match (&t.cache, cached) {
-            (Some((id, cache)), true) => cache.cache.get(&(*id, h.offset)),
-            _ => None,
-        };
-        self.data = match hit {
-            Some(b) => Payload::Owned(b),
-            None => match t.block_ref_at(h, ordinal, true)? {
-                Some(p) => Payload::Mapped { start: h.offset as usize, len: p.len() },
-                None if cached => Payload::Owned(t.read_block_cached(h)?),
-                None => Payload::Owned(Arc::new(t.read_block(h)?)),
-            },
+        // A mapped table's block is read in place (verified once per open table): no cache
+        // lookup first — mapped reads never fill the cache, so a lookup would mostly miss
+        // (it was 2 % of an slmdb range read's samples).
+        self.data = match t.block_ref_at(h, ordinal, true)? {
+            Some(p) => Payload::Mapped { start: h.offset as usize, len: p.len() },
+            None if cached => Payload::Owned(t.read_block_cached(h)?),
+            None => Payload::Owned(Arc::new(t.read_block(h)?)),
         };
         self.table = Some(t.clone());
         self.offset = h.offset;
@@ -1040,6 +1066,45 @@ impl DecodedBlock {
     /// Entry `i`'s kind (`None` when not decoded).
     pub fn kind(&self, i: usize) -> Option<Kind> {
         self.ents.get(i).map(|e| e.kind)
+    }
+
+    /// Entry `i`'s offsets (`None` when not decoded).
+    pub fn entry(&self, i: usize) -> Option<EntryAt> {
+        self.ents.get(i).copied()
+    }
+
+    /// The entry that starts at payload offset `pos`, decoded on its own — for a reader
+    /// that knows where its entry starts ([`TableMeta::entry_pos`], kept by SLM-DB's
+    /// location objects), which then reads none of the entries before it. The entry table
+    /// is not changed. An offset that is not an entry's start decodes as garbage or fails:
+    /// the caller checks the key it expects (the payload is verified, so a wrong offset is
+    /// the caller's corruption to report).
+    pub fn entry_at(&self, pos: usize) -> Result<EntryAt> {
+        let bytes = self.bytes();
+        match entry_at(bytes, pos) {
+            Ok((e, _)) => {
+                let base = bytes.as_ptr() as usize;
+                let at = |s: &[u8]| ((s.as_ptr() as usize - base) as u32, s.len() as u32);
+                Ok(EntryAt { kind: e.kind, key: at(e.key), value: at(e.value) })
+            }
+            Err(d) => {
+                let path = self.table.as_ref().map_or(Path::new(""), |t| t.path.as_path());
+                Err(Error::corruption(path, self.offset, d))
+            }
+        }
+    }
+
+    /// The key of `e` (an entry of this block).
+    pub fn key_of(&self, e: &EntryAt) -> &[u8] {
+        self.slice(e.key)
+    }
+
+    /// The value of `e` (an entry of this block); `None` for a tombstone.
+    pub fn value_of(&self, e: &EntryAt) -> Option<&[u8]> {
+        match e.kind {
+            Kind::Put => Some(self.slice(e.value)),
+            Kind::Delete => None,
+        }
     }
 
     /// Index of the first entry whose key is `>= key`, decoding up to it (the block's

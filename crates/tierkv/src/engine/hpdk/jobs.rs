@@ -276,7 +276,7 @@ impl Inner {
                     format!("merge input table {n} is not open"),
                 )
             })?;
-            t.table.for_each(|e, h| {
+            t.table.for_each(|e, h, _| {
                 scanned += 1;
                 self.cancel.every(scanned)?;
                 if e.kind == Kind::Put {
@@ -458,7 +458,7 @@ impl Inner {
                 continue;
             };
             let mut count = 0u64;
-            if let Err(e) = t.table.for_each(|_, _| {
+            if let Err(e) = t.table.for_each(|_, _, _| {
                 count += 1;
                 Ok(())
             }) {
@@ -709,7 +709,7 @@ pub(crate) fn open_inner(ctx: &EngineCtx) -> Result<(Inner, Option<Vec<u64>>)> {
         let newer: BTreeMap<u64, &Arc<PmTable>> =
             by_number.iter().filter(|(n, _)| **n > d.covered).map(|(n, t)| (*n, t)).collect();
         for t in newer.values() {
-            t.table.for_each(|e, h| {
+            t.table.for_each(|e, h, _| {
                 match e.kind {
                     Kind::Put => {
                         let a = layout::vaddr_from(e.value)

@@ -144,11 +144,11 @@ fn file_meta(meta: &TableMeta) -> FileMeta {
 /// Tree changes for the keys written to `file` (with their source files, for a merge).
 fn items_of(meta: &TableMeta, file: u64, keys: Vec<(Vec<u8>, Option<u64>)>) -> Result<Vec<Item>> {
     keys.into_iter()
-        .zip(&meta.entry_block)
-        .map(|((key, src), &b)| {
+        .zip(meta.entry_block.iter().zip(&meta.entry_pos))
+        .map(|((key, src), (&b, &pos))| {
             let h =
                 meta.blocks.get(b as usize).ok_or_else(|| Error::InvalidArgument("entry block out of range".into()))?;
-            Ok(Item { key, new: Some(Loc { file, offset: h.offset, size: h.size }), src })
+            Ok(Item { key, new: Some(Loc { file, offset: h.offset, size: h.size, entry: Some(pos) }), src })
         })
         .collect()
 }
@@ -338,12 +338,12 @@ impl Inner {
             let mut output = None;
             if let Some((f, t)) = &existing {
                 let mut m = FileMeta { total: t.entries(), live: t.entries(), size: t.size(), ..FileMeta::default() };
-                t.for_each(|e, h| {
+                t.for_each(|e, h, pos| {
                     if items.is_empty() {
                         m.smallest = e.key.to_vec();
                     }
                     m.largest = e.key.to_vec();
-                    let new = Some(Loc { file: *f, offset: h.offset, size: h.size });
+                    let new = Some(Loc { file: *f, offset: h.offset, size: h.size, entry: Some(pos) });
                     items.push(Item { key: e.key.to_vec(), new, src: None });
                     Ok(())
                 })?;
@@ -671,7 +671,12 @@ impl Inner {
                         "a key the compaction log moved is missing from its old file",
                     ));
                 };
-                tree.put(&self.region, &self.heap, key, Loc { file: *old, offset: h.offset, size: h.size })?;
+                tree.put(
+                    &self.region,
+                    &self.heap,
+                    key,
+                    Loc { file: *old, offset: h.offset, size: h.size, entry: None },
+                )?;
             }
         }
         Ok(moved_on)
@@ -920,7 +925,7 @@ impl Inner {
             }
             match self.table(*n) {
                 Ok(t) => {
-                    if let Err(e) = t.for_each(|_, _| Ok(())) {
+                    if let Err(e) = t.for_each(|_, _, _| Ok(())) {
                         problems.push(e.to_string());
                     }
                 }

@@ -7,7 +7,8 @@
 //! - **Persistent B+-tree** (§3.2) — [`crate::index::pbtree`], FAST & FAIR style, mapping
 //!   full byte-string keys to location objects {file, block offset, block size}. The paper
 //!   converts string keys to integers; we store the keys (the issue forbids a lossy
-//!   conversion).
+//!   conversion). The location object also names the entry's offset in its block (a word
+//!   the record had spare; "Choices").
 //! - **Single level of SSTables** ([`crate::sstable`]) with the shared MANIFEST
 //!   ([`crate::manifest`]) recording each file's `{total, live}` keys and the candidate list.
 //! - **Flush** (§3.2 "Building a B+-tree") — [`jobs`]: a file-creation step writes the
@@ -66,6 +67,13 @@
 //! (`jobs_cancelled` counts it); a crash during that undo is recovered from the log.
 //!
 //! # Choices where the paper is silent
+//! - **Locations name their entry.** The paper's location object names the block; a read
+//!   then searches the block for the key. Ours also names where the key's entry starts in
+//!   the block (the leaf record's spare word, `docs/format/slmdb.md`), so a point read and
+//!   the range cursor decode that one entry (checking its key) instead of every entry before
+//!   it — with 1 KiB values each entry header is a cache miss of its own, and the range
+//!   cursor can prefetch the exact entry ahead of time. A record without it (written before
+//!   the field, or by a compaction's roll-back) reads as the paper's location object.
 //! - Flushes are serialised and compactions are serialised; in background mode a flush runs
 //!   in the middle of a compaction when a MemTable fills (as LevelDB flushes inside a long
 //!   compaction). The compaction then installs an entry only if the key still points at its
@@ -134,13 +142,14 @@
 //!   read from the SSTable block a location names: a block cache hit, or the block verified
 //!   in place in the mapped file (at its first read by the open table) ([`crate::sstable::DecodedBlock`]). The tree's files
 //!   overlap (every flush spans the key space), so a walk meets runs of keys from a few
-//!   files' blocks in turn; the cursor keeps the last eight decoded blocks (most recently
-//!   used first), so a block is decoded once per walk, not once per run of its
+//!   files' blocks in turn; the cursor keeps the last eight decoded blocks (a slot reused
+//!   least recently used first), so a block is loaded once per walk, not once per run of its
 //!   keys (keeping only the last block re-verified a block at nearly every key: half of a
 //!   range read's time, measured; the paper's get reads a block per key). Keys a MemTable
 //!   shadows are still resolved by the tree cursor as it steps past them. The cursor
-//!   prefetches the first bytes of the block named four entries ahead in its batch (after a
-//!   seek or a refill, of the first four), and finds a block's verified bit from its handle through the
+//!   prefetches the entry (or, for a location without its entry, the first bytes of the
+//!   block) named four entries ahead in its batch (after a seek or a refill, of the first
+//!   four), decodes only the entry its location names, and finds a block's verified bit from its handle through the
 //!   table's slot table ([`crate::sstable`], "Reading"), not a search. The merge over the
 //!   three sources keeps the tree cursor current after one comparison while its next key
 //!   precedes both MemTables' ([`crate::iter::MergingIterator`]): the tree holds nearly
@@ -198,7 +207,7 @@ use crate::manifest::{Manifest, Version};
 use crate::options::SlmdbOptions;
 use crate::pm::heap::{alloc_or_grow, Heap};
 use crate::pm::{Region, POOL_HEADER_LEN};
-use crate::sstable::{block_find, BlockCache, Handle, Kind, Table};
+use crate::sstable::{block_find, entry_at, BlockCache, Handle, Kind, Table};
 use crate::stats::Stats;
 use layout::Root;
 use memtable::Memtable;
@@ -839,9 +848,15 @@ impl Inner {
     }
 }
 
-/// The value of `key` in block payload `b` of table `t` (which `loc` names).
+/// The value of `key` in block payload `b` of table `t` (which `loc` names): the entry at
+/// the offset `loc` names, else (a location without one) found by a search of the block.
 fn value_in(t: &Table, b: &[u8], key: &[u8], loc: Loc) -> Result<Vec<u8>> {
-    match block_find(b, key).map_err(|d| Error::corruption(t.path(), loc.offset, d))? {
+    let bad = |d: String| Error::corruption(t.path(), loc.offset, d);
+    let e = match loc.entry {
+        Some(pos) => Some(entry_at(b, pos as usize).map_err(bad)?.0).filter(|e| e.key == key),
+        None => block_find(b, key).map_err(bad)?,
+    };
+    match e {
         Some(e) if e.kind == Kind::Put => Ok(e.value.to_vec()),
         _ => Err(Error::corruption(t.path(), loc.offset, "the B+-tree points at a block without the key")),
     }

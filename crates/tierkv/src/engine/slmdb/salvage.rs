@@ -618,11 +618,13 @@ struct RecView {
     a: u64,
     b: u64,
     c: u32,
+    /// Entry offset + 1 (0: not known).
+    d: u32,
 }
 
 impl RecView {
     fn loc(&self) -> Loc {
-        Loc { file: self.a, offset: self.b, size: self.c }
+        Loc { file: self.a, offset: self.b, size: self.c, entry: self.d.checked_sub(1) }
     }
 }
 
@@ -637,11 +639,11 @@ fn record_at(r: &Region, addr: u64) -> Option<RecView> {
     let kind = c.u8()?;
     c.skip(1)?;
     let klen = c.u16()? as usize;
-    let (a, b, cc) = (c.u64()?, c.u64()?, c.u32()?);
+    let (a, b, cc, d) = (c.u64()?, c.u64()?, c.u32()?, c.u32()?);
     let all = r.slice(addr, REC_HEADER as usize + klen)?;
     let key = all.get(REC_HEADER as usize..)?.to_vec();
-    let ok = encode_record(kind, &key, a, b, cc).as_slice() == all;
-    Some(RecView { ok, kind, key, a, b, c: cc })
+    let ok = encode_record(kind, &key, a, b, cc, d).as_slice() == all;
+    Some(RecView { ok, kind, key, a, b, c: cc, d })
 }
 
 /// A stretch of a leaf where entries may be missing.

@@ -874,7 +874,7 @@ impl PwbStore {
             }
             if let Some(c) = part.tag.checked_sub(1).and_then(|s| st.chains.get(&s)) {
                 for l in &c.leaves {
-                    self.table(l.meta.table)?.for_each(|e, _| {
+                    self.table(l.meta.table)?.for_each(|e, _, _| {
                         keys.insert(e.key.to_vec());
                         Ok(())
                     })?;
@@ -1104,7 +1104,7 @@ impl PwbStore {
                 };
                 let mut n = 0u64;
                 let r = self.table(l.meta.table).and_then(|t| {
-                    t.for_each(|_, _| {
+                    t.for_each(|_, _, _| {
                         n += 1;
                         Ok(())
                     })
