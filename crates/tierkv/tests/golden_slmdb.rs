@@ -86,9 +86,20 @@ fn slmdb_superblock_and_root() {
         + "0000000400000000" // memtable size 64 MiB
         + &zeros(36)
         + "ce945b1a"; // crc of bytes 0..60
+                      // Version 1 (before leaf records named their entry's offset): still read.
+    let sb = layout::encode_superblock_version(64 << 20, 1);
+    assert_eq!(hex(&sb), want);
+    assert_eq!(layout::decode_superblock(&sb), Ok((64 << 20, 1)));
+    let want = "544b56534c4d4442".to_string() // "TKVSLMDB"
+        + "02000000" + "00000000" // version 2
+        + "0000000400000000" // memtable size 64 MiB
+        + &zeros(36)
+        + "20664a44"; // crc of bytes 0..60
     let sb = layout::encode_superblock(64 << 20);
     assert_eq!(hex(&sb), want);
-    assert_eq!(layout::decode_superblock(&sb), Ok(64 << 20));
+    assert_eq!(layout::decode_superblock(&sb), Ok((64 << 20, 2)));
+    let v3 = layout::encode_superblock_version(64 << 20, 3);
+    assert!(layout::decode_superblock(&v3).unwrap_err().contains("version 3"));
     let root = layout::Root { gen: 3, active: 0x1000, imm: 0x2000, log: 0x3000, next_mem_gen: 5, flush_log: 0x4000 };
     let want = "524f4f54".to_string() // "ROOT"
         + "403e4068" // crc of bytes 8..56

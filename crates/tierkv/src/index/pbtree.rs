@@ -86,7 +86,14 @@ pub struct Loc {
 impl Loc {
     /// The record word that stores [`Loc::entry`]: offset + 1, 0 for none.
     fn entry_word(&self) -> u32 {
-        self.entry.map_or(0, |p| p.saturating_add(1))
+        // (An offset of u32::MAX cannot be stored: written as not known.)
+        self.entry.and_then(|p| p.checked_add(1)).unwrap_or(0)
+    }
+
+    /// Whether `other` names the same block of the same file (the location object proper;
+    /// the entry offset only speeds the read up).
+    pub fn same_place(&self, other: &Loc) -> bool {
+        (self.file, self.offset, self.size) == (other.file, other.offset, other.size)
     }
 }
 

@@ -584,6 +584,11 @@ impl Table {
         (self.index.get(i)?.1 == h).then_some(i)
     }
 
+    /// Whether the file is mapped (blocks are read in place, [`Table::block_ref`]).
+    pub fn is_mapped(&self) -> bool {
+        self.file.mapped().is_some()
+    }
+
     /// Start loading `len` bytes at payload offset `pos` of block `h` (one entry's header
     /// and key, when the caller knows where the entry starts); nothing when the file is not
     /// mapped or the range is outside the block.
@@ -915,14 +920,16 @@ enum Payload {
 /// A verified data block decoded for stepping: its payload and where each decoded entry's
 /// key and value are. Keys and values borrow from it; holding it pins the block.
 ///
-/// Where the payload comes from ([`DecodedBlock::load`]): a mapped table file's block is
+/// Where the payload comes from ([`DecodedBlock::load`]): a block cache hit is shared with
+/// the cache (verified when it was cached); otherwise a mapped table file's block is
 /// verified (checksum) *in place* — at its first read by this open table, see "Reading" in
-/// the module docs — and borrowed from the mapping — no copy, no allocation, no cache
-/// lookup, and the block cache is not filled (LevelDB's `fill_cache = false`, which its docs
+/// the module docs — and borrowed from the mapping — no copy, no allocation,
+/// and the block cache is not filled (LevelDB's `fill_cache = false`, which its docs
 /// recommend for scans: a scan's blocks would evict the point reads' working set, and
 /// inserting and evicting them cost a fifth of a range read, measured). A file that is not
-/// mapped is shared with the block cache on a hit (verified when it was cached), else read
-/// (and cached when asked).
+/// mapped is read (and cached when asked) as before. A caller whose store never caches a
+/// mapped table's blocks (slmdb) asks for no cache on a mapped table
+/// ([`Table::is_mapped`]), saving a lookup that would miss.
 ///
 /// Entries are decoded as a reader reaches them ([`DecodedBlock::decode_to`],
 /// [`DecodedBlock::lower_bound`]), as LevelDB parses a block while its iterator walks it:
@@ -966,13 +973,17 @@ impl DecodedBlock {
     /// caller knows it (saves a search for its verified bit).
     fn load_at(&mut self, t: &Arc<Table>, h: Handle, ordinal: Option<usize>, cached: bool) -> Result<()> {
         self.clear();
-        // A mapped table's block is read in place (verified once per open table): no cache
-        // lookup first — mapped reads never fill the cache, so a lookup would mostly miss
-        // (it was 2 % of an slmdb range read's samples).
-        self.data = match t.block_ref_at(h, ordinal, true)? {
-            Some(p) => Payload::Mapped { start: h.offset as usize, len: p.len() },
-            None if cached => Payload::Owned(t.read_block_cached(h)?),
-            None => Payload::Owned(Arc::new(t.read_block(h)?)),
+        let hit = match (&t.cache, cached) {
+            (Some((id, cache)), true) => cache.cache.get(&(*id, h.offset)),
+            _ => None,
+        };
+        self.data = match hit {
+            Some(b) => Payload::Owned(b),
+            None => match t.block_ref_at(h, ordinal, true)? {
+                Some(p) => Payload::Mapped { start: h.offset as usize, len: p.len() },
+                None if cached => Payload::Owned(t.read_block_cached(h)?),
+                None => Payload::Owned(Arc::new(t.read_block(h)?)),
+            },
         };
         self.table = Some(t.clone());
         self.offset = h.offset;

@@ -4,8 +4,12 @@
 use crate::format::{crc, Cursor};
 use crate::pm::POOL_HEADER_LEN;
 
-/// Format version of the SLM-DB PM layout. Bump on any incompatible change.
-pub const FORMAT_VERSION: u32 = 1;
+/// Format version of the SLM-DB PM layout. Bump on any incompatible change. 2: leaf
+/// records name their entry's offset in the block (`docs/format/slmdb.md`); a version-1
+/// store is upgraded at open ([`decode_superblock`] accepts both).
+pub const FORMAT_VERSION: u32 = 2;
+/// The oldest version this code opens.
+pub const OLDEST_VERSION: u32 = 1;
 /// Superblock address.
 pub const SUPERBLOCK_ADDR: u64 = POOL_HEADER_LEN;
 /// The two root slots.
@@ -20,17 +24,23 @@ const ROOT_MAGIC: &[u8; 4] = b"ROOT";
 /// Encode the superblock (64 bytes): `magic[8] | version u32 | 0 u32 | memtable_size u64 |
 /// 0 ×36 | crc u32` (crc over the first 60 bytes).
 pub fn encode_superblock(memtable_size: u64) -> [u8; 64] {
+    encode_superblock_version(memtable_size, FORMAT_VERSION)
+}
+
+/// [`encode_superblock`] with another version (tests of older stores).
+pub fn encode_superblock_version(memtable_size: u64, version: u32) -> [u8; 64] {
     let mut b = [0u8; 64];
     b[0..8].copy_from_slice(SUPER_MAGIC);
-    b[8..12].copy_from_slice(&FORMAT_VERSION.to_le_bytes());
+    b[8..12].copy_from_slice(&version.to_le_bytes());
     b[16..24].copy_from_slice(&memtable_size.to_le_bytes());
     let c = crc::masked(&b[..60]);
     b[60..64].copy_from_slice(&c.to_le_bytes());
     b
 }
 
-/// Decode the superblock: the memtable size it was created with.
-pub fn decode_superblock(b: &[u8]) -> Result<u64, String> {
+/// Decode the superblock: the memtable size it was created with, and its format version
+/// (from [`OLDEST_VERSION`] to [`FORMAT_VERSION`]).
+pub fn decode_superblock(b: &[u8]) -> Result<(u64, u32), String> {
     let mut c = Cursor::new(b);
     if c.bytes(8) != Some(SUPER_MAGIC.as_slice()) {
         return Err("bad SLM-DB superblock magic".into());
@@ -40,11 +50,11 @@ pub fn decode_superblock(b: &[u8]) -> Result<u64, String> {
         return Err("SLM-DB superblock checksum mismatch".into());
     }
     let v = c.u32().ok_or("short superblock")?;
-    if v != FORMAT_VERSION {
+    if !(OLDEST_VERSION..=FORMAT_VERSION).contains(&v) {
         return Err(format!("unsupported SLM-DB format version {v}"));
     }
     c.skip(4);
-    c.u64().ok_or_else(|| "short superblock".into())
+    Ok((c.u64().ok_or("short superblock")?, v))
 }
 
 /// The root record: where the memtables and the compaction log are. Written into the

@@ -139,8 +139,9 @@
 //!   forward along the leaf chain, backward by descents below each leaf's lower bound),
 //!   records verified, copying keys and location objects — never a node address, so
 //!   splits and the frees of records and nodes by later writes cannot touch it. Values are
-//!   read from the SSTable block a location names: a block cache hit, or the block verified
-//!   in place in the mapped file (at its first read by the open table) ([`crate::sstable::DecodedBlock`]). The tree's files
+//!   read from the SSTable block a location names: the block verified in place in the
+//!   mapped file (at its first read by the open table; a block cache lookup only for a
+//!   file that is not mapped, since slmdb never caches a mapped table's blocks) ([`crate::sstable::DecodedBlock`]). The tree's files
 //!   overlap (every flush spans the key space), so a walk meets runs of keys from a few
 //!   files' blocks in turn; the cursor keeps the last eight decoded blocks (a slot reused
 //!   least recently used first), so a block is loaded once per walk, not once per run of its
@@ -440,8 +441,17 @@ fn open_inner(ctx: &EngineCtx) -> Result<Inner> {
         (root, 0, tree, Version { next_file: 1, ..Version::default() }, 0)
     } else {
         let sb = region.slice_checked(layout::SUPERBLOCK_ADDR, 64, "superblock")?;
-        opts.memtable_size =
+        let (memtable_size, version) =
             layout::decode_superblock(sb).map_err(|d| region.corruption(layout::SUPERBLOCK_ADDR, d))?;
+        opts.memtable_size = memtable_size;
+        if version < layout::FORMAT_VERSION {
+            // A version-1 store: its records read as before (no entry offsets); the records
+            // this code writes carry them, which version-1 code's salvage reads as damaged,
+            // so the store says it is version 2 before any is written (one persisted line).
+            // SAFETY: the superblock line is this store's alone; no reader holds it.
+            unsafe { region.write(layout::SUPERBLOCK_ADDR, &layout::encode_superblock(memtable_size))? };
+            region.persist(layout::SUPERBLOCK_ADDR, 64);
+        }
         let (root, slot) = pick_root(&region)?;
         let (tree, mut used) = PTree::open(&region, layout::ANCHOR_ADDR)?;
         for arena in [root.active, root.imm] {
