@@ -594,9 +594,10 @@ impl Table {
     /// mapped or the range is outside the block.
     pub fn prefetch_in_block(&self, h: Handle, pos: u32, len: usize) {
         let Some(map) = self.file.mapped() else { return };
-        let end = (pos as usize).saturating_add(len).min(h.size as usize);
         let Ok(start) = usize::try_from(h.offset) else { return };
-        if let Some(b) = map.get(start.saturating_add(pos as usize)..start.saturating_add(end)) {
+        let end = (pos as usize).saturating_add(len).min(h.size as usize);
+        let range = start.checked_add(pos as usize).zip(start.checked_add(end));
+        if let Some(b) = range.and_then(|(a, b)| map.get(a..b)) {
             crate::pm::flush::prefetch(b);
         }
     }
@@ -647,12 +648,7 @@ impl Table {
     /// reader that knows which block it reads next (at most the first `max` bytes; nothing
     /// is read or verified, and a handle outside the file is ignored).
     pub fn prefetch_block(&self, h: Handle, max: usize) {
-        let Some(map) = self.file.mapped() else { return };
-        let Ok(start) = usize::try_from(h.offset) else { return };
-        let len = (h.size as usize).min(max);
-        if let Some(b) = start.checked_add(len).and_then(|end| map.get(start..end)) {
-            crate::pm::flush::prefetch(b);
-        }
+        self.prefetch_in_block(h, 0, max);
     }
 
     /// [`Table::read_block`] through the block cache, if the table has one.
@@ -1015,18 +1011,24 @@ impl DecodedBlock {
         if self.next >= bytes.len() {
             return Ok(false);
         }
-        match entry_at(bytes, self.next) {
+        let (ent, next) = self.decode_at(self.next)?;
+        // The next header (and the start of its key): most likely read next.
+        if let Some(h) = self.bytes().get(next..(next + 32).min(self.bytes().len())) {
+            crate::pm::flush::prefetch(h);
+        }
+        self.ents.push(ent);
+        self.next = next;
+        Ok(true)
+    }
+
+    /// The entry starting at payload offset `pos`, and the offset just past it.
+    fn decode_at(&self, pos: usize) -> Result<(EntryAt, usize)> {
+        let bytes = self.bytes();
+        match entry_at(bytes, pos) {
             Ok((e, next)) => {
                 let base = bytes.as_ptr() as usize;
                 let at = |s: &[u8]| ((s.as_ptr() as usize - base) as u32, s.len() as u32);
-                let ent = EntryAt { kind: e.kind, key: at(e.key), value: at(e.value) };
-                // The next header (and the start of its key): most likely read next.
-                if let Some(h) = bytes.get(next..(next + 32).min(bytes.len())) {
-                    crate::pm::flush::prefetch(h);
-                }
-                self.ents.push(ent);
-                self.next = next;
-                Ok(true)
+                Ok((EntryAt { kind: e.kind, key: at(e.key), value: at(e.value) }, next))
             }
             Err(d) => {
                 let path = self.table.as_ref().map_or(Path::new(""), |t| t.path.as_path());
@@ -1062,16 +1064,12 @@ impl DecodedBlock {
 
     /// Entry `i`'s key (empty when not decoded).
     pub fn key(&self, i: usize) -> &[u8] {
-        self.ents.get(i).map_or(&[], |e| self.slice(e.key))
+        self.ents.get(i).map_or(&[], |e| self.key_of(e))
     }
 
     /// Entry `i`'s value; `None` for a tombstone or an entry not decoded.
     pub fn value(&self, i: usize) -> Option<&[u8]> {
-        let e = self.ents.get(i)?;
-        match e.kind {
-            Kind::Put => Some(self.slice(e.value)),
-            Kind::Delete => None,
-        }
+        self.value_of(self.ents.get(i)?)
     }
 
     /// Entry `i`'s kind (`None` when not decoded).
@@ -1091,18 +1089,7 @@ impl DecodedBlock {
     /// the caller checks the key it expects (the payload is verified, so a wrong offset is
     /// the caller's corruption to report).
     pub fn entry_at(&self, pos: usize) -> Result<EntryAt> {
-        let bytes = self.bytes();
-        match entry_at(bytes, pos) {
-            Ok((e, _)) => {
-                let base = bytes.as_ptr() as usize;
-                let at = |s: &[u8]| ((s.as_ptr() as usize - base) as u32, s.len() as u32);
-                Ok(EntryAt { kind: e.kind, key: at(e.key), value: at(e.value) })
-            }
-            Err(d) => {
-                let path = self.table.as_ref().map_or(Path::new(""), |t| t.path.as_path());
-                Err(Error::corruption(path, self.offset, d))
-            }
-        }
+        Ok(self.decode_at(pos)?.0)
     }
 
     /// The key of `e` (an entry of this block).

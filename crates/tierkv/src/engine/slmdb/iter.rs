@@ -582,6 +582,21 @@ mod tests {
             .collect()
     }
 
+    /// Every key of the B+-tree with its location.
+    fn tree_locs(e: &Slmdb) -> Vec<(Vec<u8>, super::Loc)> {
+        e.inner.tree.read().range(&e.inner.region, b"", false, None, usize::MAX).unwrap()
+    }
+
+    /// Rewrite every `step`-th location of `locs` without its entry offset, as a record
+    /// written before the field existed.
+    fn forget_offsets(e: &Slmdb, locs: &[(Vec<u8>, super::Loc)], step: usize) {
+        let inner = &e.inner;
+        let mut tree = inner.tree.write();
+        for (k, loc) in locs.iter().step_by(step) {
+            tree.put(&inner.region, &inner.heap, k, super::Loc { entry: None, ..*loc }).unwrap();
+        }
+    }
+
     /// Random puts, deletes and batches with flushes and compactions in between.
     fn churn(e: &Slmdb, m: &mut Model, rng: &mut SmallRng, ops: usize, keys: u32, ver: &mut u64) {
         for i in 0..ops {
@@ -972,7 +987,6 @@ mod tests {
     /// another key's entry is `Corruption`, for `get` and for the iterator.
     #[test]
     fn locations_name_their_entries_and_records_without_one_read_the_same() {
-        use std::ops::Bound;
         let (dev, fs) = (SimDevice::new(), FaultFs::new());
         // Blocks of several entries, so most entries start past a block's first byte.
         let o = opts(&dev, &fs, SlmdbOptions { block_size: 2048, ..crate::testing::slmdb_small() });
@@ -984,15 +998,7 @@ mod tests {
         e.flush().unwrap();
         e.compact().unwrap();
         let inner = &e.inner;
-        let mut locs = Vec::new();
-        inner
-            .tree
-            .read()
-            .walk(&inner.region, Bound::Unbounded, true, usize::MAX, |k, loc| {
-                locs.push((k.to_vec(), loc));
-                true
-            })
-            .unwrap();
+        let locs = tree_locs(&e);
         assert!(locs.len() > 100, "the tree holds the flushed keys: {}", locs.len());
         let tables = inner.tables.read().clone();
         for (k, loc) in &locs {
@@ -1004,12 +1010,7 @@ mod tests {
         }
         assert!(locs.iter().filter(|(_, l)| l.entry > Some(0)).count() > locs.len() / 2, "most entries are not first");
         // Every other record as an old one (no offset): reads search the block.
-        {
-            let mut tree = inner.tree.write();
-            for (k, loc) in locs.iter().step_by(2) {
-                tree.put(&inner.region, &inner.heap, k, super::Loc { entry: None, ..*loc }).unwrap();
-            }
-        }
+        forget_offsets(&e, &locs, 2);
         for (k, v) in &m {
             assert_eq!(e.get(k).unwrap().as_ref(), Some(v));
         }
@@ -1037,7 +1038,6 @@ mod tests {
     #[test]
     fn a_version_1_store_opens_and_is_marked_version_2() {
         use super::super::layout;
-        use std::ops::Bound;
         let (dev, fs) = (SimDevice::new(), FaultFs::new());
         let o = opts(&dev, &fs, crate::testing::slmdb_small());
         let e = open(&o, &fs, true);
@@ -1051,18 +1051,9 @@ mod tests {
             layout::decode_superblock(sb).unwrap().1
         };
         assert_eq!(version(&e), 2);
+        forget_offsets(&e, &tree_locs(&e), 1);
         {
             let inner = &e.inner;
-            let mut tree = inner.tree.write();
-            let mut locs = Vec::new();
-            tree.walk(&inner.region, Bound::Unbounded, true, usize::MAX, |k, l| {
-                locs.push((k.to_vec(), l));
-                true
-            })
-            .unwrap();
-            for (k, l) in locs {
-                tree.put(&inner.region, &inner.heap, &k, super::Loc { entry: None, ..l }).unwrap();
-            }
             let sb = layout::encode_superblock_version(inner.opts.memtable_size, 1);
             // SAFETY: test-only rewrite of the superblock line; nothing else reads it now.
             unsafe { inner.region.write(layout::SUPERBLOCK_ADDR, &sb).unwrap() };

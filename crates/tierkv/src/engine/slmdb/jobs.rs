@@ -221,7 +221,11 @@ impl Inner {
                     let old = tree.get(&self.region, key)?;
                     // The same block: nothing moved (a roll-forward of a flush whose records
                     // an older version wrote without entry offsets, for one).
-                    if old.zip(*new).map_or(old.is_none() && new.is_none(), |(o, n)| o.same_place(&n)) {
+                    let unmoved = match (old, new) {
+                        (Some(o), Some(n)) => o.same_place(n),
+                        (o, n) => o.is_none() && n.is_none(),
+                    };
+                    if unmoved {
                         continue;
                     }
                     if src.is_some() && old.map(|l| l.file) != *src {
