@@ -582,7 +582,7 @@ mod tests {
         assert!(h.check().unwrap().is_empty());
     }
 
-    /// An iterator made before a compaction that rewrites every table, group
+    /// An iterator made before a compaction that replaces tables it reads, group
     /// maintenance that relocates the cold values and removes the vlog files it read
     /// pointers into, and dirty demotions of the hot keys ahead of it (their newest
     /// values written to a MemTable it does not hold) returns exactly the model.
@@ -645,10 +645,10 @@ mod tests {
             h.compact().unwrap();
             assert!(stat(&h, "compactions") > compactions0, "a compaction ran");
             let tables_after: Vec<u64> = h.inner.lsm.files().1.iter().map(|f| f.0).collect();
-            assert!(
-                tables_before.iter().all(|n| !tables_after.contains(n)),
-                "every table the iterator was made over was replaced (and its file removed)"
-            );
+            // Tables at the bottom that overlap nothing above stay; the others are merged
+            // into new ones and their files removed.
+            let replaced = tables_before.iter().filter(|n| !tables_after.contains(n)).count();
+            assert!(replaced >= 2, "tables the iterator was made over were replaced: {replaced}");
             assert!(stat(&h, "gc_bytes_freed") > freed0, "vlog files the iterator points into were removed");
             // Hotter keys take the HotStore: the dirty keys are demoted (their values
             // written back to the LSM's current MemTable).
