@@ -900,19 +900,6 @@ impl EntryAt {
     }
 }
 
-/// What keeps a [`DecodedBlock`]'s payload alive.
-#[derive(Debug, Default)]
-enum Payload {
-    #[default]
-    Empty,
-    /// A verified copy: shared with the block cache (a hit), or read from a file that is
-    /// not mapped.
-    Owned(Arc<Vec<u8>>),
-    /// Verified in place in the table's mapping; the block's `Arc<Table>` keeps the file,
-    /// and so the mapping, alive.
-    Mapped,
-}
-
 /// A verified data block decoded for stepping: its payload and where each decoded entry's
 /// key and value are. Keys and values borrow from it; holding it pins the block.
 ///
@@ -937,16 +924,17 @@ enum Payload {
 /// the block, as LevelDB's linear scan from a restart point does). Each decoded entry starts loading the next
 /// header, so a walk finds it on its way. A malformed entry (a checksummed block written
 /// wrong) is `Corruption` when it is reached, every time it is reached.
-#[derive(Debug, Default)]
+#[derive(Default)]
 pub struct DecodedBlock {
     /// The table the block belongs to (`None` when empty): names it in errors, and keeps a
     /// mapped payload alive.
     table: Option<Arc<Table>>,
     /// The block's offset in the file.
     offset: u64,
-    data: Payload,
-    /// The payload's bytes, kept by `data` (an owned copy's heap buffer) or by `table` (the
-    /// mapping): every key and value read goes through this slice, and reaching the bytes
+    /// The payload when it is a verified copy: shared with the block cache (a hit), or read
+    /// from a file that is not mapped. `None` when empty or borrowed from the mapping.
+    owned: Option<Arc<Vec<u8>>>,
+    /// The payload's bytes, kept by `owned` (its heap buffer) or by `table` (the mapping): every key and value read goes through this slice, and reaching the bytes
     /// through `data` or the table's file (two dynamic calls to find the mapping) was a
     /// twentieth of a range read's time (hoakv, stop 47). Never handed out as `'static`:
     /// [`DecodedBlock::bytes`] bounds it by `&self`.
@@ -955,6 +943,18 @@ pub struct DecodedBlock {
     ents: Vec<EntryAt>,
     /// Payload offset of the first entry not decoded yet (the payload's length once all are).
     next: usize,
+}
+
+impl std::fmt::Debug for DecodedBlock {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("DecodedBlock")
+            .field("table", &self.table.as_ref().map(|t| t.path()))
+            .field("offset", &self.offset)
+            .field("len", &self.view.len())
+            .field("owned", &self.owned.is_some())
+            .field("decoded", &self.ents.len())
+            .finish()
+    }
 }
 
 impl DecodedBlock {
@@ -979,21 +979,21 @@ impl DecodedBlock {
             (Some((id, cache)), true) => cache.cache.get(&(*id, h.offset)),
             _ => None,
         };
-        let (data, view): (Payload, &[u8]) = match hit {
-            Some(b) => (Payload::Owned(b), &[]),
+        let mut mapped: &[u8] = &[];
+        self.owned = match hit {
+            Some(b) => Some(b),
             None => match t.block_ref_at(h, ordinal, true)? {
-                Some(p) => (Payload::Mapped, p),
-                None if cached => (Payload::Owned(t.read_block_cached(h)?), &[]),
-                None => (Payload::Owned(Arc::new(t.read_block(h)?)), &[]),
+                Some(p) => {
+                    mapped = p;
+                    None
+                }
+                None if cached => Some(t.read_block_cached(h)?),
+                None => Some(Arc::new(t.read_block(h)?)),
             },
         };
-        self.data = data;
-        let view = match &self.data {
-            Payload::Owned(b) => b.as_slice(),
-            _ => view,
-        };
+        let view = self.owned.as_deref().map_or(mapped, Vec::as_slice);
         // SAFETY: `view` is either the heap buffer of the `Arc<Vec<u8>>` now in
-        // `self.data` (never mutated while shared, and it does not move when the `Arc` or
+        // `self.owned` (never mutated while shared, and it does not move when the `Arc` or
         // this block moves) or a slice of `t`'s file mapping (a read-only `mmap` of a
         // finished file, fixed for the file's life), which `self.table` keeps alive from
         // the next line on. Both live until `clear` or the next load, which reset `view`
@@ -1007,7 +1007,7 @@ impl DecodedBlock {
     /// Drop the payload (the entry table's allocation is kept).
     pub fn clear(&mut self) {
         self.view = &[];
-        self.data = Payload::Empty;
+        self.owned = None;
         self.table = None;
         self.ents.clear();
         self.next = 0;
