@@ -286,6 +286,21 @@ pub fn process_read_bytes() -> u64 {
         .unwrap_or(0)
 }
 
+/// CPU time (user + system) of every thread of this process so far, in seconds
+/// (`getrusage(RUSAGE_SELF)`); 0 if the call fails. Its change over a workload divided by the
+/// workload's wall time is how many cores the engine kept busy: client threads and the
+/// engine's background threads alike.
+pub fn process_cpu_seconds() -> f64 {
+    // SAFETY: `ru` is a plain C struct the call fills in; it outlives the call.
+    let mut ru: libc::rusage = unsafe { std::mem::zeroed() };
+    // SAFETY: as above; RUSAGE_SELF is a valid `who`.
+    if unsafe { libc::getrusage(libc::RUSAGE_SELF, &mut ru) } != 0 {
+        return 0.0;
+    }
+    let secs = |t: libc::timeval| t.tv_sec as f64 + t.tv_usec as f64 / 1e6;
+    secs(ru.ru_utime) + secs(ru.ru_stime)
+}
+
 /// Whether `path` is on tmpfs (`statfs` type `TMPFS_MAGIC`): pages there are DRAM, and
 /// `msync` has no medium to write to.
 pub fn is_tmpfs(path: &Path) -> bool {

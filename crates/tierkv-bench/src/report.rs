@@ -391,7 +391,12 @@ pub fn rounds(r: &Report) -> String {
 }
 
 /// The thread sweep, when the run had more than one thread count: per engine, workload and
-/// value size, the throughput at each count and its ratio to the smallest count's.
+/// value size, the throughput at each count and its ratio to the smallest count's; then, per
+/// count, the cores the workload kept busy (process CPU time over wall time) and the CPU time
+/// an operation cost. The second table says why a curve bends: a count whose cores-busy is
+/// already near the machine's cores has no CPU left to scale into, and CPU per operation
+/// that grows with the count is time spent contending (locks, shared cache lines), not
+/// working.
 pub fn sweep(r: &Report) -> String {
     let mut counts: Vec<usize> = r.outcomes.iter().map(|o| o.threads).collect();
     counts.sort_unstable();
@@ -426,6 +431,36 @@ pub fn sweep(r: &Report) -> String {
                 (Some(v), Some(b)) if b > 0.0 => format!("{v:.0} ({:.2}x)", v / b),
                 (Some(v), _) => format!("{v:.0}"),
                 (None, _) => "-".into(),
+            };
+            let _ = write!(out, " {cell:>18}");
+        }
+        out.push('\n');
+    }
+    let _ = write!(
+        out,
+        "\ncores busy (process CPU time / wall time) and CPU time per operation at each count ({} cores here)\n",
+        std::thread::available_parallelism().map_or(0, |n| n.get())
+    );
+    let _ = write!(out, "{:<16} {:>7} {:<10}", "workload", "value", "engine");
+    for c in &counts {
+        let _ = write!(out, " {:>18}", format!("{c} thr"));
+    }
+    out.push('\n');
+    seen.clear();
+    for o in &r.outcomes {
+        if !seen.insert((o.workload.name(), o.value_size, o.engine.as_str())) {
+            continue;
+        }
+        let _ = write!(out, "{:<16} {:>7} {:<10}", o.workload.name(), o.value_size, o.engine);
+        for &c in &counts {
+            let x = r.outcomes.iter().find(|x| {
+                x.engine == o.engine && x.workload == o.workload && x.value_size == o.value_size && x.threads == c
+            });
+            let cell = match x {
+                Some(x) if x.seconds > 0.0 && x.ops > 0 && x.cpu_seconds > 0.0 => {
+                    format!("{:.2}, {}", x.cpu_seconds / x.seconds, fmt_ns(x.cpu_seconds * 1e9 / x.ops as f64))
+                }
+                _ => "-".into(),
             };
             let _ = write!(out, " {cell:>18}");
         }

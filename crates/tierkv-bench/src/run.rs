@@ -244,6 +244,11 @@ pub struct Outcome {
     /// the data fits the page cache; under `--dram-budget` it shows what the budget costs.
     #[serde(default)]
     pub disk_bytes_read: u64,
+    /// CPU time the benchmark process spent during the workload, in seconds (user + system,
+    /// every thread: the clients and the engine's background work). Over `seconds` it is the
+    /// number of cores the workload kept busy; over `ops` the CPU cost of an operation.
+    #[serde(default)]
+    pub cpu_seconds: f64,
     /// The design's own figures after the workload (tierkv presets: promotions, flushes,
     /// merges, …; counters are totals since open).
     #[serde(default, skip_serializing_if = "std::collections::BTreeMap::is_empty")]
@@ -337,6 +342,7 @@ pub fn run_with_progress(
     let threads = if w == Workload::Readseq { 1 } else { p.threads.max(1) };
     let before = e.usage();
     let read0 = crate::cgroup::process_read_bytes();
+    let cpu0 = crate::cgroup::process_cpu_seconds();
     let total = p.ops_of(w);
     let deadline = p.time_cap_seconds.map(|s| Instant::now() + std::time::Duration::from_secs_f64(s.max(0.0)));
     let inserted = AtomicU64::new(loaded.ycsb);
@@ -384,6 +390,7 @@ pub fn run_with_progress(
         (results, background)
     });
     let seconds = start.elapsed().as_secs_f64();
+    let cpu_seconds = (crate::cgroup::process_cpu_seconds() - cpu0).max(0.0);
     let background_writes = background.transpose()?.unwrap_or(0);
     let mut hist = Histogram::<u64>::new_with_bounds(1, 60_000_000_000, 3).map_err(|e| e.to_string())?;
     let (mut ops, mut found, mut capped) = (0u64, 0u64, false);
@@ -451,6 +458,7 @@ pub fn run_with_progress(
         write_amp_pm: ratio(usage.pm_bytes_written),
         write_amp_disk: ratio(usage.disk_bytes_written),
         disk_bytes_read: crate::cgroup::process_read_bytes().saturating_sub(read0),
+        cpu_seconds,
         design: e.design(),
         rounds: Vec::new(),
         usage,

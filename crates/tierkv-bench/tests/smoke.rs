@@ -183,6 +183,12 @@ fn thread_sweep_runs_every_count_and_prints_ratios() {
             assert_eq!(mine.len(), 2, "{e} at {th} threads");
             let read = mine.iter().find(|o| o.workload == Workload::Readrandom).unwrap();
             assert!(read.found > 0, "{e} {th}: the reads found what the fill wrote");
+            // The workload cost CPU time, and no more than every thread busy all along
+            // (the clients plus a background thread each at most, generously).
+            for o in &mine {
+                let cores = o.cpu_seconds / o.seconds;
+                assert!(o.cpu_seconds > 0.0 && cores <= (th + 8) as f64, "{e} {th} {:?}: {cores} cores", o.workload);
+            }
         }
         assert_eq!(rep.recovery.iter().filter(|r| r.engine == e).count(), 1, "{e}: recovery once");
     }
@@ -190,6 +196,9 @@ fn thread_sweep_runs_every_count_and_prints_ratios() {
     assert!(table.contains("thread sweep"), "{table}");
     let line = table.lines().find(|l| l.starts_with("fillrandom") && l.contains("pmekv") && l.contains("x)")).unwrap();
     assert!(line.contains("(1.00x)"), "{line}");
+    let cores = table.split("cores busy").nth(1).unwrap_or_else(|| panic!("no cores-busy table: {table}"));
+    let line = cores.lines().find(|l| l.starts_with("fillrandom") && l.contains("lightkv")).unwrap();
+    assert_eq!(line.matches(", ").count(), 2, "cores and CPU per operation at 1 and 2 threads: {line}");
     assert!(run(&BenchArgs { threads: vec![0], ..a.clone() }).is_err(), "0 threads is refused");
 }
 

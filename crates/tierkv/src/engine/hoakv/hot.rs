@@ -140,6 +140,75 @@ struct Entry {
     clean: bool,
 }
 
+/// Which keys may be hot, asked without the HotStore's lock: one counter per hash of the
+/// key (a counting filter with one hash), raised when a key is linked into the index and
+/// lowered when it is unlinked, both under the HotStore's exclusive lock (so updates never
+/// race each other). A zero counter means no hot key hashes there: the key is not hot. A
+/// counter that reaches 255 stays there (lowering it could later read zero for a key
+/// still hot); it only costs a lock for the keys that share it.
+///
+/// What a zero is worth depends on the caller: it is exact only for a key whose hotness
+/// nobody can change meanwhile (the write path holds the key's stripe and the engine's
+/// writer lock, and only those or the exclusive writer lock make a key hot or cold; the
+/// link or unlink that set the counter happened before the caller took them).
+#[derive(Debug)]
+pub struct HotFilter {
+    counts: Box<[std::sync::atomic::AtomicU8]>,
+}
+
+impl HotFilter {
+    /// One counter per 64 bytes of slot capacity (a hot record takes at least two 32-byte
+    /// halves), a power of two between 4 Ki and 4 Mi: about one byte of DRAM per hot key.
+    pub fn for_capacity(capacity: u64) -> HotFilter {
+        let n = (capacity / 64).clamp(1 << 12, 1 << 22).next_power_of_two() as usize;
+        HotFilter { counts: (0..n).map(|_| std::sync::atomic::AtomicU8::new(0)).collect() }
+    }
+
+    fn slot(&self, key: &[u8]) -> &std::sync::atomic::AtomicU8 {
+        // `counts.len()` is a power of two; the index is in bounds.
+        let h = crc32c::crc32c(key).wrapping_mul(0x9e37_79b9) as usize;
+        &self.counts[h & (self.counts.len() - 1)]
+    }
+
+    /// False when `key` is not hot (see the type's docs for when that is exact).
+    pub fn may_contain(&self, key: &[u8]) -> bool {
+        self.slot(key).load(std::sync::atomic::Ordering::Relaxed) != 0
+    }
+
+    fn add(&self, key: &[u8]) {
+        let c = self.slot(key);
+        let v = c.load(std::sync::atomic::Ordering::Relaxed);
+        if v < u8::MAX {
+            c.store(v + 1, std::sync::atomic::Ordering::Relaxed);
+        }
+    }
+
+    fn remove(&self, key: &[u8]) {
+        let c = self.slot(key);
+        let v = c.load(std::sync::atomic::Ordering::Relaxed);
+        if v != 0 && v < u8::MAX {
+            c.store(v - 1, std::sync::atomic::Ordering::Relaxed);
+        }
+    }
+
+    /// DRAM bytes of the counters.
+    pub fn dram_bytes(&self) -> u64 {
+        self.counts.len() as u64
+    }
+}
+
+/// An update written to PM by [`Hot::stage_update`] that the index does not name yet.
+#[derive(Debug)]
+#[must_use = "a staged update is visible to recovery but not to readers until finished"]
+pub struct Staged {
+    idx: u32,
+    vt: u16,
+    slot: u32,
+    half: u8,
+    seq: u64,
+    tomb: bool,
+}
+
 #[derive(Debug)]
 struct VTable {
     addr: u64,
@@ -203,6 +272,8 @@ pub struct Victim {
 #[derive(Debug)]
 pub struct Hot {
     region: Arc<Region>,
+    /// Which keys may be hot, readable without the HotStore's lock ([`HotFilter`]).
+    filter: Arc<HotFilter>,
     heap: Heap,
     vtable_size: u64,
     dir_slots: u32,
@@ -283,6 +354,7 @@ impl Hot {
             dirty_removals: 0,
             recovered_duplicates: 0,
             region,
+            filter: Arc::new(HotFilter::for_capacity(capacity)),
         };
         hot.recover()?;
         hot.filled = hot.used_bytes >= hot.capacity - hot.capacity / 16;
@@ -384,8 +456,10 @@ impl Hot {
         let t = self.vt(vt)?;
         let a = t.half_addr(slot, half);
         // SAFETY: the slot belongs to the entry being written (or was just allocated) and
-        // the half is not the current one; every access to hot records happens under the
-        // HotStore lock, which the caller holds.
+        // the half is not the current one, so no reader reads it (readers read the half
+        // the index names, under the HotStore lock). Its only writers are writes of the
+        // entry's key: under the HotStore lock held exclusively, or shared from
+        // [`Hot::stage_update`], whose caller holds the key's write stripe (see there).
         unsafe { self.region.write(a, rec)? };
         self.region.persist(a, rec.len() as u64);
         let sa = t.sel_addr(slot);
@@ -424,10 +498,17 @@ impl Hot {
         self.buckets[bucket as usize] = idx;
         self.order.insert(idx, heat);
         self.keys.insert(key.to_vec(), idx);
+        self.filter.add(key);
         if !tomb {
             self.live += 1;
         }
         idx
+    }
+
+    /// The filter of the keys that may be hot, kept by this store (shared so that callers
+    /// can ask it without the HotStore's lock).
+    pub fn filter(&self) -> Arc<HotFilter> {
+        self.filter.clone()
     }
 
     fn record(&self, idx: u32) -> Result<HotRecord<'_>> {
@@ -492,6 +573,19 @@ impl Hot {
         if touch {
             self.touch(idx);
         }
+        self.value_at(idx)
+    }
+
+    /// Look `key` up without counting an access (a shared borrow: callers hold the
+    /// HotStore's lock shared).
+    pub fn peek(&self, key: &[u8]) -> Result<HotGet> {
+        match self.find(key)? {
+            Some(idx) => self.value_at(idx),
+            None => Ok(HotGet::Miss),
+        }
+    }
+
+    fn value_at(&self, idx: u32) -> Result<HotGet> {
         let r = self.record(idx)?;
         Ok(match r.value {
             Some(v) => HotGet::Value(v.to_vec()),
@@ -524,6 +618,49 @@ impl Hot {
     /// Bytes still free under the capacity.
     pub fn room(&self) -> u64 {
         self.capacity.saturating_sub(self.used_bytes)
+    }
+
+    /// The first half of an update under the HotStore lock held *shared*: write `key`'s
+    /// new record (value or tombstone, sequence number `seq`) into the other half of its
+    /// slot and persist the slot's selector, so PM holds the new version (recovery picks
+    /// the half the selector names). The index still names the old half, which readers
+    /// go on reading, until [`Hot::finish_update`] flips it under the exclusive lock.
+    /// `Ok(None)`: the key is not hot, or the record does not fit its slot (the caller
+    /// updates under the exclusive lock, [`Hot::update`], which moves it).
+    ///
+    /// The caller must hold, until `finish_update` returns, what keeps every other writer
+    /// of this entry out: the key's write stripe (no other write of the key) and the
+    /// engine's writer lock shared (no demotion or removal of the entry, which take it
+    /// exclusively). Nothing else writes the inactive half or moves the slot.
+    pub fn stage_update(&self, key: &[u8], value: Option<&[u8]>, seq: u64) -> Result<Option<Staged>> {
+        let Some(idx) = self.find(key)? else { return Ok(None) };
+        let e = &self.entries[idx as usize];
+        let rec = layout::encode_hot(seq, key, value);
+        if rec.len() > self.vt(e.vt)?.class as usize {
+            return Ok(None);
+        }
+        let half = 1 - e.half;
+        self.write_half(e.vt, e.slot, half, seq, &rec)?;
+        Ok(Some(Staged { idx, vt: e.vt, slot: e.slot, half, seq, tomb: value.is_none() }))
+    }
+
+    /// The second half of an update begun by [`Hot::stage_update`]: the index names the
+    /// new half, and the access is counted. Refuses (poisoning is the caller's) when the
+    /// entry is not where the staging left it, which the caller's locks rule out.
+    pub fn finish_update(&mut self, s: Staged) -> Result<()> {
+        let en = self
+            .entries
+            .get_mut(s.idx as usize)
+            .filter(|e| e.vt == s.vt && e.slot == s.slot && e.half == 1 - s.half)
+            .ok_or_else(|| Error::Poisoned("hoakv: a staged hot update's entry moved before it was finished".into()))?;
+        let was_tomb = en.tomb;
+        en.half = s.half;
+        en.seq = s.seq;
+        en.tomb = s.tomb;
+        en.clean = false;
+        self.touch(s.idx);
+        self.adjust_live(was_tomb, s.tomb);
+        Ok(())
     }
 
     /// Write `key`'s new value (or tombstone) with sequence number `seq`: into the other
@@ -666,6 +803,7 @@ impl Hot {
             self.dirty_removals += 1;
         }
         self.free_entries.push(idx);
+        self.filter.remove(key);
         Ok(())
     }
 
@@ -858,6 +996,7 @@ impl Hot {
         let keys: u64 = self.keys.keys().map(|k| k.len() as u64 + 48).sum();
         (self.buckets.len() * 4 + self.entries.len() * std::mem::size_of::<Entry>()) as u64
             + self.order.dram_bytes()
+            + self.filter.dram_bytes()
             + keys
     }
 
@@ -874,6 +1013,9 @@ impl Hot {
                 Ok(Some(j)) if j == i => {}
                 _ => p.push(format!("hot key {} is not found through the hash index", crate::escape(k))),
             }
+            if !self.filter.may_contain(k) {
+                p.push(format!("hot key {} is missing from the hot-key filter", crate::escape(k)));
+            }
         }
         if !self.order_ok() {
             p.push("hot heat list is out of order".into());
@@ -884,5 +1026,38 @@ impl Hot {
     /// PM heap figures: (bytes in use by vTables, free bytes).
     pub fn heap_bytes(&self) -> (u64, u64) {
         (self.heap.total() - self.heap.free_bytes(), self.heap.free_bytes())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::HotFilter;
+
+    /// A key is reported while linked and not after its unlink; a counter shared by more
+    /// keys than it can count stays raised for good (never a false "not hot").
+    #[test]
+    fn the_filter_counts_links_and_saturates() {
+        let f = HotFilter::for_capacity(0);
+        assert_eq!(f.dram_bytes(), 1 << 12, "the smallest filter");
+        assert!(!f.may_contain(b"k"));
+        f.add(b"k");
+        f.add(b"k");
+        assert!(f.may_contain(b"k"));
+        f.remove(b"k");
+        assert!(f.may_contain(b"k"), "one link left");
+        f.remove(b"k");
+        assert!(!f.may_contain(b"k"), "both unlinked");
+        for _ in 0..300 {
+            f.add(b"s");
+        }
+        for _ in 0..300 {
+            f.remove(b"s");
+        }
+        assert!(f.may_contain(b"s"), "a saturated counter is never lowered");
+        // Keys that hash elsewhere are unaffected: of 1,000 other keys most read zero.
+        let zero = (0..1000u32).filter(|i| !f.may_contain(&i.to_le_bytes())).count();
+        assert!(zero >= 990, "{zero}");
+        assert_eq!(HotFilter::for_capacity(64 << 20).dram_bytes(), 1 << 20, "one counter per 64 bytes");
+        assert_eq!(HotFilter::for_capacity(u64::MAX).dram_bytes(), 1 << 22, "at most 4 Mi counters");
     }
 }

@@ -66,7 +66,7 @@ impl HotCursor {
     /// or its last (backward). Returns whether more may follow in that direction.
     fn refill(&mut self, from: Bound<&[u8]>, forward: bool) -> bool {
         let more = {
-            let hot = self.inner.hot.lock();
+            let hot = self.inner.hot.read();
             if hot.dirty_removals() != self.epoch {
                 self.stale.store(true, Ordering::Relaxed);
             }
@@ -263,7 +263,7 @@ impl std::fmt::Debug for HoaIter {
 /// count came after, and its ColdStore write (made before the removal) is either in the
 /// sources or detected.
 fn sources(inner: &Arc<Inner>, stale: &Arc<AtomicBool>) -> MergingIterator {
-    let epoch = inner.hot.lock().dirty_removals();
+    let epoch = inner.hot.read().dirty_removals();
     let mut children: Vec<BoxedIter> = vec![Box::new(HotCursor::new(inner.clone(), epoch, stale.clone()))];
     children.extend(inner.lsm.sources());
     MergingIterator::new(children)
@@ -328,7 +328,7 @@ impl HoaIter {
             // A hot entry: copy its current value (verified) under the HotStore lock. A key
             // that left the HotStore since the batch was copied may have moved to a
             // ColdStore write these sources do not hold: rebuild them (`settle`).
-            let got = self.inner.hot.lock().read_value(key, &mut self.buf)?;
+            let got = self.inner.hot.read().read_value(key, &mut self.buf)?;
             match got {
                 HotValue::Copied => {
                     self.vrange = 0..self.buf.len();

@@ -801,6 +801,7 @@ pub(crate) fn open_inner(ctx: &EngineCtx) -> Result<(Inner, Option<Vec<u64>>)> {
         fs: ctx.fs.clone(),
         dir: dir.clone(),
         writer: Mutex::new(Writer { wal, wal_gen }),
+        commits: crate::group::Queue::default(),
         mem: RwLock::new(MemState { active: Arc::new(Mem::new(wal_gen)), imm }),
         tree: RwLock::new(tree),
         vlog,
