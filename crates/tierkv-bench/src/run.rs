@@ -246,7 +246,10 @@ pub struct Outcome {
     pub disk_bytes_read: u64,
     /// CPU time the benchmark process spent during the workload, in seconds (user + system,
     /// every thread: the clients and the engine's background work). Over `seconds` it is the
-    /// number of cores the workload kept busy; over `ops` the CPU cost of an operation.
+    /// number of cores the workload kept busy; over `ops` the CPU cost of an operation
+    /// (`readwhilewriting`: the background writer's CPU included, its writes not counted).
+    /// The kernel brings a running thread's time up to date at its ticks and switches, so a
+    /// workload of a few milliseconds can be off by a tick per busy thread.
     #[serde(default)]
     pub cpu_seconds: f64,
     /// The design's own figures after the workload (tierkv presets: promotions, flushes,

@@ -183,11 +183,20 @@ fn thread_sweep_runs_every_count_and_prints_ratios() {
             assert_eq!(mine.len(), 2, "{e} at {th} threads");
             let read = mine.iter().find(|o| o.workload == Workload::Readrandom).unwrap();
             assert!(read.found > 0, "{e} {th}: the reads found what the fill wrote");
-            // The workload cost CPU time, and no more than every thread busy all along
-            // (the clients plus a background thread each at most, generously).
+            // The workloads cost CPU time, and no more than every thread busy all along
+            // (the clients plus a background thread each at most, generously), give or take
+            // the kernel's accounting of threads still running when it is read (a
+            // scheduler tick each: these workloads take about a millisecond).
+            assert!(mine.iter().map(|o| o.cpu_seconds).sum::<f64>() > 0.0, "{e} {th}: no CPU time measured");
             for o in &mine {
-                let cores = o.cpu_seconds / o.seconds;
-                assert!(o.cpu_seconds > 0.0 && cores <= (th + 8) as f64, "{e} {th} {:?}: {cores} cores", o.workload);
+                let most = o.seconds * (th + 8) as f64 + 0.05 * (th + 8) as f64;
+                assert!(
+                    o.cpu_seconds <= most,
+                    "{e} {th} {:?}: {} s of CPU in {} s",
+                    o.workload,
+                    o.cpu_seconds,
+                    o.seconds
+                );
             }
         }
         assert_eq!(rep.recovery.iter().filter(|r| r.engine == e).count(), 1, "{e}: recovery once");

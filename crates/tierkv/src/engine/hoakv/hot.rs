@@ -157,16 +157,20 @@ pub struct HotFilter {
 }
 
 impl HotFilter {
-    /// One counter per 64 bytes of slot capacity (a hot record takes at least two 32-byte
-    /// halves), a power of two between 4 Ki and 4 Mi: about one byte of DRAM per hot key.
+    /// One counter per 64 bytes of slot capacity, a power of two between 4 Ki and 4 Mi: a
+    /// hot slot takes at least 128 bytes (two halves of at least 64), so there are at least
+    /// two counters per key the capacity can hold, at most one byte of DRAM per 64 bytes of
+    /// HotStore (1 MiB for the default 64 MiB).
     pub fn for_capacity(capacity: u64) -> HotFilter {
         let n = (capacity / 64).clamp(1 << 12, 1 << 22).next_power_of_two() as usize;
         HotFilter { counts: (0..n).map(|_| std::sync::atomic::AtomicU8::new(0)).collect() }
     }
 
     fn slot(&self, key: &[u8]) -> &std::sync::atomic::AtomicU8 {
+        // The high half of a 64-bit multiply depends on every bit of the checksum (its low
+        // bits alone would make keys that share a counter share a write stripe too).
         // `counts.len()` is a power of two; the index is in bounds.
-        let h = crc32c::crc32c(key).wrapping_mul(0x9e37_79b9) as usize;
+        let h = (u64::from(crc32c::crc32c(key)).wrapping_mul(0x9e37_79b9_7f4a_7c15) >> 32) as usize;
         &self.counts[h & (self.counts.len() - 1)]
     }
 
@@ -629,9 +633,11 @@ impl Hot {
     /// updates under the exclusive lock, [`Hot::update`], which moves it).
     ///
     /// The caller must hold, until `finish_update` returns, what keeps every other writer
-    /// of this entry out: the key's write stripe (no other write of the key) and the
-    /// engine's writer lock shared (no demotion or removal of the entry, which take it
-    /// exclusively). Nothing else writes the inactive half or moves the slot.
+    /// of this entry out: the key's write stripe (no other write of the key, including the
+    /// removal of a batch's hot key that found no room) and the engine's writer lock
+    /// (demotions take it exclusively), or that lock exclusively. Whatever allocates,
+    /// frees or moves slots needs the HotStore's lock exclusively, so it waits for the
+    /// shared lock this runs under. Nothing else writes the inactive half or moves the slot.
     pub fn stage_update(&self, key: &[u8], value: Option<&[u8]>, seq: u64) -> Result<Option<Staged>> {
         let Some(idx) = self.find(key)? else { return Ok(None) };
         let e = &self.entries[idx as usize];

@@ -90,9 +90,8 @@ impl HotCursor {
             return;
         }
         if let Some((addr, len)) = self.batch.record_at(self.pos) {
-            if let Some(r) = self.inner.region.slice(addr, len.min(4096)) {
-                crate::pm::flush::prefetch(r);
-            }
+            // No slice is formed: a writer may be writing that (stale) range meanwhile.
+            self.inner.region.prefetch(addr, len.min(4096));
         }
     }
 

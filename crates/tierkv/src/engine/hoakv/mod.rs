@@ -183,13 +183,22 @@
 //!   heat counted once (every exclusive acquisition parks the other writers: taking and
 //!   releasing it was 12 % of the cycles at 2 writers when every promotion took it).
 //!   The HotStore's lock is taken shared by whatever only looks (is the key hot, is there
-//!   room, a read that counts no access, iterators), exclusively by what changes it
-//!   (updates, promotions, demotions, decay, reads that count an access). A cold write
-//!   asks twice whether its key is hot; with one mutex there, two writers parked on it for
-//!   2 % of their writes, each park a futex sleep and wake (tens of microseconds on a VM)
-//!   while the process left 0.7 of its 2 cores idle (`tierkv bench --threads 1,2`, cores
-//!   busy 1.30 at 2 writers). With 64 stripes two writers met on a stripe about once in 64
-//!   writes; 1,024 (one byte each) make that rare.
+//!   room, a read that counts no access, iterators), exclusively by what changes the index
+//!   (promotions, demotions, decay, reads that count an access, the flip that ends an
+//!   update). An update of a hot key writes its new record into the inactive half of its
+//!   slot and persists the selector under the *shared* lock ([`hot::Hot::stage_update`]:
+//!   the key's stripe and the shared writer lock keep every other writer of that slot
+//!   out), then flips the index entry under the exclusive lock; only a record that outgrew
+//!   its slot is moved under the exclusive lock. A cold write first asks the HotStore's
+//!   lock-free filter ([`hot::HotFilter`]) whether its key may be hot, and takes the lock
+//!   only when it may: the answer is exact for a key whose stripe the writer holds, since
+//!   only that stripe's holder or the exclusive writer lock make a key hot or cold. With
+//!   one mutex over the HotStore, held through each hot update's PM write, two writers
+//!   parked on it for 2 % of their writes, each park a futex sleep and wake (tens of
+//!   microseconds on a VM, more when the holder was descheduled) while the process left
+//!   0.7 of its 2 cores idle (`tierkv bench --threads 1,2`, cores busy 1.30 at 2 writers).
+//!   With 64 stripes (one byte each, one cache line) two writers met on a stripe about
+//!   once in 64 writes; 1,024 make that rare and spread them over 16 lines.
 
 pub mod cold;
 pub mod heat;
@@ -275,7 +284,8 @@ struct Inner {
     region: Arc<Region>,
     hot: RwLock<Hot>,
     /// The HotStore's filter of keys that may be hot, asked without its lock by writes
-    /// (which hold their keys' stripes, so the answer stays true for their keys).
+    /// (which hold their keys' stripes, or the exclusive writer lock on a retry, so the
+    /// answer stays true for their keys).
     hot_filter: Arc<hot::HotFilter>,
     lsm: Arc<Lsm>,
     cold: Arc<ColdVlog>,

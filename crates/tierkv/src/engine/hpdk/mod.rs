@@ -66,8 +66,9 @@
 //! writer took the writer lock around its own `write` system call; at 8 threads on 2
 //! cores the lock's holder was often descheduled mid-call while the others spun and
 //! yielded (`sched_yield` was 17 % of the samples; fillrandom at 8 threads 0.93× one
-//! thread). A member returns only after its group's append and inserts, so what a writer
-//! is told is what it was told before; a failed append fails (and poisons) the whole group.
+//! thread). A member returns only after its group's append and inserts; a failed append
+//! fails (and poisons) the whole group. A full MemTable is rotated before the append, not
+//! after, so a failed rotation fails only writes that wrote nothing.
 //!
 //! # Shutdown
 //! `close()` and drop set the store's [`crate::jobs::Cancel`] before joining the workers.
@@ -552,6 +553,7 @@ impl Inner {
         let mut w = self.writer.lock();
         // A WAL write that failed meanwhile may have left a torn record: append nothing.
         self.poisoned.check()?;
+        self.make_room(&mut w)?;
         if self.exists(ops[0].key())? != (cond == Cond::Present) {
             return Ok(false);
         }
@@ -566,10 +568,20 @@ impl Inner {
             }
         }
         self.user_bytes.add(0, user);
-        if self.mem.read().active.bytes.load(Ordering::Relaxed) >= self.opts.memtable_size {
-            self.rotate(&mut w)?;
-        }
         Ok(true)
+    }
+
+    /// Before a write's WAL append (writer lock held): a full active MemTable is made
+    /// immutable and a new one and WAL started ([`Inner::rotate`]). Rotating *before* the
+    /// append (LevelDB's `MakeRoomForWrite`) means a rotation that fails (a flush that
+    /// failed and poisoned, a WAL file that cannot be created) fails writes that wrote
+    /// nothing; rotating after told a writer whose record was durable and visible that it
+    /// had failed. A MemTable can go past its size by one write (or one group).
+    fn make_room(&self, w: &mut Writer) -> Result<()> {
+        if self.mem.read().active.bytes.load(Ordering::Relaxed) >= self.opts.memtable_size {
+            self.rotate(w)?;
+        }
+        Ok(())
     }
 
     /// Append WAL bytes (whole records), synced when the options ask. A failure poisons:
@@ -590,6 +602,7 @@ impl Inner {
         let mut w = self.writer.lock();
         // A WAL write that failed meanwhile may have left a torn record: append nothing.
         self.poisoned.check()?;
+        self.make_room(&mut w)?;
         let joined;
         let bytes: &[u8] = match group {
             [one] => &one.item.rec,
@@ -606,9 +619,6 @@ impl Inner {
                     mem.active.insert(k, *a);
                 }
             }
-        }
-        if self.mem.read().active.bytes.load(Ordering::Relaxed) >= self.opts.memtable_size {
-            self.rotate(&mut w)?;
         }
         Ok(())
     }
