@@ -390,6 +390,66 @@ pub fn rounds(r: &Report) -> String {
     out
 }
 
+/// Under `--repeat`: each count's ratio to the first count's within each round, and the
+/// median of those ratios with their range. A round runs an engine's counts back to back,
+/// so a ratio within one round is between measurements seconds apart; the ratio of two
+/// medians can pair a fast spell of the machine with a slow one (rounds of one
+/// measurement here spread 30–60 % on a shared VM).
+fn sweep_paired(r: &Report, counts: &[usize]) -> String {
+    let mut out = String::new();
+    if !r.outcomes.iter().any(|o| o.rounds.len() > 1) {
+        return out;
+    }
+    let _ = write!(
+        out,
+        "\nratio to {} thread(s) within each round: median of the rounds' ratios [lowest, highest]\n",
+        counts[0]
+    );
+    let _ = write!(out, "{:<16} {:>7} {:<10}", "workload", "value", "engine");
+    for c in &counts[1..] {
+        let _ = write!(out, " {:>18}", format!("{c} thr"));
+    }
+    out.push('\n');
+    let mut seen = std::collections::HashSet::new();
+    for o in &r.outcomes {
+        if !seen.insert((o.workload.name(), o.value_size, o.engine.as_str())) {
+            continue;
+        }
+        let rounds = |t: usize| {
+            r.outcomes
+                .iter()
+                .find(|x| {
+                    x.engine == o.engine && x.workload == o.workload && x.value_size == o.value_size && x.threads == t
+                })
+                .map(|x| x.rounds.clone())
+                .unwrap_or_default()
+        };
+        let base = rounds(counts[0]);
+        let _ = write!(out, "{:<16} {:>7} {:<10}", o.workload.name(), o.value_size, o.engine);
+        for &c in &counts[1..] {
+            let this = rounds(c);
+            let mut ratios: Vec<f64> = base.iter().zip(&this).filter(|(b, _)| **b > 0.0).map(|(b, v)| v / b).collect();
+            ratios.sort_by(f64::total_cmp);
+            let cell = match (ratios.len() == base.len() && ratios.len() > 1, ratios.first(), ratios.last()) {
+                (true, Some(lo), Some(hi)) => format!("{:.2}x [{lo:.2}, {hi:.2}]", median_sorted(&ratios)),
+                _ => "-".into(),
+            };
+            let _ = write!(out, " {cell:>18}");
+        }
+        out.push('\n');
+    }
+    out
+}
+
+/// The median of sorted values (the mean of the middle two for an even count).
+fn median_sorted(v: &[f64]) -> f64 {
+    match v.len() {
+        0 => 0.0,
+        n if n % 2 == 1 => v[n / 2],
+        n => (v[n / 2 - 1] + v[n / 2]) / 2.0,
+    }
+}
+
 /// The thread sweep, when the run had more than one thread count: per engine, workload and
 /// value size, the throughput at each count and its ratio to the smallest count's; then, per
 /// count, the cores the workload kept busy (process CPU time over wall time) and the CPU time
@@ -436,6 +496,7 @@ pub fn sweep(r: &Report) -> String {
         }
         out.push('\n');
     }
+    out.push_str(&sweep_paired(r, &counts));
     let _ = write!(
         out,
         "\ncores busy (process CPU time / wall time) and CPU time per operation at each count ({} cores here)\n",

@@ -246,6 +246,19 @@ fn repeat_keeps_the_median_round_and_lists_every_round() {
         .find(|l| l.trim_start().starts_with("readrandom") && l.contains("native") && l.contains(" / "))
         .unwrap();
     assert_eq!(line.matches(" / ").count(), 2, "{line}");
+    // The sweep's ratios paired within each round: the median of the three rounds' ratios
+    // of 2 threads to 1, with the lowest and highest.
+    let rounds = |t: usize| {
+        let o =
+            rep.outcomes.iter().find(|o| o.engine == "pmekv" && o.workload == Workload::Fillrandom && o.threads == t);
+        o.unwrap().rounds.clone()
+    };
+    let mut ratios: Vec<f64> = rounds(1).iter().zip(rounds(2)).map(|(b, v)| v / b).collect();
+    ratios.sort_by(f64::total_cmp);
+    let paired = table.split("within each round").nth(1).unwrap_or_else(|| panic!("no paired ratios: {table}"));
+    let line = paired.lines().find(|l| l.starts_with("fillrandom") && l.contains("pmekv")).unwrap();
+    let want = format!("{:.2}x [{:.2}, {:.2}]", ratios[1], ratios[0], ratios[2]);
+    assert!(line.contains(&want), "{line} should hold {want}");
     let one = run(&BenchArgs { repeat: 1, threads: vec![1], ..a.clone() }).unwrap();
     assert!(one.outcomes.iter().all(|o| o.rounds.is_empty()));
     assert!(!serde_json::to_string(&one).unwrap().contains("\"rounds\""));
