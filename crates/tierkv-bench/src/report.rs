@@ -390,23 +390,19 @@ pub fn rounds(r: &Report) -> String {
     out
 }
 
-/// Under `--repeat`: each count's ratio to the first count's within each round, and the
-/// median of those ratios with their range. A round runs an engine's counts back to back,
-/// so a ratio within one round is between measurements seconds apart; the ratio of two
-/// medians can pair a fast spell of the machine with a slow one (rounds of one
-/// measurement here spread 30–60 % on a shared VM).
-fn sweep_paired(r: &Report, counts: &[usize]) -> String {
-    let mut out = String::new();
-    if !r.outcomes.iter().any(|o| o.rounds.len() > 1) {
-        return out;
-    }
-    let _ = write!(
-        out,
-        "\nratio to {} thread(s) within each round: median of the rounds' ratios [lowest, highest]\n",
-        counts[0]
-    );
+/// One table of the thread sweep: `title`, a header naming `counts`, and a row per engine,
+/// workload and value size (in the report's order) whose cell at each count is
+/// `cell(that row's outcome at the count, at the first count)`, or `-` without one.
+fn sweep_table(
+    r: &Report,
+    title: &str,
+    counts: &[usize],
+    base: usize,
+    cell: impl Fn(&Outcome, Option<&Outcome>) -> Option<String>,
+) -> String {
+    let mut out = format!("\n{title}\n");
     let _ = write!(out, "{:<16} {:>7} {:<10}", "workload", "value", "engine");
-    for c in &counts[1..] {
+    for c in counts {
         let _ = write!(out, " {:>18}", format!("{c} thr"));
     }
     out.push('\n');
@@ -415,26 +411,15 @@ fn sweep_paired(r: &Report, counts: &[usize]) -> String {
         if !seen.insert((o.workload.name(), o.value_size, o.engine.as_str())) {
             continue;
         }
-        let rounds = |t: usize| {
-            r.outcomes
-                .iter()
-                .find(|x| {
-                    x.engine == o.engine && x.workload == o.workload && x.value_size == o.value_size && x.threads == t
-                })
-                .map(|x| x.rounds.clone())
-                .unwrap_or_default()
+        let at = |t: usize| {
+            r.outcomes.iter().find(|x| {
+                x.engine == o.engine && x.workload == o.workload && x.value_size == o.value_size && x.threads == t
+            })
         };
-        let base = rounds(counts[0]);
         let _ = write!(out, "{:<16} {:>7} {:<10}", o.workload.name(), o.value_size, o.engine);
-        for &c in &counts[1..] {
-            let this = rounds(c);
-            let mut ratios: Vec<f64> = base.iter().zip(&this).filter(|(b, _)| **b > 0.0).map(|(b, v)| v / b).collect();
-            ratios.sort_by(f64::total_cmp);
-            let cell = match (ratios.len() == base.len() && ratios.len() > 1, ratios.first(), ratios.last()) {
-                (true, Some(lo), Some(hi)) => format!("{:.2}x [{lo:.2}, {hi:.2}]", median_sorted(&ratios)),
-                _ => "-".into(),
-            };
-            let _ = write!(out, " {cell:>18}");
+        for &c in counts {
+            let text = at(c).and_then(|x| cell(x, at(base))).unwrap_or_else(|| "-".into());
+            let _ = write!(out, " {text:>18}");
         }
         out.push('\n');
     }
@@ -451,81 +436,68 @@ fn median_sorted(v: &[f64]) -> f64 {
 }
 
 /// The thread sweep, when the run had more than one thread count: per engine, workload and
-/// value size, the throughput at each count and its ratio to the smallest count's; then, per
-/// count, the cores the workload kept busy (process CPU time over wall time) and the CPU time
-/// an operation cost. The second table says why a curve bends: a count whose cores-busy is
-/// already near the machine's cores has no CPU left to scale into, and CPU per operation
-/// that grows with the count is time spent contending (locks, shared cache lines), not
-/// working.
+/// value size, the throughput at each count and its ratio to the smallest count's.
+///
+/// Under `--repeat`, each count's ratio to the first count's within each round, and the
+/// median of those ratios with their range. A round runs an engine's counts back to back,
+/// so a ratio within one round is between measurements seconds apart; the ratio of two
+/// medians can pair a fast spell of the machine with a slow one (rounds of one
+/// measurement here spread 30–60 % on a shared VM).
+///
+/// Then, per count, the cores the workload kept busy (process CPU time over wall time) and
+/// the CPU time an operation cost. That table says why a curve bends: a count whose
+/// cores-busy is already near the machine's cores has no CPU left to scale into, and CPU
+/// per operation that grows with the count is time spent contending (locks, shared cache
+/// lines), not working.
 pub fn sweep(r: &Report) -> String {
     let mut counts: Vec<usize> = r.outcomes.iter().map(|o| o.threads).collect();
     counts.sort_unstable();
     counts.dedup();
-    let mut out = String::new();
     if counts.len() < 2 {
-        return out;
+        return String::new();
     }
-    let _ = write!(out, "\nthread sweep: ops/s at each count (ratio to {} thread(s))\n", counts[0]);
-    let _ = write!(out, "{:<16} {:>7} {:<10}", "workload", "value", "engine");
-    for c in &counts {
-        let _ = write!(out, " {:>18}", format!("{c} thr"));
-    }
-    out.push('\n');
-    let mut seen = std::collections::HashSet::new();
-    for o in &r.outcomes {
-        if !seen.insert((o.workload.name(), o.value_size, o.engine.as_str())) {
-            continue;
-        }
-        let at = |t: usize| {
-            r.outcomes
-                .iter()
-                .find(|x| {
-                    x.engine == o.engine && x.workload == o.workload && x.value_size == o.value_size && x.threads == t
-                })
-                .map(|x| x.ops_per_sec)
-        };
-        let _ = write!(out, "{:<16} {:>7} {:<10}", o.workload.name(), o.value_size, o.engine);
-        let base = at(counts[0]);
-        for &c in &counts {
-            let cell = match (at(c), base) {
-                (Some(v), Some(b)) if b > 0.0 => format!("{v:.0} ({:.2}x)", v / b),
-                (Some(v), _) => format!("{v:.0}"),
-                (None, _) => "-".into(),
-            };
-            let _ = write!(out, " {cell:>18}");
-        }
-        out.push('\n');
-    }
-    out.push_str(&sweep_paired(r, &counts));
-    let _ = write!(
-        out,
-        "\ncores busy (process CPU time / wall time) and CPU time per operation at each count ({} cores here)\n",
-        std::thread::available_parallelism().map_or(0, |n| n.get())
+    let first = counts[0];
+    let mut out = sweep_table(
+        r,
+        &format!("thread sweep: ops/s at each count (ratio to {first} thread(s))"),
+        &counts,
+        first,
+        |x, b| {
+            Some(match b.map(|b| b.ops_per_sec) {
+                Some(b) if b > 0.0 => format!("{:.0} ({:.2}x)", x.ops_per_sec, x.ops_per_sec / b),
+                _ => format!("{:.0}", x.ops_per_sec),
+            })
+        },
     );
-    let _ = write!(out, "{:<16} {:>7} {:<10}", "workload", "value", "engine");
-    for c in &counts {
-        let _ = write!(out, " {:>18}", format!("{c} thr"));
+    if r.outcomes.iter().any(|o| o.rounds.len() > 1) {
+        out.push_str(&sweep_table(
+            r,
+            &format!("ratio to {first} thread(s) within each round: median of the rounds' ratios [lowest, highest]"),
+            &counts[1..],
+            first,
+            |x, b| {
+                let base = &b?.rounds;
+                let mut ratios: Vec<f64> =
+                    base.iter().zip(&x.rounds).filter(|(b, _)| **b > 0.0).map(|(b, v)| v / b).collect();
+                ratios.sort_by(f64::total_cmp);
+                let (lo, hi) = (ratios.first()?, ratios.last()?);
+                (ratios.len() == base.len() && ratios.len() > 1)
+                    .then(|| format!("{:.2}x [{lo:.2}, {hi:.2}]", median_sorted(&ratios)))
+            },
+        ));
     }
-    out.push('\n');
-    seen.clear();
-    for o in &r.outcomes {
-        if !seen.insert((o.workload.name(), o.value_size, o.engine.as_str())) {
-            continue;
-        }
-        let _ = write!(out, "{:<16} {:>7} {:<10}", o.workload.name(), o.value_size, o.engine);
-        for &c in &counts {
-            let x = r.outcomes.iter().find(|x| {
-                x.engine == o.engine && x.workload == o.workload && x.value_size == o.value_size && x.threads == c
-            });
-            let cell = match x {
-                Some(x) if x.seconds > 0.0 && x.ops > 0 && x.cpu_seconds > 0.0 => {
-                    format!("{:.2}, {}", x.cpu_seconds / x.seconds, fmt_ns(x.cpu_seconds * 1e9 / x.ops as f64))
-                }
-                _ => "-".into(),
-            };
-            let _ = write!(out, " {cell:>18}");
-        }
-        out.push('\n');
-    }
+    out.push_str(&sweep_table(
+        r,
+        &format!(
+            "cores busy (process CPU time / wall time) and CPU time per operation at each count ({} cores here)",
+            std::thread::available_parallelism().map_or(0, |n| n.get())
+        ),
+        &counts,
+        first,
+        |x, _| {
+            (x.seconds > 0.0 && x.ops > 0 && x.cpu_seconds > 0.0)
+                .then(|| format!("{:.2}, {}", x.cpu_seconds / x.seconds, fmt_ns(x.cpu_seconds * 1e9 / x.ops as f64)))
+        },
+    ));
     out
 }

@@ -24,6 +24,14 @@ impl BatchOp {
             BatchOp::Put { key, .. } | BatchOp::Delete { key } => key,
         }
     }
+
+    /// User bytes this operation writes: key and value, or the key of a delete.
+    pub fn user_bytes(&self) -> u64 {
+        match self {
+            BatchOp::Put { key, value } => (key.len() + value.len()) as u64,
+            BatchOp::Delete { key } => key.len() as u64,
+        }
+    }
 }
 
 /// A group of puts and deletes that [`crate::Db::write`] applies atomically: after a crash
@@ -74,12 +82,6 @@ impl WriteBatch {
     /// Bytes of user data in the batch (keys + values), the "user bytes written" of
     /// write amplification.
     pub fn user_bytes(&self) -> u64 {
-        self.ops
-            .iter()
-            .map(|op| match op {
-                BatchOp::Put { key, value } => (key.len() + value.len()) as u64,
-                BatchOp::Delete { key } => key.len() as u64,
-            })
-            .sum()
+        self.ops.iter().map(BatchOp::user_bytes).sum()
     }
 }

@@ -785,13 +785,7 @@ impl Inner {
             if ops.is_empty() {
                 return Ok(Step::Done(true, Vec::new()));
             }
-            let user: u64 = ops
-                .iter()
-                .map(|o| match o {
-                    BatchOp::Put { key, value } => (key.len() + value.len()) as u64,
-                    BatchOp::Delete { key } => key.len() as u64,
-                })
-                .sum();
+            let user: u64 = ops.iter().map(BatchOp::user_bytes).sum();
             // Most cold keys are told apart without the HotStore's lock: no hot key shares
             // their filter counter, and only this write (holding their stripes) or an
             // exclusive writer could make them hot.

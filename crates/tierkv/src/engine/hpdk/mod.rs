@@ -529,13 +529,7 @@ impl Inner {
         // conditional one decides and appends under it, so that nothing is written for a
         // write whose condition fails.
         let conditional = matches!(cond, Cond::Absent | Cond::Present);
-        let user: u64 = ops
-            .iter()
-            .map(|o| match o {
-                BatchOp::Put { key, value } => (key.len() + value.len()) as u64,
-                BatchOp::Delete { key } => key.len() as u64,
-            })
-            .sum();
+        let user: u64 = ops.iter().map(BatchOp::user_bytes).sum();
         if !conditional {
             // Steps 2 and 3 by the group's leader (see "Concurrent writers").
             let (wops, rec) = self.log_values(ops)?;

@@ -480,7 +480,7 @@ impl Inner {
         }
 
         let items = ops.iter().zip(vals).map(|(op, v)| (op.key().to_vec(), v)).collect();
-        let user = ops.iter().map(op_user_bytes).sum();
+        let user = ops.iter().map(BatchOp::user_bytes).sum();
         let budget = self.sb.kv_log.1.min(self.sb.key_log.1) / 2;
         // A group stays within half of each log (a batch alone already is).
         let joins = |g: &Group, next: &Pending| {
@@ -892,13 +892,6 @@ impl Inner {
             ));
         }
         Ok(problems)
-    }
-}
-
-fn op_user_bytes(op: &BatchOp) -> u64 {
-    match op {
-        BatchOp::Put { key, value } => (key.len() + value.len()) as u64,
-        BatchOp::Delete { key } => key.len() as u64,
     }
 }
 
