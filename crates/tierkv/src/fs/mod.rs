@@ -41,6 +41,74 @@ pub trait FsFile: Send + Sync + Debug {
     }
     /// Account `n` bytes read through [`FsFile::mapped`].
     fn note_read(&self, _n: u64) {}
+    /// Ask the file system to start writing `len` bytes at `off` back to the device now,
+    /// without waiting for them (Linux `sync_file_range(SYNC_FILE_RANGE_WRITE)`). A hint
+    /// only: it makes nothing durable (only [`FsFile::sync`] does), so a file system that
+    /// models durability ignores it. It makes a later `sync` wait for less.
+    fn start_writeback(&self, _off: u64, _len: u64) -> io::Result<()> {
+        Ok(())
+    }
+}
+
+/// An append-only file that starts the write-back of what was appended whenever another
+/// `every` bytes are waiting (RocksDB's `bytes_per_sync`/`wal_bytes_per_sync`), so the
+/// next [`FsFile::sync`] finds at most about `every` dirty bytes instead of everything
+/// since the last one. A log that is synced now and then (a WAL before a MemTable switch,
+/// a demotion's sync) otherwise pays for the whole backlog inside the sync, with its
+/// writer lock held.
+#[derive(Debug)]
+pub struct WritebackAhead {
+    inner: Box<dyn FsFile>,
+    every: u64,
+    /// Bytes below this offset were handed to the write-back (or synced).
+    started: u64,
+    len: u64,
+}
+
+/// Page size the write-back hints are aligned to: the last, partial page is left alone
+/// (it is written again by the next append).
+const WRITEBACK_ALIGN: u64 = 4096;
+
+impl WritebackAhead {
+    /// Wrap `inner`, starting the write-back every `every` bytes (0: never).
+    pub fn new(inner: Box<dyn FsFile>, every: u64) -> io::Result<WritebackAhead> {
+        let len = inner.len()?;
+        Ok(WritebackAhead { inner, every, started: len - len % WRITEBACK_ALIGN, len })
+    }
+}
+
+impl FsFile for WritebackAhead {
+    fn append(&mut self, data: &[u8]) -> io::Result<()> {
+        self.inner.append(data)?;
+        self.len += data.len() as u64;
+        if self.every > 0 && self.len - self.started >= self.every {
+            let end = self.len - self.len % WRITEBACK_ALIGN;
+            // A failed hint costs only the overlap it would have bought.
+            let _ = self.inner.start_writeback(self.started, end - self.started);
+            self.started = end;
+        }
+        Ok(())
+    }
+    fn read_at(&self, off: u64, buf: &mut [u8]) -> io::Result<usize> {
+        self.inner.read_at(off, buf)
+    }
+    fn sync(&mut self) -> io::Result<()> {
+        self.inner.sync()?;
+        self.started = self.len - self.len % WRITEBACK_ALIGN;
+        Ok(())
+    }
+    fn len(&self) -> io::Result<u64> {
+        Ok(self.len)
+    }
+    fn mapped(&self) -> Option<&[u8]> {
+        self.inner.mapped()
+    }
+    fn note_read(&self, n: u64) {
+        self.inner.note_read(n)
+    }
+    fn start_writeback(&self, off: u64, len: u64) -> io::Result<()> {
+        self.inner.start_writeback(off, len)
+    }
 }
 
 /// A held exclusive lock on a store directory; released when dropped.
@@ -177,6 +245,9 @@ impl FsFile for CountingFile {
     fn note_read(&self, n: u64) {
         self.counters.0.add(IoCounters::READ, n);
     }
+    fn start_writeback(&self, off: u64, len: u64) -> io::Result<()> {
+        self.inner.start_writeback(off, len)
+    }
 }
 
 impl Fs for CountingFs {
@@ -216,4 +287,80 @@ impl Fs for CountingFs {
 /// fsync a directory of the real file system.
 pub fn sync_dir_path(dir: &Path) -> io::Result<()> {
     std::fs::File::open(dir)?.sync_all()
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)]
+    use super::*;
+    use std::sync::Mutex;
+
+    /// A file that records the write-back hints it gets.
+    #[derive(Debug, Default)]
+    struct Hints {
+        len: u64,
+        hints: Arc<Mutex<Vec<(u64, u64)>>>,
+        syncs: u64,
+    }
+
+    impl FsFile for Hints {
+        fn append(&mut self, data: &[u8]) -> io::Result<()> {
+            self.len += data.len() as u64;
+            Ok(())
+        }
+        fn read_at(&self, _off: u64, _buf: &mut [u8]) -> io::Result<usize> {
+            Ok(0)
+        }
+        fn sync(&mut self) -> io::Result<()> {
+            self.syncs += 1;
+            Ok(())
+        }
+        fn len(&self) -> io::Result<u64> {
+            Ok(self.len)
+        }
+        fn start_writeback(&self, off: u64, len: u64) -> io::Result<()> {
+            self.hints.lock().unwrap().push((off, len));
+            Ok(())
+        }
+    }
+
+    #[test]
+    fn writeback_ahead_hints_every_n_bytes_in_whole_pages_and_restarts_after_a_sync() {
+        let hints = Arc::new(Mutex::new(Vec::new()));
+        let inner = Hints { len: 5000, hints: hints.clone(), syncs: 0 };
+        // An existing file: its whole pages count as handed over already.
+        let mut f = WritebackAhead::new(Box::new(inner), 10_000).unwrap();
+        for _ in 0..30 {
+            f.append(&[7; 1000]).unwrap();
+        }
+        // 5,000 + 30,000 bytes: a hint once 10,000 bytes wait past the last one (at 15,000,
+        // 23,000 and 31,000), each up to the last whole page: contiguous, no overlap.
+        assert_eq!(*hints.lock().unwrap(), vec![(4096, 8192), (12288, 8192), (20480, 8192)]);
+        assert_eq!(f.len().unwrap(), 35_000);
+        f.sync().unwrap();
+        hints.lock().unwrap().clear();
+        for _ in 0..7 {
+            f.append(&[7; 1000]).unwrap();
+        }
+        // After the sync, bytes count from the sync's last whole page (32,768): 42,000 is
+        // 9,232 past it, no hint yet; 43,000 is past 10,000.
+        assert!(hints.lock().unwrap().is_empty());
+        f.append(&[7; 1000]).unwrap();
+        assert_eq!(*hints.lock().unwrap(), vec![(32768, 8192)]);
+    }
+
+    #[test]
+    fn the_real_file_system_takes_write_back_hints() {
+        let d = tempfile::tempdir().unwrap();
+        let mut f = WritebackAhead::new(RealFs.create(&d.path().join("log")).unwrap(), 8192).unwrap();
+        for i in 0..64u8 {
+            f.append(&[i; 1000]).unwrap();
+        }
+        f.sync().unwrap();
+        let mut buf = [0u8; 1000];
+        assert_eq!(f.read_at(63_000, &mut buf).unwrap(), 1000);
+        assert_eq!(buf, [63; 1000]);
+        // The hint itself, on a range the file has and one past its end.
+        RealFs.open(&d.path().join("log")).unwrap().start_writeback(0, 1 << 20).unwrap();
+    }
 }

@@ -32,6 +32,20 @@ impl FsFile for RealFile {
     fn len(&self) -> io::Result<u64> {
         Ok(self.len)
     }
+    fn start_writeback(&self, off: u64, len: u64) -> io::Result<()> {
+        use std::os::fd::AsRawFd;
+        let (Ok(off), Ok(len)) = (libc::off64_t::try_from(off), libc::off64_t::try_from(len)) else {
+            return Ok(());
+        };
+        // SAFETY: a plain system call on a descriptor this file owns; it reads no memory
+        // of ours.
+        let r = unsafe { libc::sync_file_range(self.file.as_raw_fd(), off, len, libc::SYNC_FILE_RANGE_WRITE) };
+        if r == 0 {
+            Ok(())
+        } else {
+            Err(io::Error::last_os_error())
+        }
+    }
 }
 
 /// A finished, never-again-modified file, mapped read-only.

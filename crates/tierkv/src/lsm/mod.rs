@@ -8,7 +8,12 @@
 //!   Concurrent writers share one WAL append (group commit) and then insert their own
 //!   batches into the MemTable in parallel ([`Lsm::write`]). A
 //!   MemTable past `memtable_size` becomes the Immutable MemTable and a new MemTable and WAL
-//!   generation start; a background thread flushes it (each key's newest version).
+//!   generation start (the old WAL is synced first, so a power loss never keeps a later
+//!   WAL without the earlier one's tail); a background thread flushes it (each key's newest
+//!   version). The WAL starts the write-back of its records every [`WAL_WRITEBACK_EVERY`]
+//!   bytes ([`crate::fs::WritebackAhead`]), so those syncs — and HoaKV's demotion syncs,
+//!   taken under its exclusive writer lock — wait for about a MiB of dirty pages, not for
+//!   everything since the last sync (up to the whole 64 MiB MemTable's worth).
 //! - **Flush**: the Immutable MemTable becomes one level-0 SSTable (tombstones kept). The
 //!   MANIFEST edit adding it also records its WAL generation as flushed (the version's
 //!   `counter`), which is the commit point; the WALs up to it are then removed.
@@ -337,6 +342,18 @@ struct Job {
     below: Vec<Arc<TFile>>,
 }
 
+/// A WAL starts the write-back of its records every this many bytes (RocksDB's
+/// `wal_bytes_per_sync`), so the syncs it gets — at a MemTable switch, for a synced batch,
+/// HoaKV's demotions — wait for at most about this much, with the writer lock held, instead
+/// of every byte since the last one (measured: HoaKV's demotion syncs, each under its
+/// exclusive writer lock, were most of the time its writers spent asleep).
+pub(crate) const WAL_WRITEBACK_EVERY: u64 = 1 << 20;
+
+/// Create the WAL file `path`.
+fn create_wal(fs: &dyn Fs, path: &Path) -> Result<Box<dyn FsFile>> {
+    Ok(Box::new(crate::fs::WritebackAhead::new(fs.create(path)?, WAL_WRITEBACK_EVERY)?))
+}
+
 /// Most bytes of WAL records one group commit appends (LevelDB's 1 MiB).
 const MAX_GROUP_BYTES: usize = 1 << 20;
 
@@ -645,7 +662,7 @@ impl Lsm {
         }
         let gen = wals.last().copied().unwrap_or(version.counter).max(version.counter) + 1;
         let wal_path = dir.join(wal::name(gen));
-        let wal_file = fs.create(&wal_path)?;
+        let wal_file = create_wal(&fs, &wal_path)?;
         fs.sync_dir(dir)?;
         let lsm = Lsm {
             fs,
@@ -926,7 +943,7 @@ impl Lsm {
             }
         }
         let gen = w.gen + 1;
-        let wal = self.fs.create(&self.dir.join(wal::name(gen)))?;
+        let wal = create_wal(&self.fs, &self.dir.join(wal::name(gen)))?;
         if self.opts.sync_wal {
             self.fs.sync_dir(&self.dir)?;
         }
@@ -1497,7 +1514,7 @@ impl Lsm {
                 self.flush_imm()?;
             }
             let gen = w.gen + 1;
-            let wal = self.fs.create(&self.dir.join(wal::name(gen)))?;
+            let wal = create_wal(&self.fs, &self.dir.join(wal::name(gen)))?;
             w.wal.sync()?;
             w.wal = wal;
             w.gen = gen;

@@ -168,7 +168,9 @@ impl ColdVlog {
     fn new_file(&self) -> Result<(Appender, u64)> {
         let n = self.next_file.fetch_add(1, Ordering::Relaxed);
         let p = self.dir.join(vlog_name(n));
-        let mut f = self.fs.create(&p)?;
+        // Its write-back starts as it fills, like the WAL's: a demotion syncs it.
+        let mut f: Box<dyn FsFile> =
+            Box::new(crate::fs::WritebackAhead::new(self.fs.create(&p)?, crate::lsm::WAL_WRITEBACK_EVERY)?);
         f.append(layout::VLOG_MAGIC)?;
         f.sync()?;
         self.fs.sync_dir(&self.dir)?;
