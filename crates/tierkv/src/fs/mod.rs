@@ -70,7 +70,8 @@ pub struct WritebackAhead {
 const WRITEBACK_ALIGN: u64 = 4096;
 
 impl WritebackAhead {
-    /// Wrap `inner`, starting the write-back every `every` bytes (0: never).
+    /// Wrap `inner`, starting the write-back every `every` bytes (0: never; hints cover
+    /// whole 4 KiB pages only).
     pub fn new(inner: Box<dyn FsFile>, every: u64) -> io::Result<WritebackAhead> {
         let len = inner.len()?;
         Ok(WritebackAhead { inner, every, started: len - len % WRITEBACK_ALIGN, len })
@@ -83,9 +84,13 @@ impl FsFile for WritebackAhead {
         self.len += data.len() as u64;
         if self.every > 0 && self.len - self.started >= self.every {
             let end = self.len - self.len % WRITEBACK_ALIGN;
-            // A failed hint costs only the overlap it would have bought.
-            let _ = self.inner.start_writeback(self.started, end - self.started);
-            self.started = end;
+            // Only whole pages (`every` below a page may leave none yet; a zero length
+            // would mean "to the end of the file" to `sync_file_range`).
+            if end > self.started {
+                // A failed hint costs only the overlap it would have bought.
+                let _ = self.inner.start_writeback(self.started, end - self.started);
+                self.started = end;
+            }
         }
         Ok(())
     }
@@ -350,6 +355,18 @@ mod tests {
     }
 
     #[test]
+    fn writeback_ahead_never_hints_an_empty_range() {
+        let hints = Arc::new(Mutex::new(Vec::new()));
+        let mut f = WritebackAhead::new(Box::new(Hints { hints: hints.clone(), ..Hints::default() }), 100).unwrap();
+        for _ in 0..100 {
+            f.append(&[1; 100]).unwrap();
+        }
+        // Every 100 bytes is due, but a hint waits for a whole page past the last one.
+        let h = hints.lock().unwrap().clone();
+        assert_eq!(h, vec![(0, 4096), (4096, 4096)]);
+    }
+
+    #[test]
     fn the_real_file_system_takes_write_back_hints() {
         let d = tempfile::tempdir().unwrap();
         let mut f = WritebackAhead::new(RealFs.create(&d.path().join("log")).unwrap(), 8192).unwrap();
@@ -360,7 +377,8 @@ mod tests {
         let mut buf = [0u8; 1000];
         assert_eq!(f.read_at(63_000, &mut buf).unwrap(), 1000);
         assert_eq!(buf, [63; 1000]);
-        // The hint itself, on a range the file has and one past its end.
+        // The hint itself (the wrapper drops its hints' errors), on a range that starts in
+        // the file and runs past its end.
         RealFs.open(&d.path().join("log")).unwrap().start_writeback(0, 1 << 20).unwrap();
     }
 }

@@ -34,7 +34,8 @@ impl FsFile for RealFile {
     }
     fn start_writeback(&self, off: u64, len: u64) -> io::Result<()> {
         use std::os::fd::AsRawFd;
-        let (Ok(off), Ok(len)) = (libc::off64_t::try_from(off), libc::off64_t::try_from(len)) else {
+        // A zero length would mean "to the end of the file".
+        let (Ok(off), Ok(len @ 1..)) = (libc::off64_t::try_from(off), libc::off64_t::try_from(len)) else {
             return Ok(());
         };
         // SAFETY: a plain system call on a descriptor this file owns; it reads no memory

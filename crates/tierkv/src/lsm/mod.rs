@@ -12,8 +12,9 @@
 //!   WAL without the earlier one's tail); a background thread flushes it (each key's newest
 //!   version). The WAL starts the write-back of its records every [`WAL_WRITEBACK_EVERY`]
 //!   bytes ([`crate::fs::WritebackAhead`]), so those syncs — and HoaKV's demotion syncs,
-//!   taken under its exclusive writer lock — wait for about a MiB of dirty pages, not for
-//!   everything since the last sync (up to the whole 64 MiB MemTable's worth).
+//!   taken under its exclusive writer lock — find at most about a MiB not yet handed to
+//!   the device (plus pages still in flight), not everything since the last sync (up to a
+//!   whole MemTable's worth: 4 MiB by default, 64 MiB in HoaKV).
 //! - **Flush**: the Immutable MemTable becomes one level-0 SSTable (tombstones kept). The
 //!   MANIFEST edit adding it also records its WAL generation as flushed (the version's
 //!   `counter`), which is the commit point; the WALs up to it are then removed.
@@ -344,8 +345,9 @@ struct Job {
 
 /// A WAL starts the write-back of its records every this many bytes (RocksDB's
 /// `wal_bytes_per_sync`), so the syncs it gets — at a MemTable switch, for a synced batch,
-/// HoaKV's demotions — wait for at most about this much, with the writer lock held, instead
-/// of every byte since the last one (measured: HoaKV's demotion syncs, each under its
+/// HoaKV's demotions — find at most about this much not yet handed to the device (they
+/// still wait for pages in flight), with the writer lock held, instead of every byte since
+/// the last one (measured: HoaKV's demotion syncs, each under its
 /// exclusive writer lock, were most of the time its writers spent asleep).
 pub(crate) const WAL_WRITEBACK_EVERY: u64 = 1 << 20;
 

@@ -122,10 +122,11 @@
 //! - Demotion writes the victims' values to the ColdStore, syncs the WAL (and the cold vlog
 //!   first), and only then invalidates their hot records, so a demoted value is never only
 //!   in volatile state. Victims are demoted in batches of 1/32 of the HotStore, so the sync
-//!   is paid once per batch. Both files start their write-back every MiB as they fill
-//!   (`crate::fs::WritebackAhead`), so the sync — all other writers wait for it — flushes
-//!   about that much, not every cold write since the last demotion. A *clean* victim — promoted by a read and not written since —
-//!   is not written back: the LSM still holds that value as its newest version (group
+//!   is paid once per batch. The WAL and every cold vlog file start their write-back every
+//!   MiB as they fill (`crate::fs::WritebackAhead`), so the sync — all other writers wait
+//!   for it — finds at most about a MiB per file not yet handed to the device (plus pages
+//!   in flight), not every cold write since the last demotion. A *clean* victim — promoted
+//!   by a read and not written since — is not written back: the LSM still holds that value as its newest version (group
 //!   maintenance keeps a clean hot key's cold value live), so invalidating the hot record
 //!   is the whole demotion (the value keeps the durability it had as a cold write; see
 //!   [`hot`]).
