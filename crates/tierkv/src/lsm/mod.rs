@@ -10,11 +10,11 @@
 //!   MemTable past `memtable_size` becomes the Immutable MemTable and a new MemTable and WAL
 //!   generation start (the old WAL is synced first, so a power loss never keeps a later
 //!   WAL without the earlier one's tail); a background thread flushes it (each key's newest
-//!   version). The WAL starts the write-back of its records every [`WAL_WRITEBACK_EVERY`]
-//!   bytes ([`crate::fs::WritebackAhead`]), so those syncs — and HoaKV's demotion syncs,
-//!   taken under its exclusive writer lock — find at most about a MiB not yet handed to
-//!   the device (plus pages still in flight), not everything since the last sync (up to a
-//!   whole MemTable's worth: 4 MiB by default, 64 MiB in HoaKV).
+//!   version). The WAL starts the write-back of its records every
+//!   [`crate::fs::LOG_WRITEBACK_EVERY`] bytes ([`crate::fs::create_log`]), so those syncs —
+//!   and HoaKV's demotion syncs, taken under its exclusive writer lock — find at most about
+//!   a MiB not yet handed to the device (plus pages still in flight), not everything since
+//!   the last sync (up to a whole MemTable's worth: 4 MiB by default, 64 MiB in HoaKV).
 //! - **Flush**: the Immutable MemTable becomes one level-0 SSTable (tombstones kept). The
 //!   MANIFEST edit adding it also records its WAL generation as flushed (the version's
 //!   `counter`), which is the commit point; the WALs up to it are then removed.
@@ -343,19 +343,6 @@ struct Job {
     below: Vec<Arc<TFile>>,
 }
 
-/// A WAL starts the write-back of its records every this many bytes (RocksDB's
-/// `wal_bytes_per_sync`), so the syncs it gets — at a MemTable switch, for a synced batch,
-/// HoaKV's demotions — find at most about this much not yet handed to the device (they
-/// still wait for pages in flight), with the writer lock held, instead of every byte since
-/// the last one (measured: HoaKV's demotion syncs, each under its
-/// exclusive writer lock, were most of the time its writers spent asleep).
-pub(crate) const WAL_WRITEBACK_EVERY: u64 = 1 << 20;
-
-/// Create the WAL file `path`.
-fn create_wal(fs: &dyn Fs, path: &Path) -> Result<Box<dyn FsFile>> {
-    Ok(Box::new(crate::fs::WritebackAhead::new(fs.create(path)?, WAL_WRITEBACK_EVERY)?))
-}
-
 /// Most bytes of WAL records one group commit appends (LevelDB's 1 MiB).
 const MAX_GROUP_BYTES: usize = 1 << 20;
 
@@ -664,7 +651,7 @@ impl Lsm {
         }
         let gen = wals.last().copied().unwrap_or(version.counter).max(version.counter) + 1;
         let wal_path = dir.join(wal::name(gen));
-        let wal_file = create_wal(&fs, &wal_path)?;
+        let wal_file = crate::fs::create_log(&fs, &wal_path)?;
         fs.sync_dir(dir)?;
         let lsm = Lsm {
             fs,
@@ -945,7 +932,7 @@ impl Lsm {
             }
         }
         let gen = w.gen + 1;
-        let wal = create_wal(&self.fs, &self.dir.join(wal::name(gen)))?;
+        let wal = crate::fs::create_log(&self.fs, &self.dir.join(wal::name(gen)))?;
         if self.opts.sync_wal {
             self.fs.sync_dir(&self.dir)?;
         }
@@ -1516,7 +1503,7 @@ impl Lsm {
                 self.flush_imm()?;
             }
             let gen = w.gen + 1;
-            let wal = create_wal(&self.fs, &self.dir.join(wal::name(gen)))?;
+            let wal = crate::fs::create_log(&self.fs, &self.dir.join(wal::name(gen)))?;
             w.wal.sync()?;
             w.wal = wal;
             w.gen = gen;

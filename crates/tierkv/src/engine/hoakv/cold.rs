@@ -168,9 +168,8 @@ impl ColdVlog {
     fn new_file(&self) -> Result<(Appender, u64)> {
         let n = self.next_file.fetch_add(1, Ordering::Relaxed);
         let p = self.dir.join(vlog_name(n));
-        // Its write-back starts as it fills, like the WAL's: a demotion syncs it.
-        let mut f: Box<dyn FsFile> =
-            Box::new(crate::fs::WritebackAhead::new(self.fs.create(&p)?, crate::lsm::WAL_WRITEBACK_EVERY)?);
+        // A log like the WAL (a demotion syncs both): its write-back starts as it fills.
+        let mut f = crate::fs::create_log(&self.fs, &p)?;
         f.append(layout::VLOG_MAGIC)?;
         f.sync()?;
         self.fs.sync_dir(&self.dir)?;

@@ -123,13 +123,13 @@
 //!   first), and only then invalidates their hot records, so a demoted value is never only
 //!   in volatile state. Victims are demoted in batches of 1/32 of the HotStore, so the sync
 //!   is paid once per batch. The WAL and every cold vlog file start their write-back every
-//!   MiB as they fill (`crate::fs::WritebackAhead`), so the sync — all other writers wait
+//!   MiB as they fill ([`crate::fs::create_log`]), so the sync — all other writers wait
 //!   for it — finds at most about a MiB per file not yet handed to the device (plus pages
 //!   in flight), not every cold write since the last demotion. A *clean* victim — promoted
-//!   by a read and not written since — is not written back: the LSM still holds that value as its newest version (group
-//!   maintenance keeps a clean hot key's cold value live), so invalidating the hot record
-//!   is the whole demotion (the value keeps the durability it had as a cold write; see
-//!   [`hot`]).
+//!   by a read and not written since — is not written back: the LSM still holds that
+//!   value as its newest version (group maintenance keeps a clean hot key's cold value
+//!   live), so invalidating the hot record is the whole demotion (the value keeps the
+//!   durability it had as a cold write; see [`hot`]).
 //! - Recovery: the MANIFEST gives the tables, the hot index is rebuilt from the hot
 //!   records (key + checksum + sequence number per record), the WALs newer than the last
 //!   flush are replayed except operations older than the key's hot record; hot records
