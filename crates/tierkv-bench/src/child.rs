@@ -80,14 +80,14 @@ fn say(line: &str) -> Result<()> {
     out.flush().map_err(|e| e.to_string())
 }
 
-/// The child's work: open, report `ready`, write fresh keys reporting each acknowledged
-/// one, and wait to be killed. `_num` is the size of the loaded key space (kept for the
-/// command line; fresh keys do not depend on it).
-pub fn child_main(spec: &EngineSpec, _num: u64, key_size: usize, value_size: usize) -> Result<()> {
+/// The child's work: open, report `ready`, write up to `max_writes` fresh keys reporting
+/// each acknowledged one, and wait to be killed. `_num` is the size of the loaded key
+/// space (kept for the command line; fresh keys do not depend on it).
+pub fn child_main(spec: &EngineSpec, _num: u64, key_size: usize, value_size: usize, max_writes: u64) -> Result<()> {
     let drop: Option<u64> = std::env::var(DROP_ENV).ok().and_then(|v| v.parse().ok());
     let e = engine::open(spec)?;
     say("ready")?;
-    for i in 0..CHILD_MAX_WRITES {
+    for i in 0..max_writes {
         let (k, v) = (child_key(i, key_size), child_value(i, value_size));
         if drop != Some(i) {
             e.put(&k, &v)?;
@@ -145,16 +145,24 @@ pub struct Hooks {
     pub kill_after: Option<u64>,
 }
 
-/// Run the child (`exe`) on the closed store of `spec`, SIGKILL it at a random moment,
-/// reopen, and verify every write it acknowledged.
+/// Run the child (`exe`) on the closed store of `spec`, SIGKILL it after `kill_after`
+/// acknowledged writes (`None`: a random number of them in `1..=CHILD_WRITES`), reopen,
+/// and verify every write it acknowledged.
 pub fn measure(
     exe: &Path,
     spec: &EngineSpec,
     num: u64,
     key_size: usize,
     value_size: usize,
+    kill_after: Option<u64>,
 ) -> std::result::Result<CrashRecovery, CrashError> {
-    measure_with(exe, spec, num, key_size, value_size, Hooks::default())
+    measure_with(exe, spec, num, key_size, value_size, Hooks { kill_after, drop_write: None })
+}
+
+/// Keys the child may write when the parent kills it after `kill_after` acknowledgements:
+/// enough that it is still writing at the kill.
+pub fn child_max_writes(kill_after: Option<u64>) -> u64 {
+    kill_after.map_or(CHILD_MAX_WRITES, |n| n.saturating_add(CHILD_MAX_WRITES))
 }
 
 /// [`measure`] with test hooks.
@@ -179,7 +187,9 @@ pub fn measure_with(
         .arg("--key-size")
         .arg(key_size.to_string())
         .arg("--value-size")
-        .arg(value_size.to_string());
+        .arg(value_size.to_string())
+        .arg("--max-writes")
+        .arg(child_max_writes(hooks.kill_after).to_string());
     if spec.durable {
         cmd.arg("--durable");
     }
@@ -282,15 +292,16 @@ pub fn verify_after_open(
 }
 
 /// The in-process variant, for engines that can simulate a crash (the tierkv presets,
-/// without the `tierkv` executable): write `CHILD_WRITES` fresh keys, drop the store as a
-/// killed process would, reopen and verify.
+/// without the `tierkv` executable): write `writes` fresh keys (`None`: `CHILD_WRITES`), drop
+/// the store as a killed process would, reopen and verify.
 pub fn measure_in_process(
     e: &mut dyn BenchEngine,
     key_size: usize,
     value_size: usize,
+    writes: Option<u64>,
 ) -> std::result::Result<CrashRecovery, CrashError> {
     let mut acked = BTreeMap::new();
-    for i in 0..CHILD_WRITES {
+    for i in 0..writes.unwrap_or(CHILD_WRITES) {
         let (k, v) = (child_key(i, key_size), child_value(i, value_size));
         e.put(&k, &v).map_err(not_measured)?;
         acked.insert(k, crc32c::crc32c(&v));

@@ -59,6 +59,9 @@ pub struct BenchArgs {
     /// can simulate a crash in-process (the tierkv presets) report recovery after a crash,
     /// and `--dram-budget` is an error.
     pub crash_exe: Option<PathBuf>,
+    /// `--crash-writes`: the crash child is killed once this many of its writes were
+    /// acknowledged (`None`: a random number in `1..=`[`crate::child::CHILD_WRITES`]).
+    pub crash_writes: Option<u64>,
 }
 
 impl Default for BenchArgs {
@@ -87,6 +90,7 @@ impl Default for BenchArgs {
             repeat: 1,
             ycsb_fresh: false,
             crash_exe: None,
+            crash_writes: None,
         }
     }
 }
@@ -205,6 +209,9 @@ pub fn run(a: &BenchArgs) -> Result<Report, String> {
     if a.repeat == 0 {
         return Err("--repeat: give a number of rounds, at least 1".into());
     }
+    if a.crash_writes == Some(0) {
+        return Err("--crash-writes: give a number of writes, at least 1".into());
+    }
     a.pm_profile.parse::<tierkv::pm::PmProfile>().map_err(|e| format!("--pm-profile: {e}"))?;
     let pm_on_tmpfs = cgroup::is_tmpfs(&pm_base);
     let has_pm = a.engines.iter().any(|e| !engine::is_peer(e));
@@ -249,6 +256,7 @@ pub fn run(a: &BenchArgs) -> Result<Report, String> {
         seed: a.seed,
         threads: a.threads.first().copied().unwrap_or(1),
         ycsb_fresh: a.ycsb_fresh,
+        crash_writes: a.crash_writes,
     };
     let mut acc = Acc::default();
     // Rounds outermost: a noisy spell of the machine falls on every engine of a round
@@ -361,9 +369,9 @@ fn run_in_process(a: &BenchArgs, spec: &EngineSpec, params: &Params, first: bool
     let crashed = match &a.crash_exe {
         Some(exe) => {
             drop(e);
-            crate::child::measure(exe, spec, params.num, a.key_size, params.value_size)
+            crate::child::measure(exe, spec, params.num, a.key_size, params.value_size, params.crash_writes)
         }
-        None => crate::child::measure_in_process(e.as_mut(), a.key_size, params.value_size),
+        None => crate::child::measure_in_process(e.as_mut(), a.key_size, params.value_size, params.crash_writes),
     };
     let crash = match crashed {
         Ok(r) => Some(r),

@@ -138,7 +138,7 @@ fn run_job(job: &Job) -> Result<(), String> {
             join(job)?;
             let exe = job.crash_exe.as_deref().ok_or("recovery job without the crash writer's executable")?;
             let p = &job.params;
-            let ev = match crate::child::measure(exe, &job.spec, p.num, p.key_size, p.value_size) {
+            let ev = match crate::child::measure(exe, &job.spec, p.num, p.key_size, p.value_size, p.crash_writes) {
                 Ok(r) => Event::Crash(r),
                 Err(crate::child::CrashError::Lost(m)) => Event::Lost(m),
                 Err(crate::child::CrashError::NotMeasured(m)) => Event::CrashNotMeasured(m),

@@ -169,6 +169,11 @@ pub struct Params {
     /// ever live in a store.
     #[serde(default)]
     pub ycsb_fresh: bool,
+    /// Acknowledged writes after which the crash child is killed (`--crash-writes`);
+    /// `None`: a random number in `1..=`[`crate::child::CHILD_WRITES`]. A large count
+    /// measures recovery with a long log tail to replay.
+    #[serde(default)]
+    pub crash_writes: Option<u64>,
 }
 
 impl Params {

@@ -533,6 +533,7 @@ pub fn run(a: &ServerArgs) -> Result<ServerReport> {
         reads: None,
         time_cap_seconds: None,
         ycsb_fresh: false,
+        crash_writes: None,
     };
     let creds = Creds::new(a.security)?;
     for t in &a.targets {

@@ -52,6 +52,32 @@ fn every_preset_recovers_every_acknowledged_write_of_a_killed_child() {
     }
 }
 
+/// `--crash-writes`: the child is killed once that many writes were acknowledged — past the
+/// few thousand it writes by default, so the long-tail measurement really has its tail —
+/// and every acknowledged write (a few more may be in the pipe at the kill) is verified.
+#[test]
+fn crash_writes_sets_how_many_writes_the_child_makes_before_the_kill() {
+    let t = tempfile::tempdir().unwrap();
+    let n = child::CHILD_MAX_WRITES + 2000;
+    let a = BenchArgs {
+        num: 100,
+        value_sizes: vec![100],
+        engines: vec!["native".into()],
+        workloads: parse_workloads("fillrandom").unwrap(),
+        dir: Some(t.path().to_path_buf()),
+        pm_dir: Some(t.path().to_path_buf()),
+        crash_exe: Some(CHILD.into()),
+        crash_writes: Some(n),
+        ..Default::default()
+    };
+    let rep = run(&a).unwrap();
+    let r = &rep.recovery[0];
+    let acked = r.acknowledged_keys.unwrap();
+    assert!(acked >= n, "killed after {acked} acknowledged writes, asked for {n}");
+    assert_eq!(r.verified_keys, Some(acked));
+    assert!(run(&BenchArgs { crash_writes: Some(0), ..a }).unwrap_err().contains("--crash-writes"));
+}
+
 #[test]
 fn a_write_acknowledged_but_never_made_fails_the_check() {
     let t = tempfile::tempdir().unwrap();

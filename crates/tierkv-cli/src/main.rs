@@ -139,6 +139,12 @@ struct BenchFlags {
     /// between runs (shared VMs). Not with --server.
     #[arg(long, default_value_t = 1)]
     repeat: usize,
+    /// Recovery after a crash: kill the writer process once this many of its writes were
+    /// acknowledged, instead of after a random number up to 1000. A large count leaves a
+    /// long log tail to replay (e.g. just under `native`'s checkpoint interval) [default:
+    /// random].
+    #[arg(long)]
+    crash_writes: Option<u64>,
     /// The papers' sweep: value sizes 100, 1024, 4096, 16384 and every workload.
     #[arg(long)]
     full: bool,
@@ -385,6 +391,8 @@ enum Cmd {
         pm_budget: Option<u64>,
         #[arg(long)]
         pm_profile: Option<String>,
+        #[arg(long, default_value_t = tierkv_bench::child::CHILD_MAX_WRITES)]
+        max_writes: u64,
     },
     /// (Internal to `tierkv bench --dram-budget`.) Run one engine's benchmark job, read as
     /// JSON from stdin, inside a memory cgroup; report events as JSON lines on stdout.
@@ -429,6 +437,9 @@ fn run(cli: Cli) -> Result<Outcome, Error> {
         Cmd::Bench(f) if f.server => {
             if f.repeat != 1 {
                 return Err(Error::InvalidArgument("bench --server: --repeat is not supported there".into()));
+            }
+            if f.crash_writes.is_some() {
+                return Err(Error::InvalidArgument("bench --server: --crash-writes is not supported there".into()));
             }
             let exe = std::env::current_exe()?;
             let mut targets = Vec::new();
@@ -506,6 +517,7 @@ fn run(cli: Cli) -> Result<Outcome, Error> {
                 a.ycsb_fresh = v;
             }
             a.crash_exe = std::env::current_exe().ok();
+            a.crash_writes = f.crash_writes;
             if f.full {
                 a.value_sizes = vec![100, 1024, 4096, 16384];
                 a.workloads = tierkv_bench::run::Workload::ALL.to_vec();
@@ -592,7 +604,18 @@ fn run(cli: Cli) -> Result<Outcome, Error> {
         Cmd::BenchJob => {
             tierkv_bench::job::job_main().map_err(|e| Error::InvalidArgument(format!("bench job: {e}")))?;
         }
-        Cmd::BenchCrashChild { engine, dir, pm_dir, num, key_size, value_size, durable, pm_budget, pm_profile } => {
+        Cmd::BenchCrashChild {
+            engine,
+            dir,
+            pm_dir,
+            num,
+            key_size,
+            value_size,
+            durable,
+            pm_budget,
+            pm_profile,
+            max_writes,
+        } => {
             let spec = tierkv_bench::engine::EngineSpec {
                 name: engine,
                 dir,
@@ -602,7 +625,7 @@ fn run(cli: Cli) -> Result<Outcome, Error> {
                 pm_profile,
                 dram_budget: None,
             };
-            tierkv_bench::child::child_main(&spec, num, key_size, value_size)
+            tierkv_bench::child::child_main(&spec, num, key_size, value_size, max_writes)
                 .map_err(|e| Error::InvalidArgument(format!("bench child: {e}")))?;
         }
         Cmd::Put { t, key, value } => {

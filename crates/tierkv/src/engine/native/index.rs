@@ -55,19 +55,23 @@
 //!   bounds the lists without making any one writer drain thousands of them. On a
 //!   many-core machine the inserter is one core's worth of tree inserts (its rate was not measured on its own); past
 //!   that rate writers take over the work.
-//! - **Background load** (after an open from an index checkpoint): inserting a million
-//!   keys into both maps takes about a second here, far more than the rest of an open. So
-//!   the open puts only the log tail's winners into the maps ([`Index::bulk_load`]) and
-//!   hands the checkpoint's entries over as a sorted array, the *base* ([`Index::set_base`]:
-//!   the checkpoint file, mapped where the file system maps files, plus an 8-byte offset
-//!   per entry; freed when the load ends). The inserter thread then moves the base into the maps in key order
+//! - **Background load** (after an open): inserting a million keys into both maps takes
+//!   about a second here, far more than the rest of an open. So the open puts no key into
+//!   the maps: it hands the checkpoint's entries and the log tail's winners over as two
+//!   sorted arrays, the *base* ([`Index::set_base`]: the checkpoint file, mapped where the
+//!   file system maps files, plus an 8-byte offset per entry; the tail's keys copied into
+//!   one buffer; freed when the load ends). A tail entry wins over the checkpoint's entry
+//!   of its key, which the base marks superseded. The inserter thread then moves the base
+//!   into the maps, the tail's entries first, each array in key order
 //!   ([`Index::load_base`]), a key at a time under its stripe, skipping keys that have a
-//!   slot. Until it is done:
+//!   slot. (Until stop 50 the open inserted the tail's winners itself: 0.45–0.65 s of a
+//!   1.7 s open after a crash that left a 242 MB tail of 1 KiB records.) Until it is done:
 //!   - a point lookup ([`Index::lookup`]) that misses the hash binary-searches the base.
 //!     It reads the base pointer before the hash, so a miss means the key had no slot at
 //!     that moment, and its base entry was then its newest version; if the load had ended
-//!     before, the slot would have been in the hash. A base entry is verified (checksum)
-//!     at every read, until its slot exists;
+//!     before, the slot would have been in the hash. A checkpoint's entry is verified
+//!     (checksum) at every read, until its slot exists (a tail entry was verified by
+//!     replay);
 //!   - a writer creating a slot for a key with a base entry starts the chain with that
 //!     entry, under the key's stripe (so snapshots taken before the write read it, and the
 //!     write counts it as displaced); the load then skips the key;
@@ -289,24 +293,31 @@ pub(crate) enum Linked {
 /// A key's version as open loads it: `(key, seq, loc, size, tomb, unverified)`.
 pub(crate) type LoadEntry<'a> = (&'a [u8], u64, u64, u32, bool, bool);
 
-/// A checkpoint's entries that the open left for the background load (see "Background
-/// load" in the module docs): the checkpoint file's bytes (mapped where the file system
-/// maps files) and the offset of every entry in them, in key order (8 bytes per key; the
-/// entries themselves are read from the file).
+/// The entries the open left for the background load (see "Background load" in the module
+/// docs): a checkpoint's, read from the checkpoint file's bytes (mapped where the file
+/// system maps files) through the offset of every entry in them, in key order (8 bytes
+/// per key; the entries themselves are read from the file); and the log tail's winners
+/// replayed after it, their keys copied into one buffer.
 pub(crate) struct Base {
-    buf: super::checkpoint::FileBytes,
+    /// The checkpoint file's bytes (`None`: the open loaded no checkpoint).
+    buf: Option<super::checkpoint::FileBytes>,
     offs: Vec<u64>,
     /// Indexes (into `offs`, ascending) of the entries the log tail replayed after the
-    /// checkpoint decided: the key's version in the maps (or, for a key moved to disk or
+    /// checkpoint decided: the key's version in `tail` (or, for a key moved to disk or
     /// deleted, its absence) wins.
     superseded: Vec<usize>,
+    /// The log tail's entries that get a slot, sorted by key, keys distinct: where each
+    /// key lies in `tail_keys`, and its version (verified: replay checked its record).
+    tail: Vec<(usize, u32, BaseEntry)>,
+    tail_keys: Vec<u8>,
     /// Deletes get a slot (the capacity tier has tables they must hide).
     keep_tombs: bool,
     /// Entries that get a slot.
     wanted: usize,
 }
 
-/// A key's version in a [`Base`]: its newest when the checkpoint was written.
+/// A key's version in a [`Base`]: its newest when the checkpoint was written, or the
+/// newest the log tail replayed after it.
 #[derive(Debug, Clone, Copy)]
 pub(crate) struct BaseEntry {
     pub seq: u64,
@@ -314,20 +325,44 @@ pub(crate) struct BaseEntry {
     /// Bytes of its log entry.
     pub size: u32,
     pub tomb: bool,
+    /// Its log entry's checksum was not verified by this process (a checkpoint's entry;
+    /// a tail entry was verified by replay).
+    pub unverified: bool,
 }
 
+/// A checkpoint's part of a [`Base`]: the file's bytes, where each entry starts (key
+/// order, every offset parses: verified by [`super::checkpoint::for_each_entry`]), and the
+/// indexes of the entries the tail superseded (ascending).
+pub(crate) type CheckpointPart = (super::checkpoint::FileBytes, Vec<u64>, Vec<usize>);
+
 impl Base {
-    /// `offs`: where each entry starts in `buf` (entries verified by
-    /// [`super::checkpoint::for_each_entry`], so every offset parses); `superseded`
-    /// ascending; `wanted`: the entries that get a slot.
-    pub fn new(
-        buf: super::checkpoint::FileBytes,
-        offs: Vec<u64>,
-        superseded: Vec<usize>,
-        keep_tombs: bool,
-        wanted: usize,
-    ) -> Base {
-        Base { buf, offs, superseded, keep_tombs, wanted }
+    /// `ckpt`: the checkpoint's part, if any, with `ckpt_wanted` of its entries getting a
+    /// slot; `tail`: the log tail's entries that get a slot, sorted by key, keys distinct
+    /// (they win over the checkpoint's entries of their keys, which `ckpt` lists as
+    /// superseded).
+    pub fn new(ckpt: Option<CheckpointPart>, ckpt_wanted: usize, tail: &[LoadEntry<'_>], keep_tombs: bool) -> Base {
+        let mut tail_keys = Vec::with_capacity(tail.iter().map(|e| e.0.len()).sum());
+        let tail: Vec<(usize, u32, BaseEntry)> = tail
+            .iter()
+            .map(|&(key, seq, loc, size, tomb, unverified)| {
+                let at = tail_keys.len();
+                tail_keys.extend_from_slice(key);
+                (at, key.len() as u32, BaseEntry { seq, loc, size, tomb, unverified })
+            })
+            .collect();
+        let wanted = ckpt_wanted + tail.len();
+        let (buf, offs, superseded) = match ckpt {
+            Some((b, o, s)) => (Some(b), o, s),
+            None => (None, Vec::new(), Vec::new()),
+        };
+        Base { buf, offs, superseded, tail, tail_keys, keep_tombs, wanted }
+    }
+
+    /// Tail entry `i`: its key and version.
+    #[inline]
+    fn tail_entry(&self, i: usize) -> Option<(&[u8], BaseEntry)> {
+        let &(at, len, e) = self.tail.get(i)?;
+        Some((self.tail_keys.get(at..at + len as usize)?, e))
     }
 
     /// Entry `i`: its key and version (`None` if it does not parse, which verification
@@ -335,12 +370,23 @@ impl Base {
     #[inline]
     fn entry(&self, i: usize) -> Option<(&[u8], BaseEntry)> {
         let at = usize::try_from(*self.offs.get(i)?).ok()?;
-        let (key, seq, loc, size, tomb) = super::checkpoint::entry_at(self.buf.bytes(), at).ok()?;
-        Some((key, BaseEntry { seq, loc, size, tomb }))
+        let (key, seq, loc, size, tomb) = super::checkpoint::entry_at(self.buf.as_ref()?.bytes(), at).ok()?;
+        Some((key, BaseEntry { seq, loc, size, tomb, unverified: true }))
     }
 
-    /// The entry of `key` that gets a slot, if any (binary search).
+    /// The entry of `key` that gets a slot, if any (binary searches: the tail's entries
+    /// first, which win over the checkpoint's).
     pub fn find(&self, key: &[u8]) -> Option<BaseEntry> {
+        let (mut lo, mut hi) = (0usize, self.tail.len());
+        while lo < hi {
+            let mid = lo + (hi - lo) / 2;
+            let (k, e) = self.tail_entry(mid)?;
+            match k.cmp(key) {
+                std::cmp::Ordering::Less => lo = mid + 1,
+                std::cmp::Ordering::Greater => hi = mid,
+                std::cmp::Ordering::Equal => return Some(e),
+            }
+        }
         let (mut lo, mut hi) = (0usize, self.offs.len());
         while lo < hi {
             let mid = lo + (hi - lo) / 2;
@@ -446,7 +492,7 @@ type Walk<'g> = Box<dyn Iterator<Item = (&'g TreeKey, &'g Arc<Slot>)> + 'g>;
 
 /// The first 16 bytes of `key` as two big-endian integers, zero-padded: comparing heads
 /// orders keys as comparing the keys would, up to ties (see [`TreeKey`]).
-fn head(key: &[u8]) -> (u64, u64) {
+pub(crate) fn head(key: &[u8]) -> (u64, u64) {
     let mut b = [0u8; 16];
     let n = key.len().min(16);
     b[..n].copy_from_slice(&key[..n]);
@@ -457,7 +503,7 @@ fn head(key: &[u8]) -> (u64, u64) {
 /// Byte order of two keys given their heads: the heads decide unless they tie; on a tie
 /// two keys of at most 16 bytes differ only in length (the shorter is the other's prefix,
 /// padded with zeros), and longer keys compare in full.
-fn cmp_keys(a: (u64, u64), ak: &[u8], b: (u64, u64), bk: &[u8]) -> std::cmp::Ordering {
+pub(crate) fn cmp_keys(a: (u64, u64), ak: &[u8], b: (u64, u64), bk: &[u8]) -> std::cmp::Ordering {
     a.cmp(&b).then_with(|| if ak.len() <= 16 && bk.len() <= 16 { ak.len().cmp(&bk.len()) } else { ak.cmp(bk) })
 }
 
@@ -614,23 +660,31 @@ impl Index {
         let _room = self.hash.reserve(base.wanted_count());
         let mut made = 0u64;
         let mut skip = base.superseded.iter().peekable();
+        // The tail's entries first (positions `0..tail`), then the checkpoint's.
+        let (tail, total) = (base.tail.len(), base.tail.len() + base.offs.len());
         let mut i = 0;
-        while i < base.offs.len() {
+        while i < total {
             let go = probe.is_none_or(|p| p.load_batch(&|| stop.load(Ordering::Acquire)));
             if !go || stop.load(Ordering::Acquire) {
                 *self.load_state.lock() = LoadState::Abandoned;
                 self.load_cv.notify_all();
                 return made;
             }
-            let end = (i + LOAD_BATCH).min(base.offs.len());
+            let end = (i + LOAD_BATCH).min(total);
             for j in i..end {
-                if skip.next_if_eq(&&j).is_some() {
-                    continue;
-                }
-                let Some((key, e)) = base.entry(j) else { continue };
-                if e.tomb && !base.keep_tombs {
-                    continue;
-                }
+                let (key, e) = if j < tail {
+                    let Some(te) = base.tail_entry(j) else { continue };
+                    te
+                } else {
+                    if skip.next_if_eq(&&(j - tail)).is_some() {
+                        continue;
+                    }
+                    let Some((key, e)) = base.entry(j - tail) else { continue };
+                    if e.tomb && !base.keep_tombs {
+                        continue;
+                    }
+                    (key, e)
+                };
                 let _stripe = self.stripe(key).lock();
                 {
                     let g = MapGuard::new();
@@ -638,7 +692,7 @@ impl Index {
                         continue;
                     }
                 }
-                let slot = Arc::new(Slot::loaded(e.seq, e.loc, e.size, e.tomb, true));
+                let slot = Arc::new(Slot::loaded(e.seq, e.loc, e.size, e.tomb, e.unverified));
                 let _ = self.tree.insert_sync(TreeKey::new(key.into()), slot.clone());
                 let _ = self.hash.insert_sync(key.into(), slot);
                 made += 1;
@@ -906,7 +960,7 @@ impl Index {
         // too, then finds the slot and skips the entry.
         let mine = match self.base_entry(key) {
             Some(e) => {
-                let s = Slot::loaded(e.seq, e.loc, e.size, e.tomb, true);
+                let s = Slot::loaded(e.seq, e.loc, e.size, e.tomb, e.unverified);
                 s.hot.store(true, Ordering::Relaxed);
                 Arc::new(s)
             }
@@ -967,28 +1021,6 @@ impl Index {
         let slot = self.hash.peek(key, &g)?;
         let eg = epoch::pin();
         slot.head(&eg).map(|h| h.seq)
-    }
-
-    /// Fill an empty index with one version per key: `(key, seq, loc, size, tomb,
-    /// unverified)`, sorted by key, keys distinct. The tree and the hash are filled by two
-    /// threads at once. Nothing else may use the index meanwhile (open).
-    pub fn bulk_load(&self, entries: &[LoadEntry<'_>]) {
-        let slots: Vec<Arc<Slot>> = entries
-            .iter()
-            .map(|&(_, seq, loc, size, tomb, unverified)| Arc::new(Slot::loaded(seq, loc, size, tomb, unverified)))
-            .collect();
-        // Grown once, up front (held until the end: the reservation lapses when dropped).
-        let _room = self.hash.reserve(entries.len());
-        std::thread::scope(|s| {
-            s.spawn(|| {
-                for (e, slot) in entries.iter().zip(&slots) {
-                    let _ = self.tree.insert_sync(TreeKey::new(e.0.into()), slot.clone());
-                }
-            });
-            for (e, slot) in entries.iter().zip(&slots) {
-                let _ = self.hash.insert_sync(e.0.into(), slot.clone());
-            }
-        });
     }
 
     /// The log cleaner moved `key`'s entry with sequence number `seq` from `from` to `to`:

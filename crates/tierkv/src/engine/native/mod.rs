@@ -1331,13 +1331,14 @@ fn get_at<T>(
                     return Ok(Some(f(value)));
                 }
             }
-            // Not loaded yet (the background load after a checkpoint open): the entry is
-            // read and verified each time until its slot exists.
+            // Not loaded yet (the background load after an open): a checkpoint's entry is
+            // read and verified each time until its slot exists (a log tail's was verified
+            // by replay).
             Some(index::Found::Base(e)) if e.seq <= at => {
                 if e.tomb {
                     return Ok(None);
                 }
-                return Ok(Some(f(inner.entry_value(key, e.seq, e.loc, true)?)));
+                return Ok(Some(f(inner.entry_value(key, e.seq, e.loc, e.unverified)?)));
             }
             Some(index::Found::Base(_)) | None => {}
         }

@@ -1259,6 +1259,88 @@ fn a_checkpoint_open_serves_reads_and_writes_while_the_index_loads() {
     assert!(e2.check().unwrap().is_empty());
 }
 
+/// A crash leaves a log tail. The open inserts none of it into the maps itself: the tail's
+/// winners become the base of the background load, beside the checkpoint's entries (or
+/// alone, in a store that has no checkpoint). With the load held after one batch the
+/// store serves every key from them (the tail's overwrites and deletes of checkpoint keys
+/// included), a write to an unloaded tail key chains over its tail version, a conditional
+/// write sees it, a crash while loading loses nothing, and once the load is released a walk
+/// sees every key. With the capacity tier too (moved entries in the tail).
+#[test]
+fn a_crash_open_loads_the_log_tail_in_the_background() {
+    for (with_ckpt, cold) in [(true, false), (false, false), (true, true)] {
+        let dev = SimDevice::new();
+        let fs = FaultFs::new();
+        let mut m = if with_ckpt { checkpointed_store(&dev, &fs, cold) } else { BTreeMap::new() };
+        let e = open(&tier_opts(&dev, &fs, cold), &fs, !with_ckpt).unwrap();
+        e.inner.index.wait_loaded().unwrap();
+        for i in (0..4000u32).step_by(2) {
+            let v = format!("t{i}").into_bytes();
+            e.write(&[put(&bk(i), &v)], Cond::None).unwrap();
+            m.insert(bk(i), v);
+        }
+        for i in (1..4000u32).step_by(9) {
+            e.write(&[BatchOp::Delete { key: bk(i) }], Cond::None).unwrap();
+            m.remove(&bk(i));
+        }
+        drop(e);
+        let dev = dev.simulate_crash_with(5, CrashModel::strict(0.5));
+        let (o, probe) = loading_opts(&dev, &fs, 1, cold);
+        let e = Arc::new(open(&o, &fs, false).unwrap());
+        let tag = format!("checkpoint: {with_ckpt}, cold: {cold}");
+        assert!(design(&e, "replayed_bytes") > 0, "{tag}: no tail was replayed");
+        assert!(!e.inner.index.loaded(), "{tag}: the load ran past the batch it was allowed");
+        if !cold {
+            // One batch of the load at most: the open itself made no slot.
+            assert!(e.inner.index.slots() <= 1024, "{tag}: {} slots before the load", e.inner.index.slots());
+        }
+        for i in 0..4000u32 {
+            assert_eq!(e.get(&bk(i)).unwrap(), m.get(&bk(i)).cloned(), "{tag}: key {i} while loading");
+        }
+        if !cold {
+            assert!(design(&e, "index_base_reads") >= 1000, "{tag}: reads did not come from the base");
+        }
+        let snap = e.snapshot().unwrap();
+        let before = m.clone();
+        // k3996 was put by the tail, sorts after the first batch, and is overwritten now.
+        assert_eq!(m.get(&bk(3996)), Some(&b"t3996".to_vec()));
+        for i in (0..4000u32).step_by(6) {
+            let v = format!("w{i}").into_bytes();
+            e.write(&[put(&bk(i), &v)], Cond::None).unwrap();
+            m.insert(bk(i), v);
+        }
+        if !cold {
+            assert_eq!(chain(&e, &bk(3996)).len(), 2, "{tag}: the overwrite of an unloaded tail key lost its version");
+        }
+        assert!(m.contains_key(&bk(3998)), "{tag}");
+        assert!(!e.write(&[put(&bk(3998), b"x")], Cond::Absent).unwrap(), "{tag}: an unloaded tail key looked absent");
+        for i in 0..4000u32 {
+            assert_eq!(e.get(&bk(i)).unwrap(), m.get(&bk(i)).cloned(), "{tag}: key {i} after writes while loading");
+            assert_eq!(snap.get(&bk(i)).unwrap(), before.get(&bk(i)).cloned(), "{tag}: key {i} in the snapshot");
+        }
+        drop(snap);
+        // A crash while loading: the next open replays it all again.
+        let e = Arc::try_unwrap(e).unwrap_or_else(|_| panic!("{tag}: the engine is still shared"));
+        drop(e);
+        let dev = dev.simulate_crash_with(6, CrashModel::strict(0.5));
+        let (o, probe2) = loading_opts(&dev, &fs, 1, cold);
+        drop(probe);
+        let e = open(&o, &fs, false).unwrap();
+        for i in 0..4000u32 {
+            assert_eq!(e.get(&bk(i)).unwrap(), m.get(&bk(i)).cloned(), "{tag}: key {i} after a crash while loading");
+        }
+        probe2.limit_loads(u64::MAX);
+        e.inner.index.wait_loaded().unwrap();
+        assert_eq!(
+            walk_all(&mut e.iter().unwrap()),
+            m.iter().map(|(k, v)| (k.clone(), v.clone())).collect::<Vec<_>>(),
+            "{tag}: the walk after the load"
+        );
+        assert!(e.check().unwrap().is_empty(), "{tag}");
+        e.close().unwrap();
+    }
+}
+
 /// A close (or a crash) before the background load finished: the close writes no
 /// checkpoint (the one loaded stays, byte for byte) and the next open replays the
 /// records written since; nothing is lost. With and without keys on disk (the capacity
