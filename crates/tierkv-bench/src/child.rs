@@ -101,7 +101,7 @@ pub fn child_main(spec: &EngineSpec, _num: u64, key_size: usize, value_size: usi
 }
 
 /// Recovery after a crash, measured.
-#[derive(Debug, Clone, Copy, PartialEq, serde::Serialize, serde::Deserialize)]
+#[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
 pub struct CrashRecovery {
     /// Seconds from `open` to the first served read, nothing else: the writer was killed
     /// and reaped before the clock starts, and the check of the other keys runs after it
@@ -112,6 +112,10 @@ pub struct CrashRecovery {
     /// Acknowledged keys found after the reopen with their acknowledged values (equal to
     /// `acknowledged`, or the measurement is [`CrashError::Lost`]).
     pub verified: u64,
+    /// The reopened store's own figures of its recovery (its design figures named
+    /// `recovery_*`, and `replayed_bytes`; none for the peers), read after the check.
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub figures: BTreeMap<String, u64>,
 }
 
 /// Why a crash recovery was not measured.
@@ -284,10 +288,12 @@ pub fn verify_after_open(
             show(&wrong)
         )));
     }
+    let figures = e.design().into_iter().filter(|(k, _)| k.starts_with("recovery_") || k == "replayed_bytes").collect();
     Ok(CrashRecovery {
         seconds: first.unwrap_or_else(|| t.elapsed().as_secs_f64()),
         acknowledged: acked.len() as u64,
         verified: (acked.len() - lost.len() - wrong.len()) as u64,
+        figures,
     })
 }
 

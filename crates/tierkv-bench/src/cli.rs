@@ -432,9 +432,10 @@ fn recovery_row(
         value_size: params.value_size,
         seconds,
         open_seconds: Some(open_seconds),
-        after_crash_seconds: crash.map(|c| c.seconds),
-        verified_keys: crash.map(|c| c.verified),
-        acknowledged_keys: crash.map(|c| c.acknowledged),
+        after_crash_seconds: crash.as_ref().map(|c| c.seconds),
+        verified_keys: crash.as_ref().map(|c| c.verified),
+        acknowledged_keys: crash.as_ref().map(|c| c.acknowledged),
+        after_crash_figures: crash.map(|c| c.figures).unwrap_or_default(),
     }
 }
 
@@ -521,7 +522,7 @@ fn run_confined(
         let mut crash = None;
         for ev in &rec.events {
             match ev {
-                Event::Crash(r) => crash = Some(*r),
+                Event::Crash(r) => crash = Some(r.clone()),
                 Event::Lost(m) => return Err(format!("recovery after a crash lost acknowledged writes: {m}")),
                 Event::CrashNotMeasured(m) => eprintln!("warning: {name}: recovery after a crash not measured: {m}"),
                 _ => {}

@@ -131,6 +131,10 @@ pub struct Recovery {
     /// Writes the crashed writer had acknowledged; `verified_keys` must equal it (a lost
     /// acknowledged write fails the run).
     pub acknowledged_keys: Option<u64>,
+    /// The engine's own figures of the recovery after the crash (`native`: `replayed_bytes`,
+    /// `recovery_deltas`, `recovery_us`, …; empty for the peers).
+    #[serde(default, skip_serializing_if = "std::collections::BTreeMap::is_empty")]
+    pub after_crash_figures: std::collections::BTreeMap<String, u64>,
 }
 
 /// `--repeat`: collapse each measurement's rounds into its median round. Outcomes are

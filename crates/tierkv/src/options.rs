@@ -134,12 +134,15 @@ pub struct NativeOptions {
     /// thread). Default `true`.
     pub background: bool,
     /// Write an index checkpoint (`docs/format/native.md`) on the background thread after
-    /// this many bytes of new log segments, so an open after a crash replays only the logs
-    /// written since. A clean close and [`crate::Db::compact`] always write one, and the
+    /// this many bytes of new log segments, and an incremental one (a *delta*: the keys
+    /// written since the previous round) after every eighth of it, so an open after a
+    /// crash loads the checkpoint and its deltas and replays only the logs written after
+    /// the last. A clean close and [`crate::Db::compact`] always write a full one, and the
     /// next open loads it instead of replaying the logs. 0 = only at close and compact.
-    /// Default 256 MiB (an open after a crash then replays at most about that much log;
-    /// each checkpoint costs a walk of the index and about 25 bytes plus the key per key
-    /// written to disk). May change between opens.
+    /// Default 256 MiB (an open after a crash then replays at most about 32 MiB of log
+    /// plus up to seven deltas; each full checkpoint costs a walk of the index and about
+    /// 25 bytes plus the key per key written to disk, each delta the same per key written
+    /// since the previous round). May change between opens.
     pub checkpoint_bytes: u64,
 }
 

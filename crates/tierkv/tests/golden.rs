@@ -334,3 +334,70 @@ fn native_index_checkpoint() {
         vec![(b"alpha".as_slice(), 7, 0x10040, 40, false), (b"beta".as_slice(), 8, 0x10068, 28, true)]
     );
 }
+
+/// A delta file of `native`'s incremental index checkpoints (docs/format/native.md, "Index
+/// checkpoint delta").
+#[test]
+fn native_index_delta() {
+    use tierkv::engine::native::checkpoint::{encode_entry_flags, encode_trailer, Resume};
+    use tierkv::engine::native::delta::{decode, BaseId, Header, Point};
+    let h = Header {
+        db_id: 0x1122_3344_5566_7788,
+        base: BaseId { horizon: 42, count: 1000, crc: 0x0dc9_e118 },
+        from: Point {
+            horizon: 42,
+            resume: vec![Resume { gen: 3, seg: Some((0xa1b2_c3d4, 4096)) }, Resume { gen: 9, seg: None }],
+        },
+        to: Point {
+            horizon: 50,
+            resume: vec![Resume { gen: 4, seg: Some((0x0102_0304, 64)) }, Resume { gen: 9, seg: Some((0x55, 128)) }],
+        },
+    };
+    let want_header = "544b564e444c5400".to_string() // magic "TKVNDLT\0"
+        + "01000000" // format version 1
+        + "02000000" // shards
+        + "8877665544332211" // store id
+        + "2a00000000000000" // the checkpoint's horizon 42
+        + "e803000000000000" // its entry count 1000
+        + "18e1c90d" // its entry checksum
+        + "00000000"
+        + "2a00000000000000" // from horizon 42
+        + "3200000000000000" // to horizon 50
+        + "0300000000000000" + "00100000" + "d4c3b2a1" // from, shard 0: generation 3, byte 4096, salt
+        + "0900000000000000" + "ffffffff" + "00000000" // from, shard 1: no open segment, next generation 9
+        + "0400000000000000" + "40000000" + "04030201" // to, shard 0: generation 4, byte 64
+        + "0900000000000000" + "80000000" + "55000000" // to, shard 1: generation 9, byte 128
+        + "d1a62cec" // crc
+        + "00000000";
+    let mut body = Vec::new();
+    encode_entry_flags(&mut body, b"alpha", 43, 0x10040, 40, 0);
+    encode_entry_flags(&mut body, b"beta", 44, 0x10068, 28, 1);
+    encode_entry_flags(&mut body, b"gamma", 12, 0x20000, 17, 2);
+    let want_body = "05000000".to_string() // key length
+        + "28000000" // entry size 40
+        + "2b00000000000000" // sequence number 43
+        + "4000010000000000" // PM location
+        + "00" // put
+        + "616c706861" // "alpha"
+        + "04000000" + "1c000000" + "2c00000000000000" + "6800010000000000" + "01" + "62657461" // delete "beta"
+        + "05000000" + "11000000" + "0c00000000000000" + "0000020000000000" + "02" + "67616d6d61"; // "gamma" moved
+    let trailer = encode_trailer(3, crc32c::crc32c(&body));
+    let want_trailer = "8dba9fc2".to_string() // masked crc32c of the entries
+        + "00000000"
+        + "0300000000000000"; // entries
+    let got = format!("{}|{}|{}", hex(&h.encode()), hex(&body), hex(&trailer));
+    assert_eq!(got, format!("{want_header}|{want_body}|{want_trailer}"));
+    let mut file = h.encode();
+    file.extend_from_slice(&body);
+    file.extend_from_slice(&trailer);
+    let (header, entries) = decode(&file, 2, 0x1122_3344_5566_7788).unwrap();
+    assert_eq!(header, h);
+    assert_eq!(
+        entries,
+        vec![
+            (b"alpha".as_slice(), 43, 0x10040, 40, 0),
+            (b"beta".as_slice(), 44, 0x10068, 28, 1),
+            (b"gamma".as_slice(), 12, 0x20000, 17, 2)
+        ]
+    );
+}

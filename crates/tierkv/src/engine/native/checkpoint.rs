@@ -123,12 +123,7 @@ impl Header {
         b.extend_from_slice(&(self.resume.len() as u32).to_le_bytes());
         b.extend_from_slice(&self.db_id.to_le_bytes());
         b.extend_from_slice(&self.horizon.to_le_bytes());
-        for t in &self.resume {
-            let (salt, len) = t.seg.unwrap_or((0, NO_SEGMENT));
-            b.extend_from_slice(&t.gen.to_le_bytes());
-            b.extend_from_slice(&len.to_le_bytes());
-            b.extend_from_slice(&salt.to_le_bytes());
-        }
+        encode_resumes(&mut b, &self.resume);
         let c = crc::masked(&b);
         b.extend_from_slice(&c.to_le_bytes());
         b.extend_from_slice(&[0u8; 4]);
@@ -157,14 +152,33 @@ impl Header {
         if u32_at(12) as usize != shards {
             return Err(format!("written for {} shards, the store has {shards}", u32_at(12)));
         }
-        let resume = (0..shards)
-            .map(|i| {
-                let (len, salt) = (u32_at(40 + 16 * i), u32_at(44 + 16 * i));
-                Resume { gen: u64_at(32 + 16 * i), seg: (len != NO_SEGMENT).then_some((salt, len)) }
-            })
-            .collect();
+        let resume = decode_resumes(&b[32..], shards);
         Ok(Header { db_id: u64_at(16), horizon: u64_at(24), resume })
     }
+}
+
+/// Append each shard's resume point (16 bytes each: generation, length, salt).
+pub(super) fn encode_resumes(b: &mut Vec<u8>, resume: &[Resume]) {
+    for t in resume {
+        let (salt, len) = t.seg.unwrap_or((0, NO_SEGMENT));
+        b.extend_from_slice(&t.gen.to_le_bytes());
+        b.extend_from_slice(&len.to_le_bytes());
+        b.extend_from_slice(&salt.to_le_bytes());
+    }
+}
+
+/// The `shards` resume points at the start of `b` (which holds at least `16 × shards`
+/// bytes: the caller checked the length).
+pub(super) fn decode_resumes(b: &[u8], shards: usize) -> Vec<Resume> {
+    let u32_at = |o: usize| u32::from_le_bytes([b[o], b[o + 1], b[o + 2], b[o + 3]]);
+    (0..shards)
+        .map(|i| {
+            let mut w = [0u8; 8];
+            w.copy_from_slice(&b[16 * i..16 * i + 8]);
+            let (len, salt) = (u32_at(16 * i + 8), u32_at(16 * i + 12));
+            Resume { gen: u64::from_le_bytes(w), seg: (len != NO_SEGMENT).then_some((salt, len)) }
+        })
+        .collect()
 }
 
 /// One checkpoint entry: `(key, seq, loc, size, delete)`, the shape the index is loaded from.
@@ -172,11 +186,17 @@ pub type Entry<'a> = (&'a [u8], u64, u64, u32, bool);
 
 /// Append the encoding of one entry to `out`.
 pub fn encode_entry(out: &mut Vec<u8>, key: &[u8], seq: u64, loc: u64, size: u32, tomb: bool) {
+    encode_entry_flags(out, key, seq, loc, size, u8::from(tomb));
+}
+
+/// Append the encoding of one entry with flags byte `flags` (0 put, 1 delete; a delta
+/// file also has 2, moved: see [`super::delta`]).
+pub fn encode_entry_flags(out: &mut Vec<u8>, key: &[u8], seq: u64, loc: u64, size: u32, flags: u8) {
     out.extend_from_slice(&(key.len() as u32).to_le_bytes());
     out.extend_from_slice(&size.to_le_bytes());
     out.extend_from_slice(&seq.to_le_bytes());
     out.extend_from_slice(&loc.to_le_bytes());
-    out.push(u8::from(tomb));
+    out.push(flags);
     out.extend_from_slice(key);
 }
 
@@ -216,6 +236,9 @@ pub struct Verified {
     end: usize,
     /// Entries, as the trailer says.
     pub count: u64,
+    /// The entries' checksum, as stored (masked): with the horizon and the count, what a
+    /// delta file names as the checkpoint it builds on.
+    pub body_crc: u32,
 }
 
 /// Verify a checkpoint file's header (for a store of `shards` shards with id `db_id`),
@@ -237,13 +260,21 @@ pub fn verify(buf: &[u8], shards: usize, db_id: u64) -> std::result::Result<Veri
     }
     let mut w = [0u8; 8];
     w.copy_from_slice(&trailer[8..16]);
-    Ok(Verified { header, start, end, count: u64::from_le_bytes(w) })
+    Ok(Verified { header, start, end, count: u64::from_le_bytes(w), body_crc: stored })
 }
 
 /// The entry starting at byte `at` of `buf` (its fixed fields, then its key), if it lies
 /// within `buf` and its flags byte is valid.
 #[inline]
 pub fn entry_at(buf: &[u8], at: usize) -> std::result::Result<Entry<'_>, String> {
+    let (key, seq, loc, size, flags) = entry_at_flags(buf, at, 1)?;
+    Ok((key, seq, loc, size, flags == 1))
+}
+
+/// The entry starting at byte `at` of `buf` with its flags byte, which must be at most
+/// `max_flags`.
+#[inline]
+pub fn entry_at_flags(buf: &[u8], at: usize, max_flags: u8) -> std::result::Result<RawEntry<'_>, String> {
     let f = buf.get(at..at + ENTRY_FIXED).ok_or("entry cut short")?;
     let klen = u32::from_le_bytes([f[0], f[1], f[2], f[3]]) as usize;
     let size = u32::from_le_bytes([f[4], f[5], f[6], f[7]]);
@@ -252,14 +283,16 @@ pub fn entry_at(buf: &[u8], at: usize) -> std::result::Result<Entry<'_>, String>
     let seq = u64::from_le_bytes(w);
     w.copy_from_slice(&f[16..24]);
     let loc = u64::from_le_bytes(w);
-    let tomb = match f[24] {
-        0 => false,
-        1 => true,
-        x => return Err(format!("entry flags {x:#x}")),
-    };
+    let flags = f[24];
+    if flags > max_flags {
+        return Err(format!("entry flags {flags:#x}"));
+    }
     let key = buf.get(at + ENTRY_FIXED..at + ENTRY_FIXED + klen).ok_or("entry key cut short")?;
-    Ok((key, seq, loc, size, tomb))
+    Ok((key, seq, loc, size, flags))
 }
+
+/// An entry with its flags byte: `(key, seq, loc, size, flags)`.
+pub type RawEntry<'a> = (&'a [u8], u64, u64, u32, u8);
 
 /// Call `f` with every entry of a verified checkpoint (and the byte offset where the entry
 /// starts), in order, checking that each is whole, keys strictly ascend, and the count
@@ -269,12 +302,25 @@ pub fn for_each_entry<'a>(
     v: &Verified,
     mut f: impl FnMut(usize, Entry<'a>),
 ) -> std::result::Result<(), String> {
-    let body = buf.get(..v.end).ok_or("entries cut short")?;
-    let mut pos = v.start;
+    for_each_raw(buf, v.start, v.end, v.count, 1, |at, (k, s, l, z, flags)| f(at, (k, s, l, z, flags == 1)))
+}
+
+/// [`for_each_entry`] over the entries in `buf[start..end]`, `count` of them, with flags
+/// up to `max_flags`.
+pub(super) fn for_each_raw<'a>(
+    buf: &'a [u8],
+    start: usize,
+    end: usize,
+    count: u64,
+    max_flags: u8,
+    mut f: impl FnMut(usize, RawEntry<'a>),
+) -> std::result::Result<(), String> {
+    let body = buf.get(..end).ok_or("entries cut short")?;
+    let mut pos = start;
     let mut seen = 0u64;
     let mut prev: Option<&[u8]> = None;
-    while pos < v.end {
-        let e = entry_at(body, pos)?;
+    while pos < end {
+        let e = entry_at_flags(body, pos, max_flags)?;
         if prev.is_some_and(|p| p >= e.0) {
             return Err("entries out of key order".into());
         }
@@ -284,8 +330,8 @@ pub fn for_each_entry<'a>(
         seen += 1;
         pos = next;
     }
-    if seen != v.count {
-        return Err(format!("{seen} entries, the trailer says {}", v.count));
+    if seen != count {
+        return Err(format!("{seen} entries, the trailer says {count}"));
     }
     Ok(())
 }
@@ -309,14 +355,25 @@ impl FileBytes {
 
 /// Checkpoint state of an open store.
 pub(super) struct Checkpoints {
-    fs: CountingFs,
-    dir: PathBuf,
+    pub(super) fs: CountingFs,
+    pub(super) dir: PathBuf,
     /// Write one after this many bytes of new log segments (0: only at close and compact).
     every: u64,
     /// Segments created when the last checkpoint started.
-    segments_at_last: AtomicU64,
-    /// One writer at a time.
-    pub(super) writing: Mutex<()>,
+    pub(super) segments_at_last: AtomicU64,
+    /// One writer at a time; the chain of deltas on the newest checkpoint.
+    pub(super) writing: Mutex<super::delta::Chain>,
+    /// Delta files written ([`super::delta`]).
+    pub deltas_written: AtomicU64,
+    /// Entries of the last delta written.
+    pub last_delta_entries: AtomicU64,
+    /// Microseconds the last delta took.
+    pub last_delta_us: AtomicU64,
+    /// Delta files the open loaded, and their entries.
+    pub loaded_deltas: u64,
+    pub loaded_delta_entries: u64,
+    /// Why the open left delta files out of its chain, if it did.
+    pub delta_rejected: Option<String>,
     pub written: AtomicU64,
     pub failures: AtomicU64,
     pub last_entries: AtomicU64,
@@ -343,7 +400,13 @@ impl Checkpoints {
             dir: dir.to_path_buf(),
             every,
             segments_at_last: AtomicU64::new(0),
-            writing: Mutex::new(()),
+            writing: Mutex::new(super::delta::Chain::default()),
+            deltas_written: AtomicU64::new(0),
+            last_delta_entries: AtomicU64::new(0),
+            last_delta_us: AtomicU64::new(0),
+            loaded_deltas: 0,
+            loaded_delta_entries: 0,
+            delta_rejected: None,
             written: AtomicU64::new(0),
             failures: AtomicU64::new(0),
             last_entries: AtomicU64::new(0),
@@ -368,22 +431,18 @@ impl Checkpoints {
         if !fs.exists(&p) {
             return Ok(None);
         }
-        let f = fs.open_immutable(&p)?;
-        if let Some(m) = f.mapped() {
-            f.note_read(m.len() as u64);
-            return Ok(Some(FileBytes::Mapped(f)));
-        }
-        Ok(Some(FileBytes::Read(fs.read_all(&p)?)))
+        read_file(fs, &p).map(Some)
     }
 
-    /// Remove a checkpoint a new store must not meet (a directory reused for a new store).
+    /// Remove a checkpoint, and every delta file, a new store must not meet (a directory
+    /// reused for a new store), or that an open rejected.
     pub(super) fn remove_stale(fs: &dyn Fs, dir: &Path) -> Result<()> {
         let p = Self::path(dir);
         if fs.exists(&p) {
             fs.remove(&p)?;
             fs.sync_dir(dir)?;
         }
-        Ok(())
+        super::delta::remove_except(fs, dir, &[])
     }
 
     /// Whether the log since the checkpoint the open loaded — `replayed` bytes at open plus
@@ -392,13 +451,24 @@ impl Checkpoints {
         self.every > 0 && replayed.saturating_add(segments.saturating_mul(segment_bytes)) >= self.every
     }
 
-    /// Whether enough new log was written since the last checkpoint (`segments`: segments
-    /// created so far, `segment_bytes`: their size).
+    /// Whether enough new log was written since the last checkpoint or delta for the next
+    /// round: `checkpoint_bytes / ROUNDS_PER_FULL` ([`super::delta::ROUNDS_PER_FULL`];
+    /// `segments`: segments created so far, `segment_bytes`: their size).
     pub(super) fn due(&self, segments: u64, segment_bytes: u64) -> bool {
         self.every > 0
             && segments.saturating_sub(self.segments_at_last.load(Ordering::Relaxed)).saturating_mul(segment_bytes)
-                >= self.every
+                >= (self.every / super::delta::ROUNDS_PER_FULL).max(1)
     }
+}
+
+/// A file's bytes: mapped where the file system maps files, else read.
+pub(super) fn read_file(fs: &dyn Fs, p: &Path) -> Result<FileBytes> {
+    let f = fs.open_immutable(p)?;
+    if let Some(m) = f.mapped() {
+        f.note_read(m.len() as u64);
+        return Ok(FileBytes::Mapped(f));
+    }
+    Ok(FileBytes::Read(fs.read_all(p)?))
 }
 
 impl Inner {
@@ -407,17 +477,22 @@ impl Inner {
     pub(super) fn checkpoint(&self) -> Result<()> {
         // The walk needs every key; wait here, before step 1 holds the shards.
         self.index.wait_loaded()?;
-        let _one = self.ckpt.writing.lock();
+        let mut chain = self.ckpt.writing.lock();
         if self.closed.load(Ordering::Acquire) {
             return Err(Error::Closed);
         }
+        self.checkpoint_locked(&mut chain)
+    }
+
+    /// [`Inner::checkpoint`] with the writer's lock held.
+    pub(super) fn checkpoint_locked(&self, chain: &mut super::delta::Chain) -> Result<()> {
         let segments = self.segments_created();
         let (resume, horizon) = {
             let logs = self.hold_every_shard()?;
             (logs.iter().map(|l| resume_point(l)).collect::<Vec<_>>(), self.next_seq.0.load(Ordering::SeqCst))
         };
         self.ckpt.segments_at_last.store(segments, Ordering::Relaxed);
-        self.write_checkpoint(Header { db_id: self.db_id, horizon, resume }, true)
+        self.write_checkpoint(Header { db_id: self.db_id, horizon, resume }, true, chain)
     }
 
     /// Every shard's log, held at once (step 1 of a checkpoint), taken without ever
@@ -435,7 +510,7 @@ impl Inner {
     /// So writers wait at most about [`PAUSE_LIMIT`] per pause, and never for a shard
     /// the checkpoint holds while it waits for another. `Error::Closed` once the store
     /// is closing (the close holds every shard and then waits for this checkpoint).
-    fn hold_every_shard(&self) -> Result<Vec<parking_lot::MutexGuard<'_, super::log::ShardLog>>> {
+    pub(super) fn hold_every_shard(&self) -> Result<Vec<parking_lot::MutexGuard<'_, super::log::ShardLog>>> {
         /// Lifts the pause however the call ends.
         struct Lift<'a>(&'a AtomicBool);
         impl Drop for Lift<'_> {
@@ -500,15 +575,27 @@ impl Inner {
     }
 
     /// Walk the index and write the checkpoint file for `header`. `stoppable`: give up
-    /// when the background thread is told to stop (the close writes its own).
-    pub(super) fn write_checkpoint(&self, header: Header, stoppable: bool) -> Result<()> {
+    /// when the background thread is told to stop (the close writes its own). Once it is
+    /// durable it starts a new `chain` of deltas, and the old chain's files are removed
+    /// (they name another checkpoint: an open would ignore them anyway).
+    pub(super) fn write_checkpoint(
+        &self,
+        header: Header,
+        stoppable: bool,
+        chain: &mut super::delta::Chain,
+    ) -> Result<()> {
         let t0 = std::time::Instant::now();
+        let point = super::delta::Point { horizon: header.horizon, resume: header.resume.clone() };
         let r = self.write_checkpoint_file(header, stoppable);
         match &r {
-            Ok(n) => {
+            Ok((n, body_crc)) => {
                 self.ckpt.written.fetch_add(1, Ordering::Relaxed);
                 self.ckpt.last_entries.store(*n, Ordering::Relaxed);
                 self.ckpt.last_us.store(t0.elapsed().as_micros() as u64, Ordering::Relaxed);
+                let base = super::delta::BaseId { horizon: point.horizon, count: *n, crc: *body_crc };
+                chain.restart(base, point);
+                // A removal that fails leaves files an open ignores and removes.
+                let _ = super::delta::remove_except(&self.ckpt.fs, &self.ckpt.dir, &[]);
             }
             Err(Error::Closed) => {}
             Err(_) => {
@@ -518,7 +605,8 @@ impl Inner {
         r.map(|_| ())
     }
 
-    fn write_checkpoint_file(&self, header: Header, stoppable: bool) -> Result<u64> {
+    /// Returns the entries written and their checksum (masked, as stored).
+    fn write_checkpoint_file(&self, header: Header, stoppable: bool) -> Result<(u64, u32)> {
         let fs = &self.ckpt.fs;
         let path = Checkpoints::path(&self.ckpt.dir);
         let tmp = self.ckpt.dir.join(format!("{FILE_NAME}.tmp"));
@@ -568,7 +656,7 @@ impl Inner {
         drop(f);
         fs.rename(&tmp, &path)?;
         fs.sync_dir(&self.ckpt.dir)?;
-        Ok(count)
+        Ok((count, crc::mask(body_crc)))
     }
 }
 

@@ -396,6 +396,43 @@ pub fn decode_record<'a>(b: &'a [u8], tag: SegTag, mut f: impl FnMut(EntryOut<'a
     Ok((len, seq))
 }
 
+/// The record at the start of `b` (segment `tag`) checked by its header checksum only —
+/// it covers the record header and every entry header — and not by its entries' own
+/// checksums, so no value byte is read: for the index's incremental checkpoints, which
+/// list records this process appended (their entries are verified at their first read
+/// after an open that loads them). Calls `f` for every entry (`offset`: within the
+/// record) once the header verified; returns the record's length.
+pub fn decode_record_headers<'a>(b: &'a [u8], tag: SegTag, mut f: impl FnMut(EntryOut<'a>)) -> Result<usize, String> {
+    let len = claimed_len(b, tag.gen).ok_or("no plausible record header")?;
+    let rec = b.get(..len).ok_or("record runs past the segment")?;
+    let mut c = Cursor::new(rec);
+    let stored = c.u32().ok_or("truncated")?;
+    c.skip(8).ok_or("truncated")?;
+    let count = c.u32().ok_or("truncated")?;
+    let seq = c.u64().ok_or("truncated")?;
+    let mut rc = crc32c::crc32c_append(crc32c::crc32c(&tag.salt.to_le_bytes()), rec.get(4..24).ok_or("truncated")?);
+    let mut pos = RECORD_HEADER_LEN;
+    let mut entries = Vec::with_capacity(count.min(1024) as usize);
+    for i in 0..u64::from(count) {
+        let h = rec.get(pos..pos + ENTRY_HEADER_LEN).ok_or("entry header runs past the record")?;
+        let rest = rec.get(pos..).ok_or("entry runs past the record")?;
+        let e = parse_entry(rest, seq.wrapping_add(i))?;
+        rc = crc32c::crc32c_append(rc, h);
+        entries.push(EntryOut { offset: pos, ..e });
+        pos += entry_len(e.key.len(), e.value.len());
+    }
+    if crc::mask(rc) != stored {
+        return Err(format!("record checksum mismatch (stored {stored:#x}, computed {:#x})", crc::mask(rc)));
+    }
+    if record_len(pos - RECORD_HEADER_LEN) != len {
+        return Err(format!("record length {len} does not match its {count} entries"));
+    }
+    for e in entries {
+        f(e);
+    }
+    Ok(len)
+}
+
 /// Decode and verify the entry at `pos` of `b` with sequence number `seq`.
 pub fn decode_entry(b: &[u8], pos: usize, seq: u64) -> Result<EntryOut<'_>, String> {
     let h = b.get(pos..pos + ENTRY_HEADER_LEN).ok_or("entry header truncated")?;

@@ -97,6 +97,7 @@
 
 pub mod checkpoint;
 mod cold;
+pub mod delta;
 mod index;
 mod iter;
 pub mod layout;
@@ -444,7 +445,7 @@ impl Inner {
             // A failed checkpoint (the disk) is counted (`checkpoint_failures`); the logs
             // still hold everything, so the store goes on, and tries again after the next
             // `checkpoint_bytes` of log.
-            let _ = self.checkpoint();
+            let _ = self.checkpoint_round();
         }
         r
     }
@@ -1094,6 +1095,12 @@ impl Inner {
                 ("checkpoint_us", self.ckpt.last_us.load(Ordering::Relaxed)),
                 ("checkpoint_shard_retries", self.ckpt.shard_retries.load(Ordering::Relaxed)),
                 ("checkpoint_pauses", self.ckpt.pauses.load(Ordering::Relaxed)),
+                ("checkpoint_deltas_written", self.ckpt.deltas_written.load(Ordering::Relaxed)),
+                ("checkpoint_delta_entries", self.ckpt.last_delta_entries.load(Ordering::Relaxed)),
+                ("checkpoint_delta_us", self.ckpt.last_delta_us.load(Ordering::Relaxed)),
+                ("recovery_deltas", self.ckpt.loaded_deltas),
+                ("recovery_delta_entries", self.ckpt.loaded_delta_entries),
+                ("recovery_delta_rejected", u64::from(self.ckpt.delta_rejected.is_some())),
                 ("cold_keys_moved", self.cold.moved_keys.load(Ordering::Relaxed)),
                 ("cold_batches", self.cold.moved_batches.load(Ordering::Relaxed)),
                 ("cold_slots_removed", self.cold.removed_slots.load(Ordering::Relaxed)),
@@ -1199,8 +1206,8 @@ impl Inner {
             let header =
                 checkpoint::Header { db_id: self.db_id, horizon: self.next_seq.0.load(Ordering::SeqCst), resume };
             // Not while a `compact` checkpoint still writes the temp file.
-            let _one = self.ckpt.writing.lock();
-            let _ = self.write_checkpoint(header, false);
+            let mut chain = self.ckpt.writing.lock();
+            let _ = self.write_checkpoint(header, false, &mut chain);
         }
         let tails = logs
             .iter()

@@ -122,7 +122,7 @@ pub(super) fn find_segments(region: &Region, g: &Geometry, sb: &Superblock) -> R
 }
 
 /// The newest entry of a key seen by a replay: sequence number, location, kind, size.
-type Newest = (u64, u64, Kind, u32);
+pub(super) type Newest = (u64, u64, Kind, u32);
 
 /// Keys with their newest entries, sorted by key (`true`: taken from a checkpoint,
 /// unverified).
@@ -131,7 +131,7 @@ type Merged<'a> = Vec<(&'a [u8], Newest, bool)>;
 /// Whether entry `a` replaces `b` as a key's newest: a higher sequence number, or a moved
 /// entry over a put or delete of the same number.
 #[inline]
-fn newer(a: &Newest, b: &Newest) -> bool {
+pub(super) fn newer(a: &Newest, b: &Newest) -> bool {
     a.0 > b.0 || (a.0 == b.0 && a.2 == Kind::Moved && b.2 != Kind::Moved)
 }
 
@@ -195,6 +195,18 @@ pub(super) fn open(ctx: &EngineCtx) -> Result<Inner> {
     let mut ckpt_state = Checkpoints::new(ctx.fs.clone(), &ctx.dir, ctx.opts.native.checkpoint_bytes);
     let mut rejected = None;
     let mut ckpt_buf = None;
+    // Delta files (see `delta`): read with the checkpoint; an unreadable one is left out
+    // of the chain like a damaged one.
+    let mut delta_rejected = None;
+    let delta_files: Vec<(u64, checkpoint::FileBytes)> = if ctx.fresh {
+        Vec::new()
+    } else {
+        read_deltas(ctx).unwrap_or_else(|e| {
+            delta_rejected = Some(format!("unreadable: {e}"));
+            Vec::new()
+        })
+    };
+    let delta_bytes: Vec<(u64, &[u8])> = delta_files.iter().map(|(id, b)| (*id, b.bytes())).collect();
     let clean_raw = region.slice_checked(layout::CLEAN_ADDR, Clean::encoded_len(nshards), "clean-close record")?;
     let clean = Clean::decode(clean_raw, nshards);
     // The capacity tier's LSM opens (disk reads, file creation, fsyncs) on a thread of its
@@ -217,20 +229,42 @@ pub(super) fn open(ctx: &EngineCtx) -> Result<Inner> {
                 })
             };
             let loaded = match ckpt_buf.as_ref().map(|b| b.bytes()) {
-                Some(b) => with_checkpoint(b, &region, &geo, sb.db_id, &by_shard, clean.as_ref())?
-                    .map_err(|why| rejected = Some(why))
-                    .ok(),
+                Some(b) => {
+                    let mut r = with_checkpoint(b, &delta_bytes, &region, &geo, sb.db_id, &by_shard, clean.as_ref())?;
+                    if let Err(Reject::Chain(why)) = r {
+                        // The chain does not fit: the checkpoint alone, and the logs after it.
+                        delta_rejected = Some(why);
+                        r = with_checkpoint(b, &[], &region, &geo, sb.db_id, &by_shard, clean.as_ref())?;
+                    }
+                    r.map_err(|e| match e {
+                        Reject::Checkpoint(why) | Reject::Chain(why) => rejected = Some(why),
+                    })
+                    .ok()
+                }
                 None => None,
             };
             let (rep, merged, base) = match loaded {
                 Some(fc) => {
                     ckpt_state.loaded_entries = fc.offs.len() as u64;
                     ckpt_state.stale_dropped = fc.stale;
+                    ckpt_state.loaded_deltas = fc.chain.len() as u64;
+                    ckpt_state.loaded_delta_entries = fc.delta_entries;
+                    if delta_rejected.is_none() {
+                        delta_rejected = fc.chain_why.clone();
+                    }
+                    // Delta files outside the chain go before the store takes a write (a
+                    // later one's resume points could be misread once generations are
+                    // handed out again, as a rejected checkpoint's).
+                    super::delta::remove_except(&ctx.fs, &ctx.dir, &fc.chain)?;
+                    let chain = ckpt_state.writing.get_mut();
+                    chain.restart(fc.base_id, fc.base_point.clone());
+                    chain.at = Some(fc.chain_end.clone());
+                    chain.files = fc.chain.clone();
                     let FromCheckpoint { rep, tail, offs, superseded, live, puts, deletes, .. } = fc;
                     (rep, tail, Some((offs, superseded, live, puts, deletes)))
                 }
                 None => {
-                    if rejected.is_some() {
+                    if rejected.is_some() || !delta_bytes.is_empty() {
                         // Removed before the store takes a write: generations may be handed out
                         // again from here on (a cleaned newest segment's), which an old resume
                         // point would misread.
@@ -255,6 +289,9 @@ pub(super) fn open(ctx: &EngineCtx) -> Result<Inner> {
     let cold = cold?;
     let (rep, merged, base) = recovered?;
     ckpt_state.rejected = rejected;
+    ckpt_state.delta_rejected = delta_rejected;
+    ckpt_state.writing.get_mut().next_id = delta_files.iter().map(|f| f.0 + 1).max().unwrap_or(1);
+    drop(delta_bytes);
     let AllReplayed { logs, seq_end, bytes, segs: seg_list, dropped, t_replay, .. } = rep;
     ctx.recovery.lock().extend(dropped);
     let t_replay = t_replay.duration_since(t0);
@@ -492,6 +529,58 @@ fn overlay_tail<'a>(buf: &[u8], offs: &[u64], tail: Merged<'a>, horizon: u64) ->
     (out, superseded, dropped)
 }
 
+/// Every delta file of the store's directory (see [`super::delta`]), by id.
+fn read_deltas(ctx: &EngineCtx) -> Result<Vec<(u64, checkpoint::FileBytes)>> {
+    let mut out = Vec::new();
+    for id in super::delta::list(&ctx.fs, &ctx.dir)? {
+        out.push((id, checkpoint::read_file(&ctx.fs, &ctx.dir.join(super::delta::file_name(id)))?));
+    }
+    Ok(out)
+}
+
+/// Why an open does not use what it found.
+enum Reject {
+    /// The checkpoint (the logs are replayed whole).
+    Checkpoint(String),
+    /// The chain of deltas (the checkpoint alone is tried).
+    Chain(String),
+}
+
+/// Two layers of newest entries merged, each sorted by key: of a key in both, `newer`'s
+/// entry wins unless `older`'s is newer by [`newer`] (on a tie, `newer`'s is the copy at a
+/// later place).
+fn merge_layers<'a>(older: Merged<'a>, newer_layer: Merged<'a>) -> Merged<'a> {
+    if older.is_empty() {
+        return newer_layer;
+    }
+    if newer_layer.is_empty() {
+        return older;
+    }
+    let mut out = Vec::with_capacity(older.len() + newer_layer.len());
+    let mut a = older.into_iter().peekable();
+    let mut b = newer_layer.into_iter().peekable();
+    loop {
+        let take_a = match (a.peek(), b.peek()) {
+            (Some(x), Some(y)) => match x.0.cmp(y.0) {
+                std::cmp::Ordering::Less => true,
+                std::cmp::Ordering::Greater => false,
+                std::cmp::Ordering::Equal => {
+                    let (x, y) = (a.next(), b.next());
+                    if let (Some(x), Some(y)) = (x, y) {
+                        out.push(if newer(&x.1, &y.1) { x } else { y });
+                    }
+                    continue;
+                }
+            },
+            (Some(_), None) => true,
+            (None, Some(_)) => false,
+            (None, None) => break,
+        };
+        out.extend(if take_a { a.next() } else { b.next() });
+    }
+    out
+}
+
 /// What an open from a checkpoint found.
 struct FromCheckpoint<'a> {
     /// The replay of the log tails after the resume points.
@@ -509,37 +598,82 @@ struct FromCheckpoint<'a> {
     deletes: u64,
     /// Tail entries the horizon rule dropped.
     stale: u64,
+    /// The checkpoint, and the point of the logs it was written at.
+    base_id: super::delta::BaseId,
+    base_point: super::delta::Point,
+    /// The deltas used (ids, oldest first), their entries, and where the chain ends.
+    chain: Vec<u64>,
+    /// Why delta files were left out of the chain, if any were.
+    chain_why: Option<String>,
+    delta_entries: u64,
+    chain_end: super::delta::Point,
 }
 
-/// Recover from the checkpoint file `buf`: verify it, replay the tails after its resume
-/// points, then in one pass over its entries note where each starts, check it lies within
-/// a segment's records and count its live bytes; then decide the keys the tails share with
-/// it ([`overlay_tail`]). `Ok(Err(why))` when the checkpoint does not fit the logs (its
-/// checks, damage met only because of where it resumed, an entry outside every segment):
-/// the caller then replays the logs whole.
+/// Recover from the checkpoint file `buf` and the chain of delta files it has among
+/// `deltas` ([`super::delta`]): verify them, replay the tails after the chain's end (the
+/// checkpoint's resume points when there is no delta), merge the deltas' entries and the
+/// tails' (later wins: [`merge_layers`]), then in one pass over the checkpoint's entries
+/// note where each starts, check it lies within a segment's records and count its live
+/// bytes; then decide the keys the deltas and tails share with it ([`overlay_tail`]).
+/// `Ok(Err(Reject::Checkpoint))` when the checkpoint does not fit the logs (its checks,
+/// damage met only because of where it resumed, an entry outside every segment): the
+/// caller then replays the logs whole; `Ok(Err(Reject::Chain))` when the chain does not
+/// fit them (the caller then tries the checkpoint alone).
 fn with_checkpoint<'a>(
     buf: &[u8],
+    deltas: &[(u64, &'a [u8])],
     region: &'a Region,
     geo: &Geometry,
     db_id: u64,
     by_shard: &[Vec<Seg>],
     clean: Option<&Clean>,
-) -> Result<std::result::Result<FromCheckpoint<'a>, String>> {
+) -> Result<std::result::Result<FromCheckpoint<'a>, Reject>> {
     let v = match checkpoint::verify(buf, by_shard.len(), db_id) {
         Ok(v) => v,
-        Err(why) => return Ok(Err(why)),
+        Err(why) => return Ok(Err(Reject::Checkpoint(why))),
     };
     if let Err(why) = fits(&v.header, by_shard, clean) {
-        return Ok(Err(why));
+        return Ok(Err(Reject::Checkpoint(why)));
     }
-    let mut rep = match replay_all(region, geo, by_shard, clean, Some(&v.header.resume)) {
+    let base_id = super::delta::BaseId { horizon: v.header.horizon, count: v.count, crc: v.body_crc };
+    let base_point = super::delta::Point { horizon: v.header.horizon, resume: v.header.resume.clone() };
+    let (chain, chain_why) = super::delta::chain_of(deltas, by_shard.len(), db_id, base_id, &base_point);
+    let chain_end = chain.last().map_or_else(|| base_point.clone(), |c| c.2.header.to.clone());
+    let end_header = checkpoint::Header { db_id, horizon: chain_end.horizon, resume: chain_end.resume.clone() };
+    if let Err(why) = fits(&end_header, by_shard, clean) {
+        return Ok(Err(Reject::Chain(format!("its end: {why}"))));
+    }
+    // The deltas' entries, one layer per delta, oldest first (unverified: their records
+    // were not replayed).
+    let mut layers: Merged<'a> = Vec::new();
+    let mut delta_entries = 0u64;
+    for (id, dbuf, dv) in &chain {
+        let mut layer: Merged<'a> = Vec::with_capacity(usize::try_from(dv.count).unwrap_or(0).min(dbuf.len() / 25));
+        let r = super::delta::for_each_entry(dbuf, dv, |(k, seq, loc, size, flags)| {
+            layer.push((k, (seq, loc, super::delta::kind_of(flags), size), true));
+        });
+        if let Err(why) = r {
+            return Ok(Err(Reject::Chain(format!("{}: {why}", super::delta::file_name(*id)))));
+        }
+        delta_entries += layer.len() as u64;
+        layers = merge_layers(layers, layer);
+    }
+    let chain: Vec<u64> = chain.iter().map(|c| c.0).collect();
+    let mut rep = match replay_all(region, geo, by_shard, clean, Some(&chain_end.resume)) {
         Ok(r) => r,
-        // Damage met only because of where the checkpoint resumed (an offset that is not
-        // a record boundary): the checkpoint is of another state of the logs (damage in
-        // the logs themselves fails the whole replay too, as without checkpoints).
-        Err(e) if e.is_corruption() => return Ok(Err(format!("its resume points do not fit the logs: {e}"))),
+        // Damage met only because of where the checkpoint (or the chain) resumed (an
+        // offset that is not a record boundary): it is of another state of the logs
+        // (damage in the logs themselves fails the whole replay too, as without
+        // checkpoints).
+        Err(e) if e.is_corruption() && !chain.is_empty() => {
+            return Ok(Err(Reject::Chain(format!("its end does not fit the logs: {e}"))))
+        }
+        Err(e) if e.is_corruption() => {
+            return Ok(Err(Reject::Checkpoint(format!("its resume points do not fit the logs: {e}"))))
+        }
         Err(e) => return Err(e),
     };
+    rep.tail = merge_layers(layers, std::mem::take(&mut rep.tail));
     let ranges = record_ranges(&rep.segs, geo, region.pool_count());
     let cap = usize::try_from(v.count).unwrap_or(0).min(buf.len() / checkpoint::ENTRY_FIXED);
     let mut offs: Vec<u64> = Vec::with_capacity(cap);
@@ -564,16 +698,30 @@ fn with_checkpoint<'a>(
         offs.push(at as u64);
     });
     if let Err(why) = pass {
-        return Ok(Err(why));
+        return Ok(Err(Reject::Checkpoint(why)));
     }
     let (tail, superseded, stale) = overlay_tail(buf, &offs, std::mem::take(&mut rep.tail), v.header.horizon);
     if let Some(&i) = misfits.iter().find(|i| superseded.binary_search(i).is_err()) {
         let e = offs.get(i).and_then(|&o| checkpoint::entry_at(buf, o as usize).ok());
         let (key, loc) = e.map_or((&[][..], 0), |e| (e.0, e.2));
-        return Ok(Err(format!(
-            "key {}: its entry at {loc:#x} lies outside every segment's records",
-            crate::escape(key)
-        )));
+        let why = format!("key {}: its entry at {loc:#x} lies outside every segment's records", crate::escape(key));
+        // With a chain, a delta may be what superseded the misfit in a run that worked:
+        // the checkpoint alone decides.
+        return Ok(Err(if chain.is_empty() { Reject::Checkpoint(why) } else { Reject::Chain(why) }));
+    }
+    // Every winning delta entry must lie within a segment's records (see `delta`: one
+    // that was cleaned since always loses).
+    if let Some(e) = tail.iter().find(|e| {
+        e.2 && e.1 .2 != Kind::Moved && {
+            let (lo, hi) = ranges.get(geo.slot_holding(e.1 .1) as usize).copied().unwrap_or((0, 0));
+            e.1 .1 < lo || e.1 .1.saturating_add(u64::from(e.1 .3)) > hi
+        }
+    }) {
+        return Ok(Err(Reject::Chain(format!(
+            "key {}: its delta entry at {:#x} lies outside every segment's records",
+            crate::escape(e.0),
+            e.1 .1
+        ))));
     }
     // The superseded entries are neither live nor counted.
     for &i in &superseded {
@@ -589,8 +737,23 @@ fn with_checkpoint<'a>(
             puts -= 1;
         }
     }
-    rep.seq_end = rep.seq_end.max(v.header.horizon);
-    Ok(Ok(FromCheckpoint { rep, tail, offs, superseded, live, puts, deletes, stale }))
+    rep.seq_end = rep.seq_end.max(v.header.horizon).max(chain_end.horizon);
+    Ok(Ok(FromCheckpoint {
+        rep,
+        tail,
+        offs,
+        superseded,
+        live,
+        puts,
+        deletes,
+        stale,
+        base_id,
+        base_point,
+        chain,
+        chain_why,
+        delta_entries,
+        chain_end,
+    }))
 }
 
 /// Whether a checkpoint's header fits the logs found: its horizon is not beyond the
