@@ -46,8 +46,9 @@
 //! another checkpoint, or not continuing the chain, uses the chain up to it and replays
 //! the logs from there (the logs hold everything after any point a checkpoint or delta
 //! names: nothing trims the log on their account). Files outside the chain are removed
-//! before the store takes a write. A round that fails (the disk) is counted as a
-//! checkpoint failure and the next round covers its stretch too.
+//! before the store takes a write. A delta that fails (the disk, or damage in its
+//! stretch) is counted as a checkpoint failure and the round writes a full checkpoint
+//! instead (it reads no log record, so damage cannot stop the resume points moving).
 
 use std::path::Path;
 use std::sync::atomic::Ordering;
