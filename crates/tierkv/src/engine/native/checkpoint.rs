@@ -249,6 +249,14 @@ pub fn verify(buf: &[u8], shards: usize, db_id: u64) -> std::result::Result<Veri
         return Err(format!("written for store {:#x}, not {db_id:#x}", header.db_id));
     }
     let start = Header::encoded_len(shards);
+    let (end, count, body_crc) = verify_entries(buf, start)?;
+    Ok(Verified { header, start, end, count, body_crc })
+}
+
+/// Check the trailer of a file whose entries start at `start` (a checkpoint's or a
+/// delta's): their checksum. Returns where they end, the count the trailer gives, and the
+/// checksum as stored.
+pub(super) fn verify_entries(buf: &[u8], start: usize) -> std::result::Result<(usize, u64, u32), String> {
     if buf.len() < start + TRAILER_LEN {
         return Err("shorter than its header and trailer".into());
     }
@@ -260,7 +268,7 @@ pub fn verify(buf: &[u8], shards: usize, db_id: u64) -> std::result::Result<Veri
     }
     let mut w = [0u8; 8];
     w.copy_from_slice(&trailer[8..16]);
-    Ok(Verified { header, start, end, count: u64::from_le_bytes(w), body_crc: stored })
+    Ok((end, u64::from_le_bytes(w), stored))
 }
 
 /// The entry starting at byte `at` of `buf` (its fixed fields, then its key), if it lies

@@ -60,8 +60,8 @@ use crate::format::crc;
 use crate::fs::Fs;
 
 use super::checkpoint::{
-    decode_resumes, encode_entry_flags, encode_resumes, encode_trailer, for_each_raw, resume_point, RawEntry, Resume,
-    TRAILER_LEN,
+    decode_resumes, encode_entry_flags, encode_resumes, encode_trailer, for_each_raw, resume_point, verify_entries,
+    RawEntry, Resume,
 };
 use super::index::{cmp_keys, head};
 use super::layout::{self, Kind, SegHeader, SEG_HEADER_LEN};
@@ -187,18 +187,8 @@ pub fn verify(buf: &[u8], shards: usize, db_id: u64) -> std::result::Result<Veri
         return Err(format!("written for store {:#x}, not {db_id:#x}", header.db_id));
     }
     let start = Header::encoded_len(shards);
-    if buf.len() < start + TRAILER_LEN {
-        return Err("shorter than its header and trailer".into());
-    }
-    let end = buf.len() - TRAILER_LEN;
-    let trailer = &buf[end..];
-    let stored = u32::from_le_bytes([trailer[0], trailer[1], trailer[2], trailer[3]]);
-    if stored != crc::masked(&buf[start..end]) {
-        return Err("entry checksum mismatch".into());
-    }
-    let mut w = [0u8; 8];
-    w.copy_from_slice(&trailer[8..16]);
-    Ok(Verified { header, start, end, count: u64::from_le_bytes(w) })
+    let (end, count, _) = verify_entries(buf, start)?;
+    Ok(Verified { header, start, end, count })
 }
 
 /// Call `f` with every entry of a verified delta, in order, checking that each is whole,

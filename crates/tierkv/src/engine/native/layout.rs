@@ -365,7 +365,17 @@ pub fn claimed_len(b: &[u8], gen: u64) -> Option<usize> {
 /// Decode and verify the record at the start of `b` (a segment's remaining bytes) for the
 /// segment `tag`; calls `f` for every entry once the whole record verified. Returns the
 /// record's length and first sequence number. `Err(detail)`: not a valid record.
-pub fn decode_record<'a>(b: &'a [u8], tag: SegTag, mut f: impl FnMut(EntryOut<'a>)) -> Result<(usize, u64), String> {
+pub fn decode_record<'a>(b: &'a [u8], tag: SegTag, f: impl FnMut(EntryOut<'a>)) -> Result<(usize, u64), String> {
+    decode_record_with(b, tag, true, f)
+}
+
+/// [`decode_record`], checking each entry's own checksum only when `check_entries`.
+fn decode_record_with<'a>(
+    b: &'a [u8],
+    tag: SegTag,
+    check_entries: bool,
+    mut f: impl FnMut(EntryOut<'a>),
+) -> Result<(usize, u64), String> {
     let len = claimed_len(b, tag.gen).ok_or("no plausible record header")?;
     let rec = b.get(..len).ok_or("record runs past the segment")?;
     let mut c = Cursor::new(rec);
@@ -379,7 +389,14 @@ pub fn decode_record<'a>(b: &'a [u8], tag: SegTag, mut f: impl FnMut(EntryOut<'a
     let mut entries = Vec::with_capacity(count.min(1024) as usize);
     for i in 0..u64::from(count) {
         let h = rec.get(pos..pos + ENTRY_HEADER_LEN).ok_or("entry header runs past the record")?;
-        let e = decode_entry(rec, pos, seq.wrapping_add(i))?;
+        let e = if check_entries {
+            decode_entry(rec, pos, seq.wrapping_add(i))?
+        } else {
+            EntryOut {
+                offset: pos,
+                ..parse_entry(rec.get(pos..).ok_or("entry runs past the record")?, seq.wrapping_add(i))?
+            }
+        };
         rc = crc32c::crc32c_append(rc, h);
         pos += entry_len(e.key.len(), e.value.len());
         entries.push(e);
@@ -400,37 +417,10 @@ pub fn decode_record<'a>(b: &'a [u8], tag: SegTag, mut f: impl FnMut(EntryOut<'a
 /// it covers the record header and every entry header — and not by its entries' own
 /// checksums, so no value byte is read: for the index's incremental checkpoints, which
 /// list records this process appended (their entries are verified at their first read
-/// after an open that loads them). Calls `f` for every entry (`offset`: within the
-/// record) once the header verified; returns the record's length.
-pub fn decode_record_headers<'a>(b: &'a [u8], tag: SegTag, mut f: impl FnMut(EntryOut<'a>)) -> Result<usize, String> {
-    let len = claimed_len(b, tag.gen).ok_or("no plausible record header")?;
-    let rec = b.get(..len).ok_or("record runs past the segment")?;
-    let mut c = Cursor::new(rec);
-    let stored = c.u32().ok_or("truncated")?;
-    c.skip(8).ok_or("truncated")?;
-    let count = c.u32().ok_or("truncated")?;
-    let seq = c.u64().ok_or("truncated")?;
-    let mut rc = crc32c::crc32c_append(crc32c::crc32c(&tag.salt.to_le_bytes()), rec.get(4..24).ok_or("truncated")?);
-    let mut pos = RECORD_HEADER_LEN;
-    let mut entries = Vec::with_capacity(count.min(1024) as usize);
-    for i in 0..u64::from(count) {
-        let h = rec.get(pos..pos + ENTRY_HEADER_LEN).ok_or("entry header runs past the record")?;
-        let rest = rec.get(pos..).ok_or("entry runs past the record")?;
-        let e = parse_entry(rest, seq.wrapping_add(i))?;
-        rc = crc32c::crc32c_append(rc, h);
-        entries.push(EntryOut { offset: pos, ..e });
-        pos += entry_len(e.key.len(), e.value.len());
-    }
-    if crc::mask(rc) != stored {
-        return Err(format!("record checksum mismatch (stored {stored:#x}, computed {:#x})", crc::mask(rc)));
-    }
-    if record_len(pos - RECORD_HEADER_LEN) != len {
-        return Err(format!("record length {len} does not match its {count} entries"));
-    }
-    for e in entries {
-        f(e);
-    }
-    Ok(len)
+/// after an open that loads them). Calls `f` for every entry once the header verified;
+/// returns the record's length.
+pub fn decode_record_headers<'a>(b: &'a [u8], tag: SegTag, f: impl FnMut(EntryOut<'a>)) -> Result<usize, String> {
+    decode_record_with(b, tag, false, f).map(|(len, _)| len)
 }
 
 /// Decode and verify the entry at `pos` of `b` with sequence number `seq`.
