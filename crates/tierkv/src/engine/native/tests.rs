@@ -1885,3 +1885,162 @@ fn deltas_written_under_concurrent_writers_recover_every_acknowledged_write() {
     }
     assert!(e2.check().unwrap().is_empty());
 }
+
+/// A one-shard store (no DRAM bound) with a full checkpoint, then two deltas over a round
+/// of overwrites each, then a crash that keeps every acknowledged write: returns the
+/// options, the crashed device and file system, and the model.
+fn store_with_two_deltas(salt: u64) -> (Options, SimDevice, FaultFs, BTreeMap<Vec<u8>, Vec<u8>>) {
+    let dev = SimDevice::new();
+    let fs = FaultFs::new();
+    let native = NativeOptions { shards: 1, dram_budget: 0, ..crate::testing::native_small() };
+    let e = open(&opts(&dev, &fs).native(native.clone()), &fs, true).unwrap();
+    let mut m = BTreeMap::new();
+    for r in 0..3u32 {
+        for i in (r..300u32).step_by(r as usize + 1) {
+            let v = format!("{salt}-r{r}-{i}").into_bytes();
+            e.write(&[put(&bk(i), &v)], Cond::None).unwrap();
+            m.insert(bk(i), v);
+        }
+        if r == 0 {
+            e.inner.checkpoint().unwrap();
+        } else {
+            e.inner.checkpoint_delta().unwrap();
+        }
+    }
+    assert_eq!(delta_ids(&fs), vec![1, 2]);
+    drop(e);
+    let (fs2, dev2) = (fs.crash(), dev.simulate_crash_with(salt, CrashModel::strict(0.0)));
+    (opts(&dev2, &fs2).native(native), dev2, fs2, m)
+}
+
+/// Rewrite delta `id` (checksums valid, through the format's own encoders) after `f`
+/// changed its header or entries.
+fn rewrite_delta(
+    fs: &FaultFs,
+    id: u64,
+    f: impl FnOnce(&mut super::delta::Header, &mut Vec<(Vec<u8>, u64, u64, u32, u8)>),
+) {
+    let path = std::path::Path::new("/db").join(super::delta::file_name(id));
+    let buf = crate::fs::Fs::read_all(fs, &path).unwrap();
+    let shards = u32::from_le_bytes(buf[12..16].try_into().unwrap()) as usize;
+    let db_id = u64::from_le_bytes(buf[16..24].try_into().unwrap());
+    let (mut h, raw) = super::delta::decode(&buf, shards, db_id).unwrap();
+    let mut entries: Vec<_> = raw.iter().map(|e| (e.0.to_vec(), e.1, e.2, e.3, e.4)).collect();
+    f(&mut h, &mut entries);
+    let mut body = Vec::new();
+    for (k, seq, loc, size, flags) in &entries {
+        super::checkpoint::encode_entry_flags(&mut body, k, *seq, *loc, *size, *flags);
+    }
+    let mut out = h.encode();
+    out.extend_from_slice(&body);
+    out.extend_from_slice(&super::checkpoint::encode_trailer(entries.len() as u64, crc32c::crc32c(&body)));
+    assert_eq!(out.len(), buf.len(), "the rewrite must keep the file's length");
+    fs.poke(&path, 0, &out).unwrap();
+}
+
+/// Every key of the model reads back, and an ordered walk returns exactly the model.
+fn assert_reads_model(e: &Native, m: &BTreeMap<Vec<u8>, Vec<u8>>, ctx: &str) {
+    for (k, v) in m {
+        assert_eq!(e.get(k).unwrap().as_deref(), Some(v.as_slice()), "{ctx}: key {}", crate::escape(k));
+    }
+    let all: Vec<_> = m.iter().map(|(k, v)| (k.clone(), v.clone())).collect();
+    assert!(walk_all(&mut e.iter().unwrap()) == all, "{ctx}: the walk differs from the model");
+    assert!(e.check().unwrap().is_empty(), "{ctx}: {:?}", e.check().unwrap());
+}
+
+/// An open takes a delta's entries unverified (their records are not replayed): a value
+/// damaged in PM after the delta listed it is reported as corruption at its first read,
+/// by `get`, by a walk and by `check`, never returned.
+#[test]
+fn a_damaged_value_a_delta_lists_is_reported_at_its_first_read() {
+    let (o, dev, fs, m) = store_with_two_deltas(1);
+    // bk(2)'s newest version was written in round 2: the second delta lists it.
+    let e = open(&o, &fs, false).unwrap();
+    assert_eq!(design(&e, "recovery_deltas"), 2, "{:?}", e.inner.ckpt.delta_rejected);
+    assert_eq!(design(&e, "replayed_bytes"), 0, "the logs after the chain's end are empty");
+    e.inner.index.wait_loaded().unwrap();
+    let loc = newest_loc(&e, &bk(2));
+    drop(e);
+    let v = &m[&bk(2)];
+    // The last byte of the value: inside the entry, covered by its checksum.
+    let at = loc + (super::layout::ENTRY_HEADER_LEN + bk(2).len() + v.len() - 1) as u64;
+    let (pool, off) = ((at / o.pm_pool_size) as usize, (at % o.pm_pool_size) as usize);
+    let dev2 = dev.simulate_crash_with(0, CrashModel::strict(0.0));
+    let old = dev2.durable_image(pool).unwrap()[off];
+    assert!(dev2.poke(pool, off, &[old ^ 0x40]));
+    let fs2 = fs.crash();
+    let e2 = open(&opts(&dev2, &fs2).native(o.native.clone()), &fs2, false).unwrap();
+    assert_eq!(design(&e2, "recovery_deltas"), 2, "the damage is not seen at the open");
+    for round in 0..2 {
+        let err = e2.get(&bk(2)).expect_err("a damaged value was returned");
+        assert!(err.is_corruption(), "read {round}: {err}");
+    }
+    let mut it = e2.iter().unwrap();
+    assert!(it.seek_to_first().is_err(), "a walk returned a damaged value");
+    drop(it);
+    assert!(!e2.check().unwrap().is_empty(), "check missed the damaged value");
+    for (k, v) in m.iter().filter(|(k, _)| **k != bk(2)) {
+        assert_eq!(e2.get(k).unwrap().as_deref(), Some(v.as_slice()));
+    }
+}
+
+/// A chain whose end does not fit the logs (its last delta names another segment as
+/// where to resume): the open drops the chain, loads the checkpoint alone, replays the
+/// logs after it, and removes every delta file before the store takes a write.
+#[test]
+fn a_chain_whose_end_does_not_fit_the_logs_is_dropped_for_the_checkpoint_alone() {
+    let (o, _dev, fs, m) = store_with_two_deltas(2);
+    rewrite_delta(&fs, 2, |h, _| {
+        let (salt, len) = h.to.resume[0].seg.expect("the shard's segment is open");
+        h.to.resume[0].seg = Some((salt ^ 1, len));
+    });
+    let e = open(&o, &fs, false).unwrap();
+    let why = e.inner.ckpt.delta_rejected.clone().unwrap_or_default();
+    assert!(why.contains("another segment"), "{why}");
+    assert_eq!(design(&e, "recovery_deltas"), 0);
+    assert_eq!(design(&e, "recovery_delta_rejected"), 1);
+    assert_eq!(design(&e, "recovery_checkpoint_rejected"), 0, "{:?}", e.inner.ckpt.rejected);
+    assert_eq!(design(&e, "recovery_checkpoint_entries"), 300, "the checkpoint was used");
+    assert!(design(&e, "replayed_bytes") > 0, "the logs after the checkpoint were replayed");
+    assert!(delta_ids(&fs).is_empty(), "the chain's files are removed");
+    assert_reads_model(&e, &m, "checkpoint alone");
+}
+
+/// A delta entry that wins but lies outside every segment's records (a delta of another
+/// state of the logs): the open drops the chain for the checkpoint alone, as above.
+#[test]
+fn a_winning_delta_entry_outside_every_segment_drops_the_chain() {
+    let (o, _dev, fs, m) = store_with_two_deltas(3);
+    let beyond = o.pm_pool_size * 64;
+    rewrite_delta(&fs, 1, |_, entries| entries[0].2 = beyond);
+    let e = open(&o, &fs, false).unwrap();
+    let why = e.inner.ckpt.delta_rejected.clone().unwrap_or_default();
+    assert!(why.contains("outside every segment"), "{why}");
+    assert_eq!(design(&e, "recovery_deltas"), 0);
+    assert_eq!(design(&e, "recovery_checkpoint_entries"), 300, "the checkpoint was used");
+    assert!(delta_ids(&fs).is_empty());
+    assert_reads_model(&e, &m, "checkpoint alone");
+}
+
+/// A round with nothing appended since the chain's end writes no delta (two deltas from
+/// one point would make the chain ambiguous) and does not count toward the full one.
+#[test]
+fn a_round_with_nothing_appended_writes_nothing() {
+    let dev = SimDevice::new();
+    let fs = FaultFs::new();
+    let e = open(&tier_opts(&dev, &fs, false), &fs, true).unwrap();
+    e.write(&[put(b"a", b"1")], Cond::None).unwrap();
+    e.inner.checkpoint_round().unwrap();
+    assert_eq!(design(&e, "checkpoints_written"), 1);
+    e.write(&[put(b"b", b"2")], Cond::None).unwrap();
+    e.inner.checkpoint_round().unwrap();
+    for _ in 0..2 * super::delta::ROUNDS_PER_FULL {
+        e.inner.checkpoint_round().unwrap();
+        e.inner.checkpoint_delta().unwrap();
+    }
+    assert_eq!((design(&e, "checkpoints_written"), design(&e, "checkpoint_deltas_written")), (1, 1));
+    assert_eq!(delta_ids(&fs), vec![1]);
+    e.write(&[put(b"c", b"3")], Cond::None).unwrap();
+    e.inner.checkpoint_round().unwrap();
+    assert_eq!(delta_ids(&fs), vec![1, 2], "a write since: the next round writes a delta");
+}
