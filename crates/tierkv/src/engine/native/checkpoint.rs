@@ -19,8 +19,9 @@
 //!    ([`Inner::hold_every_shard`]): a checkpoint never holds one shard while it waits for
 //!    another, so a shard busy for long (a move to disk, a `compact`) stalls no writer
 //!    of the others.
-//! 2. With the shards released, the ordered index is walked in chunks (an epoch pin per
-//!    chunk, never across file I/O) and each slot's newest version is written, except a
+//! 2. With the shards released, the index's pending tree inserts are drained once and the
+//!    ordered index is walked in chunks (an epoch pin per chunk, never across file I/O;
+//!    no drain per chunk) and each slot's newest version is written, except a
 //!    version the capacity tier moved to disk (its slot waits for removal; the moved entry
 //!    decides) and slots already removed.
 //! 3. The file is written as `NATIVE-CHECKPOINT.tmp`, fsynced, renamed over the previous
@@ -624,6 +625,11 @@ impl Inner {
         let mut count = 0u64;
         let mut buf = Vec::with_capacity(1 << 20);
         let mut after: Option<Vec<u8>> = None;
+        // One drain, after step 1: every slot the walk must write (of a write numbered
+        // below the horizon) was created before step 1 ended; a slot created later holds
+        // only writes at or above the horizon, which the log after the resume points
+        // holds (the chunks may still meet it: it is written like any other).
+        self.index.prepare_walk()?;
         loop {
             if stoppable && self.stop.load(Ordering::Acquire) {
                 return Err(Error::Closed);
@@ -638,7 +644,7 @@ impl Inner {
                     None => std::ops::Bound::Unbounded,
                 };
                 let mut last = None;
-                for (k, slot) in self.index.ascending(lower, &mg)? {
+                for (k, slot) in self.index.ascending_drained(lower, &mg) {
                     seen += 1;
                     last = Some(k);
                     if let Some(h) = slot.head(&eg) {
