@@ -19,7 +19,8 @@
 //!    ([`Inner::hold_every_shard`]): a checkpoint never holds one shard while it waits for
 //!    another, so a shard busy for long (a move to disk, a `compact`) stalls no writer
 //!    of the others.
-//! 2. With the shards released, the index's pending tree inserts are drained once and the
+//! 2. With the shards released (a clean close keeps them held), the index's pending tree
+//!    inserts are drained once and the
 //!    ordered index is walked in chunks (an epoch pin per chunk, never across file I/O;
 //!    no drain per chunk) and each slot's newest version is written, except a
 //!    version the capacity tier moved to disk (its slot waits for removal; the moved entry
@@ -44,9 +45,10 @@
 //!   a copy of a version that was not its key's newest when the walk passed (the cleaner
 //!   copies every version still in a chain — older ones kept for a snapshot or not
 //!   trimmed yet — and deletes of keys without a slot): it is ignored. (A key without a
-//!   checkpoint entry had no slot, or a moved newest version, when the walk passed; any
-//!   later write of it is numbered at or above the horizon; the moved entry that decides
-//!   it lies before a resume point.) Tests reach both kinds of copy
+//!   checkpoint entry had no slot created before step 1 still in the tree when the walk
+//!   passed, or a moved newest version; any write of it in a slot created later is
+//!   numbered at or above the horizon; the moved entry that decides it lies before a
+//!   resume point, or in the tail, where it wins.) Tests reach both kinds of copy
 //!   (`docs/design/native.md`, "Index checkpoints").
 //! - a checkpoint location in a segment the cleaner retired after step 1 always has a
 //!   tail copy: the cleaner holds a shard for a whole pass, so a pass that relocated an
@@ -626,9 +628,12 @@ impl Inner {
         let mut buf = Vec::with_capacity(1 << 20);
         let mut after: Option<Vec<u8>> = None;
         // One drain, after step 1: every slot the walk must write (of a write numbered
-        // below the horizon) was created before step 1 ended; a slot created later holds
-        // only writes at or above the horizon, which the log after the resume points
-        // holds (the chunks may still meet it: it is written like any other).
+        // below the horizon) was queued before step 1 ended (a writer queues its slot
+        // before it links, and links before it releases its shard); a slot created later
+        // holds only writes at or above the horizon, which the log after the resume points
+        // holds (the chunks may still meet it: it is written like any other). That needs
+        // the background load done before step 1 (a slot started from the loaded base
+        // holds an older entry): every caller waits for it first.
         self.index.prepare_walk()?;
         loop {
             if stoppable && self.stop.load(Ordering::Acquire) {

@@ -892,7 +892,8 @@ impl Index {
     }
 
     /// What [`Index::ascending`] does before it walks: wait for the load, then drain, so
-    /// every slot created before this call is in the tree.
+    /// every slot whose creation this call is ordered after (by a lock both took, as a
+    /// checkpoint's step 1 takes every shard) is in the tree, unless removed since.
     pub fn prepare_walk(&self) -> crate::error::Result<()> {
         self.wait_loaded()?;
         self.drain_for_walk();
