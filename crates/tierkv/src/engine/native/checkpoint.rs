@@ -135,29 +135,49 @@ impl Header {
 
     /// Decode the header at the start of `buf`, for a store of `shards` shards.
     pub fn decode(buf: &[u8], shards: usize) -> std::result::Result<Header, String> {
-        let len = Self::encoded_len(shards);
-        let b = buf.get(..len).ok_or("shorter than its header")?;
-        if &b[..8] != MAGIC {
-            return Err("bad magic".into());
-        }
-        let u32_at = |o: usize| u32::from_le_bytes([b[o], b[o + 1], b[o + 2], b[o + 3]]);
-        let u64_at = |o: usize| {
-            let mut w = [0u8; 8];
-            w.copy_from_slice(&b[o..o + 8]);
-            u64::from_le_bytes(w)
-        };
-        if u32_at(len - 8) != crc::masked(&b[..len - 8]) {
-            return Err("header checksum mismatch".into());
-        }
-        if u32_at(8) != VERSION {
-            return Err(format!("format version {} (this build reads {VERSION})", u32_at(8)));
-        }
-        if u32_at(12) as usize != shards {
-            return Err(format!("written for {} shards, the store has {shards}", u32_at(12)));
-        }
+        let b = checked_header(buf, Self::encoded_len(shards), MAGIC, VERSION, shards)?;
         let resume = decode_resumes(&b[32..], shards);
-        Ok(Header { db_id: u64_at(16), horizon: u64_at(24), resume })
+        Ok(Header { db_id: u64_le(b, 16), horizon: u64_le(b, 24), resume })
     }
+}
+
+/// The `len`-byte header at the start of `buf` of an index file (a checkpoint or a
+/// delta), after the checks both get: `magic`, the header checksum (its last 8 bytes:
+/// the masked CRC-32C of the rest, 4 zero bytes), format `version` (bytes 8..12) and
+/// the store's shard count (bytes 12..16).
+pub(super) fn checked_header<'a>(
+    buf: &'a [u8],
+    len: usize,
+    magic: &[u8; 8],
+    version: u32,
+    shards: usize,
+) -> std::result::Result<&'a [u8], String> {
+    let b = buf.get(..len).ok_or("shorter than its header")?;
+    if &b[..8] != magic {
+        return Err("bad magic".into());
+    }
+    if u32_le(b, len - 8) != crc::masked(&b[..len - 8]) {
+        return Err("header checksum mismatch".into());
+    }
+    if u32_le(b, 8) != version {
+        return Err(format!("format version {} (this build reads {version})", u32_le(b, 8)));
+    }
+    if u32_le(b, 12) as usize != shards {
+        return Err(format!("written for {} shards, the store has {shards}", u32_le(b, 12)));
+    }
+    Ok(b)
+}
+
+/// The little-endian `u32` at `o` of a header [`checked_header`] returned (in bounds).
+pub(super) fn u32_le(b: &[u8], o: usize) -> u32 {
+    u32::from_le_bytes([b[o], b[o + 1], b[o + 2], b[o + 3]])
+}
+
+/// The little-endian `u64` at `o` of a header [`checked_header`] returned (in bounds).
+pub(super) fn u64_le(b: &[u8], o: usize) -> u64 {
+    let mut w = [0u8; 8];
+    w.copy_from_slice(&b[o..o + 8]);
+    u64::from_le_bytes(w)
 }
 
 /// Append each shard's resume point (16 bytes each: generation, length, salt).

@@ -60,8 +60,8 @@ use crate::format::crc;
 use crate::fs::Fs;
 
 use super::checkpoint::{
-    decode_resumes, encode_entry_flags, encode_resumes, encode_trailer, for_each_raw, resume_point, verify_entries,
-    RawEntry, Resume,
+    checked_header, decode_resumes, encode_entry_flags, encode_resumes, encode_trailer, for_each_raw, resume_point,
+    u32_le, u64_le, verify_entries, RawEntry, Resume,
 };
 use super::index::{cmp_keys, head};
 use super::layout::{self, Kind, SegHeader, SEG_HEADER_LEN};
@@ -140,31 +140,12 @@ impl Header {
 
     /// Decode the header at the start of `buf`, for a store of `shards` shards.
     pub fn decode(buf: &[u8], shards: usize) -> std::result::Result<Header, String> {
-        let len = Self::encoded_len(shards);
-        let b = buf.get(..len).ok_or("shorter than its header")?;
-        if &b[..8] != MAGIC {
-            return Err("bad magic".into());
-        }
-        let u32_at = |o: usize| u32::from_le_bytes([b[o], b[o + 1], b[o + 2], b[o + 3]]);
-        let u64_at = |o: usize| {
-            let mut w = [0u8; 8];
-            w.copy_from_slice(&b[o..o + 8]);
-            u64::from_le_bytes(w)
-        };
-        if u32_at(len - 8) != crc::masked(&b[..len - 8]) {
-            return Err("header checksum mismatch".into());
-        }
-        if u32_at(8) != VERSION {
-            return Err(format!("format version {} (this build reads {VERSION})", u32_at(8)));
-        }
-        if u32_at(12) as usize != shards {
-            return Err(format!("written for {} shards, the store has {shards}", u32_at(12)));
-        }
+        let b = checked_header(buf, Self::encoded_len(shards), MAGIC, VERSION, shards)?;
         Ok(Header {
-            db_id: u64_at(16),
-            base: BaseId { horizon: u64_at(24), count: u64_at(32), crc: u32_at(40) },
-            from: Point { horizon: u64_at(48), resume: decode_resumes(&b[64..], shards) },
-            to: Point { horizon: u64_at(56), resume: decode_resumes(&b[64 + 16 * shards..], shards) },
+            db_id: u64_le(b, 16),
+            base: BaseId { horizon: u64_le(b, 24), count: u64_le(b, 32), crc: u32_le(b, 40) },
+            from: Point { horizon: u64_le(b, 48), resume: decode_resumes(&b[64..], shards) },
+            to: Point { horizon: u64_le(b, 56), resume: decode_resumes(&b[64 + 16 * shards..], shards) },
         })
     }
 }
