@@ -836,16 +836,17 @@ fn tails_with_copies_and_moves(deltas: bool) {
     assert!(e2.check().unwrap().is_empty(), "{:?}", e2.check().unwrap());
 }
 
-/// Checkpoints written while four writers go on (and clean the log as they go): after a
-/// crash, every acknowledged write is there.
-#[test]
-fn checkpoints_written_under_concurrent_writers_recover_every_acknowledged_write() {
-    let dev = SimDevice::new();
-    let fs = FaultFs::new();
-    let o = opts(&dev, &fs);
-    let e = Arc::new(open(&o, &fs, true).unwrap());
+/// Four writers put their own keys (60 each, versions readable back from the values)
+/// while the calling thread runs `step` `rounds` times, each once the writers have made
+/// 50 more records (so none runs before they start). Returns each writer's last
+/// acknowledged version of each of its keys.
+fn under_four_writers(
+    e: &Arc<Native>,
+    rounds: usize,
+    step: impl Fn(&Native) -> crate::Result<()>,
+) -> Vec<BTreeMap<usize, u32>> {
     let stop = AtomicBool::new(false);
-    let last: Vec<BTreeMap<usize, u32>> = std::thread::scope(|s| {
+    std::thread::scope(|s| {
         let hs: Vec<_> = (0..4)
             .map(|w| {
                 let e = e.clone();
@@ -863,31 +864,47 @@ fn checkpoints_written_under_concurrent_writers_recover_every_acknowledged_write
                 })
             })
             .collect();
-        for _ in 0..5 {
-            // Each checkpoint while the writers are under way (the first one used to
-            // run before any writer had started now and then: an empty checkpoint).
-            let records = e.inner.counters.get(super::C_RECORDS);
-            while e.inner.counters.get(super::C_RECORDS) < records + 50 {
-                std::thread::yield_now();
-            }
-            e.inner.checkpoint().unwrap();
-        }
+        let r: crate::Result<Vec<()>> = (0..rounds)
+            .map(|_| {
+                let records = e.inner.counters.get(super::C_RECORDS);
+                while e.inner.counters.get(super::C_RECORDS) < records + 50 {
+                    std::thread::yield_now();
+                }
+                step(e)
+            })
+            .collect();
         stop.store(true, Ordering::Relaxed);
+        r.unwrap();
         hs.into_iter().map(|h| h.join().unwrap()).collect()
-    });
+    })
+}
+
+/// Every write [`under_four_writers`] acknowledged reads back at its version.
+fn assert_acknowledged(e: &Native, last: &[BTreeMap<usize, u32>]) {
+    for (w, keys) in last.iter().enumerate() {
+        for (&k, &i) in keys {
+            let got = e.get(format!("w{w}-{k:02}").as_bytes()).unwrap().expect("acknowledged key lost");
+            assert_eq!(version_of(&got), i, "writer {w} key {k}");
+        }
+    }
+    assert!(e.check().unwrap().is_empty());
+}
+
+/// Checkpoints written while four writers go on (and clean the log as they go): after a
+/// crash, every acknowledged write is there.
+#[test]
+fn checkpoints_written_under_concurrent_writers_recover_every_acknowledged_write() {
+    let dev = SimDevice::new();
+    let fs = FaultFs::new();
+    let e = Arc::new(open(&opts(&dev, &fs), &fs, true).unwrap());
+    let last = under_four_writers(&e, 5, |e| e.inner.checkpoint());
     assert!(design(&e, "checkpoints_written") >= 5);
     assert!(design(&e, "segments_cleaned") > 0, "writers never cleaned: {:?}", e.stats().design);
     drop(e);
     let dev2 = dev.simulate_crash_with(2, CrashModel::strict(0.5));
     let e2 = open(&opts(&dev2, &fs), &fs, false).unwrap();
     assert!(design(&e2, "recovery_checkpoint_entries") > 0, "checkpoint not used: {:?}", e2.inner.ckpt.rejected);
-    for (w, keys) in last.iter().enumerate() {
-        for (&k, &i) in keys {
-            let got = e2.get(format!("w{w}-{k:02}").as_bytes()).unwrap().expect("acknowledged key lost");
-            assert_eq!(version_of(&got), i, "writer {w} key {k}");
-        }
-    }
-    assert!(e2.check().unwrap().is_empty());
+    assert_acknowledged(&e2, &last);
 }
 
 /// One shard (so the log's order is the order of the calls), 16 KiB segments, no
@@ -1836,39 +1853,8 @@ fn random_histories_with_deltas_recover_exactly() {
 fn deltas_written_under_concurrent_writers_recover_every_acknowledged_write() {
     let dev = SimDevice::new();
     let fs = FaultFs::new();
-    let o = opts(&dev, &fs);
-    let e = Arc::new(open(&o, &fs, true).unwrap());
-    let stop = AtomicBool::new(false);
-    let last: Vec<BTreeMap<usize, u32>> = std::thread::scope(|s| {
-        let hs: Vec<_> = (0..4)
-            .map(|w| {
-                let e = e.clone();
-                let stop = &stop;
-                s.spawn(move || {
-                    let mut last = BTreeMap::new();
-                    let mut i = 0u32;
-                    while !stop.load(Ordering::Relaxed) || i < 400 {
-                        let k = (i as usize * 7 + w) % 60;
-                        e.write(&[put(format!("w{w}-{k:02}").as_bytes(), &val(w, k, i))], Cond::None).unwrap();
-                        last.insert(k, i);
-                        i += 1;
-                    }
-                    last
-                })
-            })
-            .collect();
-        let rounds = (0..8).map(|_| {
-            let records = e.inner.counters.get(super::C_RECORDS);
-            while e.inner.counters.get(super::C_RECORDS) < records + 50 {
-                std::thread::yield_now();
-            }
-            e.inner.checkpoint_round()
-        });
-        let r: crate::Result<Vec<()>> = rounds.collect();
-        stop.store(true, Ordering::Relaxed);
-        r.unwrap();
-        hs.into_iter().map(|h| h.join().unwrap()).collect()
-    });
+    let e = Arc::new(open(&opts(&dev, &fs), &fs, true).unwrap());
+    let last = under_four_writers(&e, 8, |e| e.inner.checkpoint_round());
     assert_eq!(design(&e, "checkpoints_written"), 1);
     assert_eq!(design(&e, "checkpoint_deltas_written"), 7);
     assert!(design(&e, "segments_cleaned") > 0, "writers never cleaned: {:?}", e.stats().design);
@@ -1877,13 +1863,7 @@ fn deltas_written_under_concurrent_writers_recover_every_acknowledged_write() {
     let e2 = open(&opts(&dev2, &fs), &fs, false).unwrap();
     assert!(design(&e2, "recovery_checkpoint_entries") > 0, "checkpoint not used: {:?}", e2.inner.ckpt.rejected);
     assert_eq!(design(&e2, "recovery_deltas"), 7, "chain not used: {:?}", e2.inner.ckpt.delta_rejected);
-    for (w, keys) in last.iter().enumerate() {
-        for (&k, &i) in keys {
-            let got = e2.get(format!("w{w}-{k:02}").as_bytes()).unwrap().expect("acknowledged key lost");
-            assert_eq!(version_of(&got), i, "writer {w} key {k}");
-        }
-    }
-    assert!(e2.check().unwrap().is_empty());
+    assert_acknowledged(&e2, &last);
 }
 
 /// A one-shard store (no DRAM bound) with a full checkpoint, then two deltas over a round
