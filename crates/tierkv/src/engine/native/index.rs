@@ -325,8 +325,8 @@ pub(crate) struct BaseEntry {
     /// Bytes of its log entry.
     pub size: u32,
     pub tomb: bool,
-    /// Its log entry's checksum was not verified by this process (a checkpoint's entry;
-    /// a tail entry was verified by replay).
+    /// Its log entry's checksum was not verified by this process (a checkpoint's or a
+    /// delta's entry; a tail entry was verified by replay).
     pub unverified: bool,
 }
 
@@ -413,7 +413,8 @@ impl Base {
 pub(crate) enum Found<'g> {
     /// The key's slot.
     Slot(&'g Slot),
-    /// The key's checkpoint entry, not loaded yet: its newest version (unverified).
+    /// The key's entry in the base the background load fills the maps from (a
+    /// checkpoint's, a delta's or the replayed tail's), not loaded yet: its newest version.
     Base(BaseEntry),
 }
 
